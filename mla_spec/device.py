@@ -1,0 +1,32 @@
+"""Device helpers: pick the GPU when there is one, and say whether Triton can run here."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["default_device", "triton_interpreting", "use_triton", "cuda_capability"]
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a GPU is visible, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on ``t``'s device: CUDA, or CPU under the interpreter."""
+    return t.is_cuda or (t.device.type == "cpu" and triton_interpreting())
+
+
+def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
+    """``(major, minor)`` of a CUDA device, or None on CPU."""
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type != "cuda":
+        return None
+    return torch.cuda.get_device_capability(dev)

@@ -1,0 +1,122 @@
+"""Forward modes of the speculative-decoding loop, with SGLang's names and predicates.
+
+Every step the engine runs is one :class:`ForwardMode`. Attention backends, the model and the
+CUDA-graph runner branch only through the predicates below, never through ``==`` tests, so the
+subtle cases stay in one place (the truth table is SGLang's at commit d98b81e26):
+
+- ``TARGET_VERIFY`` counts as "extend" (it writes ``num_draft_tokens`` new KV rows per request);
+- ``DRAFT_EXTEND_V2`` is *not* extend unless asked (``is_extend(include_draft_extend_v2=True)``);
+- ``SPLIT_PREFILL`` is not ``is_extend()`` but is ``is_extend_or_draft_extend_or_mixed()``.
+
+:class:`CaptureHiddenMode` says which hidden states a forward must keep for the draft model:
+none, the last row of each request, or every row (verify and draft extend v2 keep all of them).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, auto
+from functools import total_ordering
+
+__all__ = ["ForwardMode", "CaptureHiddenMode"]
+
+
+class ForwardMode(IntEnum):
+    """One step of the serving loop (values 1..8 in SGLang's order)."""
+
+    EXTEND = auto()  # prefill, possibly on top of a cached prefix
+    DECODE = auto()  # one new token per request
+    MIXED = auto()  # chunked prefill and decode in one batch
+    IDLE = auto()  # no sequences (data-parallel filler)
+    TARGET_VERIFY = auto()  # the target model scores num_draft_tokens rows per request
+    DRAFT_EXTEND = auto()  # v1: the draft model ingests accept_length rows per request (ragged)
+    DRAFT_EXTEND_V2 = auto()  # v2: num_draft_tokens rows per request (fixed shape)
+    SPLIT_PREFILL = auto()  # prefill split across PD-multiplexed steps
+
+    def is_extend(self, include_draft_extend_v2: bool = False) -> bool:
+        """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and DRAFT_EXTEND_V2 when asked)."""
+        modes = {
+            ForwardMode.EXTEND,
+            ForwardMode.MIXED,
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND,
+        }
+        if include_draft_extend_v2:
+            modes.add(ForwardMode.DRAFT_EXTEND_V2)
+        return self in modes
+
+    def is_prefill(self) -> bool:
+        """Alias of :meth:`is_extend` with its defaults (SGLang keeps both names)."""
+        return self.is_extend()
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+    def is_decode_or_idle(self) -> bool:
+        return self in (ForwardMode.DECODE, ForwardMode.IDLE)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+    def is_draft_extend(self, include_v2: bool = False) -> bool:
+        """DRAFT_EXTEND, and DRAFT_EXTEND_V2 too when ``include_v2``."""
+        if include_v2:
+            return self in (ForwardMode.DRAFT_EXTEND, ForwardMode.DRAFT_EXTEND_V2)
+        return self == ForwardMode.DRAFT_EXTEND
+
+    def is_draft_extend_v2(self) -> bool:
+        return self == ForwardMode.DRAFT_EXTEND_V2
+
+    def is_extend_or_draft_extend_or_mixed(self) -> bool:
+        return self in (
+            ForwardMode.EXTEND,
+            ForwardMode.DRAFT_EXTEND,
+            ForwardMode.MIXED,
+            ForwardMode.SPLIT_PREFILL,
+        )
+
+    def is_cuda_graph(self) -> bool:
+        """Modes SGLang's target graph runner captures (fixed rows per request)."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
+
+    def is_cpu_graph(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_split_prefill(self) -> bool:
+        return self == ForwardMode.SPLIT_PREFILL
+
+    def is_spec_mode(self) -> bool:
+        """Not in SGLang: the modes that only the speculative loop produces."""
+        return self in (
+            ForwardMode.TARGET_VERIFY,
+            ForwardMode.DRAFT_EXTEND,
+            ForwardMode.DRAFT_EXTEND_V2,
+        )
+
+
+@total_ordering
+class CaptureHiddenMode(IntEnum):
+    """Which hidden states a forward keeps for the draft model: none, last row, every row."""
+
+    NULL = 0
+    LAST = 1
+    FULL = 2
+
+    def need_capture(self) -> bool:
+        return self != CaptureHiddenMode.NULL
+
+    def is_full(self) -> bool:
+        return self == CaptureHiddenMode.FULL
+
+    def is_last(self) -> bool:
+        return self == CaptureHiddenMode.LAST
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, CaptureHiddenMode):
+            return NotImplemented
+        return self.value < other.value
