@@ -1,0 +1,106 @@
+"""FP8 e4m3 (``float8_e4m3fn``) quantization with a per-tensor scale.
+
+The latent KV cache can be stored in e4m3 (1 sign, 4 exponent, 3 mantissa bits; finite range
+``±448``, smallest normal ``2**-6``, smallest subnormal ``2**-9``; the ``fn`` variant has no
+infinities and one NaN pattern). A per-tensor ``scale`` maps real values onto that grid:
+
+    stored = saturate(x / scale)   and   real ≈ stored * scale
+
+Rounding: ``x / scale`` is computed in fp32, clamped to ``[-448, 448]`` and then cast with
+``torch.Tensor.to(torch.float8_e4m3fn)``, which rounds to nearest, ties to even (RTNE). The clamp
+comes first so that a large *finite* input saturates to ±448 instead of becoming NaN (the plain
+cast on CUDA is not saturating); ±inf saturate too; NaN stays NaN. The relative error of a value
+in the normal range is at most ``2**-4`` (half an ulp of a 3-bit mantissa); below ``2**-6``
+(subnormals) the absolute error is at most ``2**-10 * scale``.
+
+The Triton kernels use the same rule (clamp, then ``.to(tl.float8e4nv)``, RTNE on Hopper); under
+the CPU interpreter that cast is not RTNE, so the launchers quantize with the functions here when
+interpreting (see ``mla_spec/kernels/kv_store.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "FP8_DTYPE",
+    "quantize_fp8",
+    "dequantize_fp8",
+    "fp8_scale_for",
+    "fp8_e4m3_values",
+    "fp8_max_rel_error",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_E4M3_MAX = 448.0
+# Half an ulp of a 3-bit mantissa, relative: the worst relative rounding error for normal values.
+FP8_E4M3_REL_ERR = 2.0**-4
+_SMALLEST_NORMAL = 2.0**-6
+
+
+def _check_scale(scale: float | torch.Tensor) -> None:
+    if isinstance(scale, torch.Tensor):
+        ok = bool(torch.all(torch.isfinite(scale) & (scale > 0)))
+    else:
+        ok = scale > 0 and scale == scale and scale != float("inf")
+    if not ok:
+        raise ValueError(f"fp8 scale {scale!r}: must be positive and finite")
+
+
+def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Saturating e4m3 quantization ``sat(x / scale)`` (RTNE), same shape as ``x``.
+
+    Parameters
+    ----------
+    x : Tensor, any shape, any float dtype
+    scale : float or Tensor broadcastable to ``x`` (per-tensor or per-row), > 0
+
+    Returns
+    -------
+    Tensor of ``torch.float8_e4m3fn``, shape of ``x``.
+    """
+    _check_scale(scale)
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(device=x.device, dtype=torch.float32)
+    y = x.to(torch.float32) / scale
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+
+
+def dequantize_fp8(
+    x8: torch.Tensor, scale: float | torch.Tensor = 1.0, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``x8 * scale`` computed in fp32, returned in ``dtype`` (shape of ``x8``)."""
+    if x8.dtype != FP8_DTYPE:
+        raise ValueError(f"dequantize_fp8 expects {FP8_DTYPE}, got {x8.dtype}")
+    if isinstance(scale, torch.Tensor):
+        scale = scale.to(device=x8.device, dtype=torch.float32)
+    return (x8.to(torch.float32) * scale).to(dtype)
+
+
+def fp8_scale_for(x: torch.Tensor, margin: float = 1.0) -> float:
+    """Per-tensor scale mapping ``max|x|`` to 448 (``amax / 448 * margin``; 1.0 for all-zero x)."""
+    amax = float(x.detach().abs().max()) if x.numel() else 0.0
+    if not amax or amax != amax or amax == float("inf"):
+        return 1.0
+    return amax / FP8_E4M3_MAX * margin
+
+
+def fp8_e4m3_values(include_negative: bool = False) -> torch.Tensor:
+    """Every finite e4m3fn value, sorted (fp32): the grid the cache stores (127 non-negative)."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    vals = codes.view(FP8_DTYPE).to(torch.float32)
+    vals = vals[torch.isfinite(vals)]
+    if not include_negative:
+        vals = vals[vals >= 0]
+    return torch.unique(vals)  # unique also merges +0 / -0 and sorts
+
+
+def fp8_max_rel_error(x: torch.Tensor, scale: float = 1.0) -> float:
+    """Worst relative error of the round trip over the elements of ``x`` in the normal range."""
+    xf = x.to(torch.float32)
+    back = dequantize_fp8(quantize_fp8(xf, scale), scale)
+    normal = (xf.abs() / scale >= _SMALLEST_NORMAL) & (xf.abs() / scale <= FP8_E4M3_MAX)
+    if not bool(normal.any()):
+        return 0.0
+    return float(((back - xf).abs() / xf.abs())[normal].max())

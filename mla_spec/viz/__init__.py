@@ -1,0 +1,1 @@
+"""Plotly figures shared by the notebooks and the CLI, one module per topic."""
