@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -92,11 +92,12 @@ class PageAllocator:
 
 
 class ReqToTokenPool:
-    """``req_to_token [max_reqs, max_context_len]`` int32: the slot of each position of a request."""
+    """``req_to_token [max_reqs, max_context_len]`` int32: slot of each position of a request."""
 
     def __init__(self, max_reqs: int, max_context_len: int, device=None):
         if max_reqs < 1 or max_context_len < 1:
-            raise ValueError(f"max_reqs {max_reqs}, max_context_len {max_context_len}: must be >= 1")
+            raise ValueError(
+                f"max_reqs {max_reqs}, max_context_len {max_context_len}: must be >= 1")
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.device = torch.device(device or "cpu")
@@ -122,7 +123,10 @@ class ReqToTokenPool:
 
 
 def _per_layer(name: str, value, num_layers: int) -> list[float]:
-    vals = [float(value)] * num_layers if isinstance(value, (int, float)) else list(map(float, value))
+    if isinstance(value, (int, float)):
+        vals = [float(value)] * num_layers
+    else:
+        vals = [float(v) for v in value]
     if len(vals) != num_layers:
         raise ValueError(f"{name} has {len(vals)} entries; the pool has {num_layers} layers")
     for v in vals:
@@ -206,7 +210,8 @@ class MLATokenToKVPool:
         self.k_scales[layer_id] = _per_layer("k_scale", [k_scale], 1)[0]
         self.v_scales[layer_id] = _per_layer("v_scale", [v_scale], 1)[0]
 
-    def load_scales(self, tensors: Mapping[str, torch.Tensor | float], layer_offset: int = 0) -> int:
+    def load_scales(self, tensors: Mapping[str, torch.Tensor | float],
+                    layer_offset: int = 0) -> int:
         """Read ``...layers.{i}....k_scale`` / ``v_scale`` entries (ModelOpt / HF naming).
 
         Returns how many scales were set. ``layer_offset`` maps checkpoint layer ``i`` to pool

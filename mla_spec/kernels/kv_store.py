@@ -51,7 +51,7 @@ def _store_kv_kernel(
 
 def _check(buf: torch.Tensor, loc: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor):
     if buf.dim() != 2 or buf.stride(1) != 1:
-        raise ValueError(f"buf must be a [num_slots, D] view with unit last stride, got {buf.shape}")
+        raise ValueError(f"buf must be a [num_slots, D] view, unit last stride; got {buf.shape}")
     n = loc.numel()
     ckv2 = ckv.reshape(n, -1) if ckv.numel() else ckv.reshape(0, buf.shape[1] - kpe.shape[-1])
     kpe2 = kpe.reshape(n, -1) if kpe.numel() else kpe.reshape(0, kpe.shape[-1])

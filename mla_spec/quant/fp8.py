@@ -30,6 +30,7 @@ __all__ = [
     "fp8_scale_for",
     "fp8_e4m3_values",
     "fp8_max_rel_error",
+    "fp8_kv_attention_error_bound",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -104,3 +105,25 @@ def fp8_max_rel_error(x: torch.Tensor, scale: float = 1.0) -> float:
     if not bool(normal.any()):
         return 0.0
     return float(((back - xf).abs() / xf.abs())[normal].max())
+
+
+def fp8_kv_attention_error_bound(q: torch.Tensor, kv: torch.Tensor, dv: int, sm_scale: float,
+                                 scale: float = 1.0) -> float:
+    """Worst-case max-abs change of an attention output when its KV rows go through e4m3.
+
+    ``q [M, D]`` queries and ``kv [L, D]`` the real (unquantized) rows of one request, ``dv`` the
+    value width, ``scale`` the cache scale. Each stored element moves by at most
+    ``d_x = 2**-4 |x| + 2**-10 scale`` (normal rounding + the subnormal floor), so every score
+    moves by at most ``eps = sm_scale * max_j sum_d |q_d| d_x[j, d]``, every softmax weight by a
+    factor within ``exp(±2 eps)``, and
+
+        |out' - out| <= (exp(2 eps) - 1) * max|v'| + max|v' - v|.
+
+    It ignores the fp32 rounding of the kernels (orders of magnitude smaller).
+    """
+    qf, x = q.to(torch.float64), kv.to(torch.float64)
+    dx = 2.0**-4 * x.abs() + 2.0**-10 * scale
+    eps = float(sm_scale * (qf.abs() @ dx.T).max()) if qf.numel() and x.numel() else 0.0
+    v_max = float(x[:, :dv].abs().max() * (1 + 2.0**-4) + 2.0**-10 * scale) if x.numel() else 0.0
+    dv_max = float(dx[:, :dv].max()) if x.numel() else 0.0
+    return (torch.tensor(2 * eps, dtype=torch.float64).exp().item() - 1) * v_max + dv_max

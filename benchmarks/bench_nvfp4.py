@@ -1,0 +1,247 @@
+"""NVFP4 W4A16 GEMM and fused MoE vs cuBLAS bf16 at DeepSeek-V3 TP4 shapes (H200).
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_nvfp4.py [--quick]
+
+For each shape and M in 1, 4, 16, 64: ours (a few tile configs tried first, the best kept),
+torch bf16 matmul on a bf16 weight of the same shape (cuBLAS), and dequantize-then-matmul
+(torch dequant of the NVFP4 weight, then cuBLAS). Every time is per call inside a replayed CUDA
+graph whose calls rotate over enough weight sets (>= 200 MB) that the 60 MB L2 does not help.
+The grouped MoE (256 experts, 8 active per token, I = 512, K = 7168) runs ``fused_moe_nvfp4``
+against the bf16 GEMMs of the active experts only (x rows pre-gathered, no routing work: the
+strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into ``$OUT`` when set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import triton
+
+from mla_spec.kernels.nvfp4_gemm import NVFP4GemmConfig, nvfp4_gemm, nvfp4_gemm_ref
+from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref, moe_align
+from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
+
+SHAPES = {"dense_gate_up_tp4": (9216, 7168), "dense_down_tp4": (7168, 4608),
+          "expert_w13_tp4": (1024, 7168), "expert_w2_tp4": (7168, 512)}
+MS = [1, 4, 16, 64]
+ROTATE = 256e6
+TILES = [(32, 256, 4, 4), (64, 256, 3, 8), (32, 128, 4, 4), (64, 128, 3, 4), (64, 128, 3, 8),
+         (128, 128, 3, 8)]  # block_n, block_k, stages, warps
+SPLITS = [1, 2, 4, 8]
+DEV = "cuda"
+
+
+def graph_us(calls) -> float:
+    """Median µs per call of ``calls`` (zero-arg callables) replayed in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    ms = triton.testing.do_bench(g.replay, warmup=5, rep=25)
+    return ms * 1e3 / len(calls)
+
+
+def rand_nvfp4(n, k, count):
+    """``count`` random NVFP4 weights (speed does not depend on the values)."""
+    out = []
+    for _ in range(count):
+        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV)
+        s = (torch.rand(n, k // 16, device=DEV) + 0.5).to(torch.float8_e4m3fn)
+        out.append((w, s, torch.tensor(1e-3, device=DEV)))
+    return out
+
+
+def check_correctness() -> bool:
+    """Kernel vs twin on real quantized weights; returns whether the PTX decoder is right."""
+    torch.manual_seed(0)
+    q = quantize_nvfp4(torch.randn(1024, 7168, device=DEV) * 0.02)
+    args = (q.weight, q.weight_scale, q.weight_scale_2)
+    fast_ok = True
+    for m in (1, 16, 64, 200):
+        x = torch.randn(m, 7168, device=DEV, dtype=torch.bfloat16)
+        ref = nvfp4_gemm_ref(x, *args, torch.float32)
+        for fast in (True, False):
+            for split in (1, 4):
+                cfg = NVFP4GemmConfig(block_n=32, split_k=split, fast_dequant=fast)
+                try:
+                    y = nvfp4_gemm(x, *args, out_dtype=torch.float32, config=cfg)
+                    err = ((y - ref).abs().max() / ref.abs().max()).item()
+                except Exception as exc:  # noqa: BLE001 - report and fall back
+                    print(f"check m={m} fast={fast}: {type(exc).__name__}: {exc}"[:400])
+                    err = float("inf")
+                ok = err < 1e-3
+                print(f"check gemm m={m} fast={fast} split={split}: rel err {err:.2e} "
+                      f"{'ok' if ok else 'FAIL'}")
+                if fast and not ok:
+                    fast_ok = False
+    e, k, inter = 16, 7168, 512
+    w13 = [quantize_nvfp4(torch.randn(2 * inter, k, device=DEV) * 0.02) for _ in range(e)]
+    w2 = [quantize_nvfp4(torch.randn(k, inter, device=DEV) * 0.02) for _ in range(e)]
+    st = lambda qs: NVFP4Tensor(*(torch.stack([getattr(q, f) for q in qs])
+                                  for f in ("weight", "weight_scale", "weight_scale_2")))
+    w13, w2 = st(w13), st(w2)
+    for m in (1, 5, 64):
+        x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+        ids = torch.rand(m, e, device=DEV).topk(8).indices
+        tw = torch.rand(m, 8, device=DEV)
+        ref = fused_moe_ref(x, ids, tw, w13, w2).float()
+        for fast in (True, False):
+            try:
+                y = fused_moe_nvfp4(x, ids, tw, w13, w2, fast_dequant=fast).float()
+                err = ((y - ref).abs().max() / ref.abs().max()).item()
+            except Exception as exc:  # noqa: BLE001 - report and fall back
+                print(f"check moe m={m} fast={fast}: {type(exc).__name__}: {exc}"[:300])
+                err = float("inf")
+            print(f"check moe m={m} fast={fast}: rel err {err:.2e} "
+                  f"{'ok' if err < 2e-2 else 'FAIL'}")
+            fast_ok = fast_ok and (err < 2e-2 or not fast)
+    return fast_ok
+
+
+def tune(m, n, k, sets, fast_ok):
+    """Best (µs, config) over TILES x SPLITS on a rotation of 8 weight sets."""
+    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+    best = (float("inf"), None)
+    tiles_m = triton.cdiv(m, 16 if m <= 16 else 64)
+    k_iters = triton.cdiv(k, 128)
+    for bn, bk, stages, warps in TILES:
+        for split in SPLITS:
+            if triton.cdiv(n, bn) * tiles_m * split > 4 * 132 or k_iters < 2 * split:
+                continue
+            cfg = NVFP4GemmConfig(bn, bk, split, warps, stages, fast_ok)
+            try:
+                us = graph_us([lambda a=a, c=cfg: nvfp4_gemm(x, *a, config=c) for a in sets[:8]])
+            except Exception as exc:  # noqa: BLE001 - a config that does not compile
+                print(f"  skip {cfg}: {type(exc).__name__}")
+                continue
+            best = min(best, (us, cfg), key=lambda t: t[0])
+    if fast_ok and m in (1, 16):  # what the packed PTX decoder buys, at the best config
+        cfg = best[1]
+        slow = NVFP4GemmConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
+                               cfg.num_stages, False)
+        us_slow = graph_us([lambda a=a: nvfp4_gemm(x, *a, config=slow) for a in sets[:8]])
+        print(f"  {n}x{k} m={m}: pure-Triton decoder {us_slow:.2f} us vs PTX {best[0]:.2f} us")
+    return best
+
+
+def bench_dense(fast_ok, quick):
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        nq = max(2, int(ROTATE // (n * k * 0.5625)) + 1)
+        nb = max(2, int(ROTATE // (n * k * 2)) + 1)
+        sets = rand_nvfp4(n, k, nq)
+        wbf = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(nb)]
+        for m in MS[:2] if quick else MS:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            t0 = time.time()
+            ours, cfg = tune(m, n, k, sets, fast_ok)
+            ours = graph_us([lambda a=a, c=cfg, x=x: nvfp4_gemm(x, *a, config=c) for a in sets])
+            bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
+            dq = graph_us([lambda a=a, x=x: torch.matmul(x, dequantize_nvfp4(
+                *a, dtype=torch.bfloat16).t()) for a in sets[:nb]])
+            gbs = n * k * 0.5625 / (ours * 1e-6) / 1e9
+            rows.append(dict(shape=name, n=n, k=k, m=m, ours_us=round(ours, 2),
+                             bf16_us=round(bf16, 2), dq_mm_us=round(dq, 1),
+                             speedup_vs_bf16=round(bf16 / ours, 2),
+                             speedup_vs_dq_mm=round(dq / ours, 1), ours_GBps=round(gbs),
+                             config=f"bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} "
+                                    f"st{cfg.num_stages} w{cfg.num_warps}"))
+            print(rows[-1], f"({time.time() - t0:.0f} s)")
+        del sets, wbf
+    return rows
+
+
+def bench_moe(fast_ok, quick):
+    e, k, inter, topk = 256, 7168, 512, 8
+    w13 = NVFP4Tensor(torch.randint(0, 256, (e, 2 * inter, k // 2), dtype=torch.uint8,
+                                    device=DEV),
+                      (torch.rand(e, 2 * inter, k // 16, device=DEV) + 0.5).to(
+                          torch.float8_e4m3fn), torch.full((e,), 1e-3, device=DEV))
+    w2 = NVFP4Tensor(torch.randint(0, 256, (e, k, inter // 2), dtype=torch.uint8, device=DEV),
+                     (torch.rand(e, k, inter // 16, device=DEV) + 0.5).to(torch.float8_e4m3fn),
+                     torch.full((e,), 1e-3, device=DEV))
+    b13 = torch.randn(e, 2 * inter, k, device=DEV, dtype=torch.bfloat16) * 0.01
+    b2 = torch.randn(e, k, inter, device=DEV, dtype=torch.bfloat16) * 0.01
+    rows = []
+    for m in MS[:2] if quick else MS:
+        n_sets = 8
+        xs = [torch.randn(m, k, device=DEV, dtype=torch.bfloat16) for _ in range(n_sets)]
+        ids = [torch.rand(m, e, device=DEV).topk(topk).indices for _ in range(n_sets)]
+        tws = [torch.rand(m, topk, device=DEV) for _ in range(n_sets)]
+        best = (float("inf"), 0)
+        for bn in (16, 32, 64):
+            us = graph_us([lambda x=x, t=t, w=w, b=bn: fused_moe_nvfp4(x, t, w, w13, w2, block_n=b,
+                                                           fast_dequant=fast_ok)
+                           for x, t, w in zip(xs, ids, tws)])
+            best = min(best, (us, bn))
+        align = graph_us([lambda t=t: moe_align(t, e, 16) for t in ids])
+        calls = []
+        for i in range(n_sets):
+            for ex in torch.unique(ids[i]).tolist():
+                tok = (ids[i] == ex).any(1).nonzero().flatten()
+                xe = xs[i][tok].contiguous()
+                act = torch.randn(len(tok), inter, device=DEV, dtype=torch.bfloat16)
+                calls.append(lambda xe=xe, ex=ex: torch.matmul(xe, b13[ex].t()))
+                calls.append(lambda a=act, ex=ex: torch.matmul(a, b2[ex].t()))
+        bf16 = graph_us(calls) * len(calls) / n_sets
+        active = sum(len(torch.unique(t)) for t in ids) / n_sets
+        rows.append(dict(shape="moe_256e_top8_tp4", m=m, active_experts=round(active, 1),
+                         ours_us=round(best[0], 2), block_n=best[1], align_us=round(align, 2),
+                         bf16_gemms_us=round(bf16, 2), speedup_vs_bf16=round(bf16 / best[0], 2),
+                         ours_GBps=round(active * 3 * inter * k * 0.5625 / best[0] / 1e3)))
+        print(rows[-1])
+    return rows
+
+
+def to_markdown(dense, moe) -> str:
+    lines = ["| shape | N x K | M | ours µs | cuBLAS bf16 µs | dequant+mm µs | x bf16 | "
+             "x dq+mm | ours GB/s | config |", "|" + "---|" * 10]
+    for r in dense:
+        lines.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['m']} | {r['ours_us']} | "
+                     f"{r['bf16_us']} | {r['dq_mm_us']} | {r['speedup_vs_bf16']} | "
+                     f"{r['speedup_vs_dq_mm']} | {r['ours_GBps']} | {r['config']} |")
+    lines += ["", "| MoE | M | active experts | ours µs | align µs | bf16 GEMMs µs | x bf16 | "
+              "ours GB/s | block_n |", "|" + "---|" * 9]
+    for r in moe:
+        lines.append(f"| {r['shape']} | {r['m']} | {r['active_experts']} | {r['ours_us']} | "
+                     f"{r['align_us']} | {r['bf16_gemms_us']} | {r['speedup_vs_bf16']} | "
+                     f"{r['ours_GBps']} | {r['block_n']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        sys.exit("bench_nvfp4 needs a CUDA GPU")
+    quick = "--quick" in sys.argv
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    t0 = time.time()
+    fast_ok = check_correctness()
+    print(f"PTX decoder {'used' if fast_ok else 'DISABLED (wrong or not compiling)'}; "
+          f"checks took {time.time() - t0:.0f} s")
+    dense = bench_dense(fast_ok, quick)
+    moe = bench_moe(fast_ok, quick)
+    md = to_markdown(dense, moe)
+    print(md)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "bench_nvfp4.json"), "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, fast_decoder=fast_ok, dense=dense,
+                           moe=moe), f, indent=1)
+        with open(os.path.join(out, "bench_nvfp4.md"), "w") as f:
+            f.write(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""MLABackend: the one interface every attention backend implements (plan once, run per layer).
+
+Absorbed MLA (DeepSeek-V3): every local head ``h`` of query row ``t`` has a 576-wide query
+``[q_nope[t, h] (512, already multiplied by W_UK) | q_pe[t, h] (64, roped)]``; all heads share
+one latent KV head whose rows ``[ckv | kpe]`` live in the paged pool. For request ``b`` with
+``q_len`` rows and ``kv_len`` KV positions, row ``i`` sees positions ``j < kv_len - q_len + i + 1``
+(causal, aligned to the end of the KV) and
+
+    out[t, h] = v_scale * softmax_j(sm_scale * k_scale * q[t, h] . s_j) @ s_j[:512]
+
+(``s_j`` the stored row; scales are 1.0 for non-FP8 pools, see ``mla_spec.kv_cache``).
+
+Life cycle, per step::
+
+    backend.plan(batch)                                   # host work, once, before layer 0
+    pool.store(layer_id, batch.out_cache_loc, ckv, kpe)   # the model writes the new rows
+    out = backend.forward(q_nope, q_pe, layer_id, batch)  # [N, H, 512] in q_nope's dtype
+
+``forward`` plans by itself when the batch was not planned by this backend. ``supports(mode,
+kv_dtype, device)`` returns None when the backend can run that combination, else a reason.
+All mode branching goes through ``ForwardMode`` predicates.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from mla_spec.forward_batch import ForwardBatch
+from mla_spec.forward_mode import ForwardMode
+
+__all__ = ["MLABackend", "AttnPlan", "UnsupportedError"]
+
+
+class UnsupportedError(ValueError):
+    """A backend was asked for a mode / dtype / device it cannot run."""
+
+
+@dataclass
+class AttnPlan:
+    """Per-step metadata shared by the backends (built on the host in ``plan``).
+
+    ``fixed_q`` is the common rows-per-request when every request has the same number of query
+    rows (decode, verify, draft-extend v2), else None (ragged: v1 draft extend, prefill).
+    """
+
+    mode: ForwardMode
+    bs: int
+    total_q: int
+    seq_lens_q_cpu: list[int]
+    kv_lens_cpu: list[int]
+    max_q: int
+    max_kv: int
+    fixed_q: int | None
+    kv_lens: torch.Tensor  # [bs] int32 on the device
+    seq_lens_q: torch.Tensor  # [bs] int32
+    qo_indptr: torch.Tensor  # [bs + 1] int32
+    req_pool_indices: torch.Tensor  # [bs] int64
+    extra: dict
+
+
+def _req_to_token_tensor(req_to_token) -> torch.Tensor:
+    t = getattr(req_to_token, "req_to_token", req_to_token)
+    if not isinstance(t, torch.Tensor) or t.dim() != 2:
+        raise ValueError("req_to_token must be a ReqToTokenPool or a [max_reqs, max_ctx] tensor")
+    return t
+
+
+class MLABackend(ABC):
+    """Base class: subclasses set ``name``, implement ``_forward`` and maybe ``_plan_extra``."""
+
+    name: ClassVar[str] = "base"
+    kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
+        torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
+    )
+
+    def __init__(self, num_heads: int, softmax_scale: float, kv_pool, req_to_token, device=None):
+        if num_heads < 1:
+            raise ValueError(f"num_heads {num_heads}: must be >= 1")
+        self.num_heads = num_heads
+        self.softmax_scale = float(softmax_scale)
+        self.kv_pool = kv_pool
+        self.req_to_token = _req_to_token_tensor(req_to_token)
+        self.device = torch.device(device) if device is not None else kv_pool.device
+        reason = self._instance_device_reason(self.device)
+        if reason is not None:
+            raise UnsupportedError(f"backend {self.name!r} cannot run on {self.device}: {reason}")
+
+    # ---- capability ------------------------------------------------------------------------
+    @classmethod
+    def device_reason(cls, device: torch.device) -> str | None:
+        """None if this backend can run on ``device`` at all, else why not."""
+        return None
+
+    def _instance_device_reason(self, device: torch.device) -> str | None:
+        """Like :meth:`device_reason`, for this instance (an injected kernel may lift it)."""
+        return self.device_reason(device)
+
+    @classmethod
+    def mode_reason(cls, mode: ForwardMode) -> str | None:
+        """None if the backend handles ``mode`` (every mode by default)."""
+        return None
+
+    def supports(self, mode: ForwardMode, kv_dtype: torch.dtype | None = None,
+                 device=None) -> str | None:
+        """None when ``(mode, kv_dtype, device)`` can run here, else a human-readable reason."""
+        if device is not None:
+            r = self._instance_device_reason(torch.device(device))
+            if r is not None:
+                return r
+        if kv_dtype is not None and kv_dtype not in self.kv_dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in self.kv_dtypes)
+            kd = str(kv_dtype).replace("torch.", "")
+            return f"kv dtype {kd} not supported (supports {names})"
+        if mode.is_idle():
+            return None
+        return self.mode_reason(mode)
+
+    # ---- plan --------------------------------------------------------------------------------
+    def plan(self, batch: ForwardBatch) -> AttnPlan:
+        """Host-side metadata for this step; stored in ``batch.extra[self.name]``."""
+        if batch.req_pool_indices is None and not batch.forward_mode.is_idle():
+            raise ValueError("batch.req_pool_indices is required (rows of req_to_token)")
+        q_cpu = list(batch.seq_lens_q_cpu)
+        kv_cpu = list(batch.kv_lens_cpu)
+        for b, (q, k) in enumerate(zip(q_cpu, kv_cpu)):
+            if q > k:
+                raise ValueError(f"request {b}: {q} query rows but only {k} KV positions")
+            if k > self.req_to_token.shape[1]:
+                raise ValueError(f"request {b}: kv_len {k} > max_context_len "
+                                 f"{self.req_to_token.shape[1]}")
+        dev = self.device
+        fixed = q_cpu[0] if q_cpu and all(q == q_cpu[0] for q in q_cpu) else None
+        rpi = batch.req_pool_indices
+        plan = AttnPlan(
+            mode=batch.forward_mode, bs=batch.batch_size, total_q=sum(q_cpu),
+            seq_lens_q_cpu=q_cpu, kv_lens_cpu=kv_cpu, max_q=max(q_cpu, default=0),
+            max_kv=max(kv_cpu, default=0), fixed_q=fixed,
+            kv_lens=torch.tensor(kv_cpu, dtype=torch.int32, device=dev),
+            seq_lens_q=batch.seq_lens_q.to(dev, torch.int32),
+            qo_indptr=batch.qo_indptr.to(dev, torch.int32),
+            req_pool_indices=(torch.zeros(0, dtype=torch.int64, device=dev) if rpi is None
+                              else rpi.to(dev, torch.int64)),
+            extra={},
+        )
+        if not batch.forward_mode.is_idle():
+            self._plan_extra(plan, batch)
+        batch.extra[self.name] = plan
+        return plan
+
+    def _plan_extra(self, plan: AttnPlan, batch: ForwardBatch) -> None:  # noqa: B027
+        """Backend-specific host work (page tables, wrapper.plan, buffers)."""
+
+    # ---- run ---------------------------------------------------------------------------------
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
+                batch: ForwardBatch, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one layer: q_nope ``[N, H, 512]``, q_pe ``[N, H, 64]`` -> ``[N, H, 512]``.
+
+        ``out`` (optional, ``[N, H, 512]``) receives the result. The new rows must already be in
+        the pool.
+        """
+        mode = batch.forward_mode
+        H, dv = self.num_heads, self.kv_pool.kv_lora_rank
+        if mode.is_idle() or batch.total_q == 0:
+            res = q_nope.new_zeros((0, H, dv))
+            return res if out is None else out[:0]
+        n = batch.total_q
+        exp_pe = (n, H, self.kv_pool.qk_rope_head_dim)
+        if tuple(q_nope.shape) != (n, H, dv) or tuple(q_pe.shape) != exp_pe:
+            raise ValueError(
+                f"q_nope {tuple(q_nope.shape)} / q_pe {tuple(q_pe.shape)}: expected "
+                f"{(n, H, dv)} / {exp_pe} (N rows of the batch, {H} heads)"
+            )
+        reason = self.supports(mode, self.kv_pool.dtype)
+        if reason is not None:
+            raise UnsupportedError(f"backend {self.name!r}, mode {mode.name}: {reason}")
+        plan = batch.extra.get(self.name)
+        if not isinstance(plan, AttnPlan):
+            plan = self.plan(batch)
+        res = self._forward(q_nope, q_pe, layer_id, batch, plan)
+        if out is not None:
+            out.copy_(res)
+            return out
+        return res
+
+    @abstractmethod
+    def _forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
+                 batch: ForwardBatch, plan: AttnPlan) -> torch.Tensor:
+        """``[N, H, 512]`` in ``q_nope.dtype``."""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(name={self.name!r}, num_heads={self.num_heads}, "
+                f"softmax_scale={self.softmax_scale:.7g}, kv_dtype={self.kv_pool.dtype}, "
+                f"device={self.device})")

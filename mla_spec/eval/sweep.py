@@ -1,0 +1,178 @@
+"""Accuracy, accept length and latency of the embedded model across serving configurations.
+
+A configuration is weights (``fp4``: the shipped NVFP4 checkpoint; ``bf16``: the same model with
+its weights dequantized to BF16) x KV cache (``bf16`` | ``fp8``) x tensor parallelism (1 | 4) x
+speculation (``off`` | ``v1`` | ``v2``: MTP, 3 steps, topk 1, 4 draft tokens). ``run_config``
+serves the few-shot questions through ``mla_spec.engine.Engine`` and returns an ``EvalReport``
+whose ``extra`` holds the configuration, the per-mode latency table and per-step timings.
+
+    python -m mla_spec.eval.sweep --questions 64 --tp 1 --out results.json   # (GPU or CPU)
+
+``dequantize_checkpoint`` writes the BF16 twin of an NVFP4 checkpoint (the reference the accuracy
+test compares against).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mla_spec.config import CacheConfig, ModelConfig, SpecConfig
+from mla_spec.eval.gsm_synth import Problem, heldout_problems
+from mla_spec.eval.harness import DEFAULT_MAX_NEW_TOKENS, run_eval
+from mla_spec.eval.report import EvalReport, format_table
+
+__all__ = [
+    "EMBEDDED_MODEL",
+    "EvalConfig",
+    "config_grid",
+    "dequantize_checkpoint",
+    "run_config",
+    "run_sweep",
+]
+
+EMBEDDED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-dsv3-fp4"
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One serving configuration of the embedded model."""
+
+    weights: str = "fp4"  # "fp4" | "bf16" (dequantized)
+    kv: str = "fp8"  # "bf16" | "fp8"
+    tp: int = 1
+    spec: str = "v2"  # "off" | "v1" | "v2"
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("fp4", "bf16"):
+            raise ValueError(f"weights {self.weights!r}: supported 'fp4', 'bf16'")
+        if self.kv not in ("bf16", "fp8"):
+            raise ValueError(f"kv {self.kv!r}: supported 'bf16', 'fp8'")
+        if self.spec not in ("off", "v1", "v2"):
+            raise ValueError(f"spec {self.spec!r}: supported 'off', 'v1', 'v2'")
+
+    @property
+    def name(self) -> str:
+        return f"{self.weights} w / {self.kv} kv / tp{self.tp} / spec {self.spec}"
+
+    def spec_config(self) -> SpecConfig:
+        if self.spec == "off":
+            return SpecConfig.off()
+        return SpecConfig(num_steps=3, topk=1, num_draft_tokens=4, version=self.spec)
+
+    def cache_config(self, page_size: int = 16) -> CacheConfig:
+        return CacheConfig(page_size=page_size,
+                           kv_dtype="fp8_e4m3" if self.kv == "fp8" else "bfloat16")
+
+
+def config_grid(tps=(1, 4)) -> list[EvalConfig]:
+    """Every weights x kv x tp x spec combination (24 with ``tps=(1, 4)``)."""
+    return [EvalConfig(w, kv, tp, s) for w in ("fp4", "bf16") for kv in ("bf16", "fp8")
+            for tp in tps for s in ("off", "v1", "v2")]
+
+
+def dequantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
+    """Write the BF16 twin of an NVFP4 checkpoint folder (same config, tokenizer, names)."""
+    from safetensors.torch import load_file
+
+    from mla_spec.checkpoint_writer import save_checkpoint
+    from mla_spec.quant.nvfp4 import dequantize_nvfp4
+
+    src, dst = Path(src), Path(dst)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    out: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        if name.endswith(("weight_scale", "weight_scale_2", "input_scale")):
+            continue
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        if base is not None and f"{base}.weight_scale" in tensors:
+            t = dequantize_nvfp4(t, tensors[f"{base}.weight_scale"],
+                                 tensors[f"{base}.weight_scale_2"].float(), torch.bfloat16)
+        out[name] = t
+    cfg = ModelConfig.from_hf(src)
+    save_checkpoint(out, cfg, dst, quantize=False, dtype=torch.bfloat16)
+    for extra in ("tokenizer.json", "training_config.json"):
+        if (src / extra).exists():
+            shutil.copy(src / extra, dst / extra)
+    return dst
+
+
+def run_config(
+    cfg: EvalConfig,
+    questions: list[Problem],
+    *,
+    model_path: str | Path = EMBEDDED_MODEL,
+    bf16_path: str | Path | None = None,
+    k_shots: int = 2,
+    device: str | None = None,
+    attention_backend: str = "auto",
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    engine_kw: dict | None = None,
+) -> EvalReport:
+    """Serve ``questions`` with one configuration; ``extra`` holds config, modes, step times."""
+    from mla_spec.engine import Engine
+
+    path = model_path if cfg.weights == "fp4" else bf16_path
+    if path is None:
+        raise ValueError("bf16 weights need bf16_path (see dequantize_checkpoint)")
+    # generous collective timeout: CPU ranks on a busy 2-core box take a while to start
+    kw = dict(max_reqs=max(len(questions), 1), max_context_len=512, timeout_s=180.0)
+    kw.update(engine_kw or {})
+    eng = Engine(path, tp_size=cfg.tp, spec=cfg.spec_config(), cache=cfg.cache_config(),
+                 attention_backend=attention_backend, device=device, **kw)
+    try:
+        rep = run_eval(eng, questions, k_shots, max_new_tokens=max_new_tokens, name=cfg.name)
+        m = eng.metrics
+        steps = [{"kind": s.kind, "batch_size": s.batch_size, "ms": s.seconds * 1e3,
+                  "new_tokens": s.new_tokens} for s in m.steps]
+        extra = {"config": asdict(cfg), "modes": m.mode_table(), "steps": steps,
+                 "device": str(eng.runner.device), "k_shots": k_shots}
+    finally:
+        eng.shutdown()
+    return EvalReport(**{**asdict(rep), "extra": extra})
+
+
+def run_sweep(configs: list[EvalConfig], questions: list[Problem], **kw) -> list[EvalReport]:
+    """``run_config`` for each configuration (the BF16 twin is written once if needed)."""
+    reports = []
+    for c in configs:
+        reports.append(run_config(c, questions, **kw))
+        print(format_table(reports[-1:]).splitlines()[-1], flush=True)
+    return reports
+
+
+def main(argv=None) -> None:
+    import tempfile
+
+    ap = argparse.ArgumentParser(description="accuracy / accept length / latency sweep")
+    ap.add_argument("--model", type=Path, default=EMBEDDED_MODEL)
+    ap.add_argument("--questions", type=int, default=64)
+    ap.add_argument("--k-shots", type=int, default=2)
+    ap.add_argument("--tp", type=int, nargs="+", default=[1])
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    qs = heldout_problems(a.questions)
+    with tempfile.TemporaryDirectory() as tmp:
+        bf16 = dequantize_checkpoint(a.model, Path(tmp) / "bf16")
+        reports = run_sweep(config_grid(tuple(a.tp)), qs, model_path=a.model, bf16_path=bf16,
+                            k_shots=a.k_shots, device=a.device,
+                            attention_backend=a.attention_backend)
+    print(format_table(reports))
+    if a.out is not None:
+        meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                "torch": torch.__version__, "questions": a.questions, "k_shots": a.k_shots}
+        a.out.write_text(json.dumps({"meta": meta,
+                                     "reports": [r.to_dict(details=True) for r in reports]}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""Draft-extend pad / unpad: ragged query rows <-> a fixed ``[bs, max_q, H, D]`` block.
+
+Spec-v1 DRAFT_EXTEND gives request ``b`` a ragged ``L_b = seq_lens_q[b]`` query rows (its accept
+length), packed as ``q [total_q, H, D]`` with offsets ``cu_seqlens_q [bs + 1]``. Fixed-q_len MLA
+kernels (trtllm-gen, FlashMLA, our ``mla_decode``) want ``[bs, max_q, H, 576]`` and apply the
+end-aligned causal rule: row ``i`` of a ``max_q`` block sees KV positions
+``< kv_len - max_q + i + 1``.
+
+``align="end"`` (default) puts the ``L`` real rows at rows ``max_q - L .. max_q - 1`` of the block.
+Real row ``j`` lands on ``i = max_q - L + j`` and sees ``< kv_len - L + j + 1``: exactly its own
+ragged causal window. ``align="start"`` reproduces SGLang's layout (rows ``0 .. L - 1``); its rows
+see ``max_q - L`` fewer KV positions than they should (lost context), kept for comparison::
+
+    request with L=2, max_q=4        end            start
+    padded rows 0..3              [pad pad r0 r1]  [r0 r1 pad pad]
+
+Padded rows are zero-filled (``fill_padding=True``) or left as they are (``False``: no writes,
+what SGLang does; in a CUDA-graph buffer they then hold stale data). Either way each attention
+row is independent, so padded rows never change a real row, and ``unpad`` never reads them.
+
+Kernels: one program per (padded row, chunk of the flattened ``H * D`` row). A row of a
+row-contiguous tensor is one contiguous run of ``H * D`` elements, so a program issues wide
+vectorized loads with no per-head masking; the grid ``bs * max_q * n_chunks`` depends only on
+shapes, lengths are read from ``seq_lens_q`` / ``cu_seqlens_q`` on the device, and the length-like
+ints are marked ``do_not_specialize``: one compiled binary per (dtype, H, D, layout), reusable in a
+CUDA graph whose lengths change between replays. With ``out=`` and ``validate=False`` the calls
+allocate nothing and never synchronize with the host.
+
+On CUDA the launcher keeps the compiled kernel and relaunches it directly (keyed by everything
+Triton specializes on, i.e. dtype, strides, pointer alignment), which keeps an eager call at a few
+microseconds. ``compile_count()`` reports how many binaries Triton's JIT cache holds.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.device import use_triton
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # pragma: no cover - Triton < 3.4
+    _knobs = None
+
+__all__ = ["pad_draft_extend_query", "pad_draft_extend_query_ref", "unpad_draft_extend_output",
+           "unpad_draft_extend_output_ref", "compile_count"]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # bit-exact copies (twin, interpreter)
+_NUM_WARPS = 4
+_TARGET_BYTES = 16384  # bytes per program (one chunk of a row)
+
+
+# ---- Triton kernels ----------------------------------------------------------------------------
+@triton.jit
+def _copy_chunk(src, dst, offs, ROW: tl.constexpr, EVEN: tl.constexpr):
+    if EVEN:  # the chunks tile the row exactly: no mask, full-width vector accesses
+        tl.store(dst, tl.load(src))
+    else:
+        tl.store(dst, tl.load(src, mask=offs < ROW), mask=offs < ROW)
+
+
+@triton.jit(do_not_specialize=["max_q"])
+def _pad_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
+                q_st, q_sh, q_sd, o_sb, o_ss, o_sh, o_sd,
+                D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
+                EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
+                ALIGN_END: tl.constexpr, FILL: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // NCHUNK  # padded row b * max_q + s
+    b = row // max_q
+    s = row - b * max_q
+    length = tl.load(seq_lens_ptr + b)
+    start = tl.load(cu_ptr + b)
+    j = s - (max_q - length) if ALIGN_END else s  # row inside the request
+    offs = (pid % NCHUNK) * BLOCK + tl.arange(0, BLOCK)
+    if DST_CONTIG:
+        dst = out_ptr + (b.to(tl.int64) * o_sb + s.to(tl.int64) * o_ss) + offs
+    else:
+        dst = (out_ptr + (b.to(tl.int64) * o_sb + s.to(tl.int64) * o_ss)
+               + (offs // D) * o_sh + (offs % D) * o_sd)
+    if (j >= 0) & (j < length):
+        src_row = (start + j).to(tl.int64) * q_st
+        if SRC_CONTIG:
+            src = q_ptr + src_row + offs
+        else:
+            src = q_ptr + src_row + (offs // D) * q_sh + (offs % D) * q_sd
+        _copy_chunk(src, dst, offs, ROW, EVEN)
+    elif FILL:
+        tl.store(dst, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=offs < ROW)
+
+
+@triton.jit(do_not_specialize=["max_q"])
+def _unpad_kernel(raw_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
+                  r_sb, r_ss, r_sh, r_sd, o_st, o_sh, o_sd,
+                  D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
+                  EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
+                  ALIGN_END: tl.constexpr):
+    pid = tl.program_id(0)
+    row = pid // NCHUNK
+    b = row // max_q
+    s = row - b * max_q
+    length = tl.load(seq_lens_ptr + b)
+    start = tl.load(cu_ptr + b)
+    j = s - (max_q - length) if ALIGN_END else s
+    if (j >= 0) & (j < length):  # padded rows are never read
+        offs = (pid % NCHUNK) * BLOCK + tl.arange(0, BLOCK)
+        src_row = b.to(tl.int64) * r_sb + s.to(tl.int64) * r_ss
+        if SRC_CONTIG:
+            src = raw_ptr + src_row + offs
+        else:
+            src = raw_ptr + src_row + (offs // D) * r_sh + (offs % D) * r_sd
+        dst_row = (start + j).to(tl.int64) * o_st
+        if DST_CONTIG:
+            dst = out_ptr + dst_row + offs
+        else:
+            dst = out_ptr + dst_row + (offs // D) * o_sh + (offs % D) * o_sd
+        _copy_chunk(src, dst, offs, ROW, EVEN)
+
+
+# ---- launch machinery ----------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1024)
+def _consts(h: int, d: int, elsize: int, src_hd: tuple, dst_hd: tuple, *flags: bool) -> tuple:
+    """Constexprs ``(D, ROW, BLOCK, NCHUNK, EVEN, SRC_CONTIG, DST_CONTIG, *flags)`` of a launch.
+
+    BLOCK (elements per program) is ~16 KB, a power of two, halved while more than 1/8 of the
+    lanes of the last chunk would idle. ``src_hd`` / ``dst_hd`` are the (head, dim) strides.
+    """
+    row = h * d
+    block = max(16, _TARGET_BYTES // elsize)
+    while block >= 2 * row and block > 16:
+        block //= 2
+    while block > 256 and (-(-row // block) * block - row) * 8 > row:
+        block //= 2
+    contig = lambda hd: (hd[1] == 1 or d == 1) and (hd[0] == d or h == 1)
+    return (d, row, block, -(-row // block), row % block == 0, contig(src_hd), contig(dst_hd),
+            *flags)
+
+
+class _Launcher:
+    """Launch one ``@triton.jit`` kernel; on CUDA relaunch its compiled binary directly.
+
+    The direct path is keyed by everything Triton specializes on (dtypes, exact strides, pointer
+    alignment mod 16, constexprs), so it never reuses a binary outside the specialization it was
+    compiled for (the hazard SGLang's removed kernel cache had). It falls back to the normal launch
+    when a launch hook is set (profilers) or when a direct call fails once.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.binaries: dict = {}
+        self.direct = True
+        self.interp_keys: set = set()  # specializations launched under the interpreter
+
+    def __call__(self, grid0: int, key: tuple, args: tuple) -> None:
+        kernel = self.binaries.get(key)
+        if kernel is not None and self.direct and _hooks_unset():
+            try:
+                stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
+                kernel.run(grid0, 1, 1, stream, kernel.function, kernel.packed_metadata, None,
+                           None, None, *args)
+                return
+            except Exception:  # noqa: BLE001 - an unexpected Triton ABI: use the normal launch
+                self.direct = False
+        if not args[0].is_cuda:  # the interpreter: record what Triton would key on
+            self.interp_keys.add(tuple(
+                (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
+                else (a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool)
+                else a for a in args[:4] + args[5:]))  # args[4] = max_q: not specialized
+            self.fn[(grid0,)](*args, num_warps=_NUM_WARPS)
+            return
+        kernel = self.fn[(grid0,)](*args, num_warps=_NUM_WARPS)
+        if hasattr(kernel, "result"):
+            kernel = kernel.result()
+        if len(self.binaries) > 256:
+            self.binaries.clear()
+        self.binaries[key] = kernel
+
+    def compile_count(self) -> int:
+        caches = getattr(self.fn, "device_caches", None)
+        if caches is None:  # InterpretedFunction: count the specializations it ran
+            return len(self.interp_keys)
+        return sum(len(entry[0]) for entry in caches.values())
+
+
+def _hooks_unset() -> bool:
+    """No launch hook is installed (Triton >= 3.4 keeps them as empty ``HookChain`` objects,
+    older versions as None); the direct path then passes None and skips launch metadata."""
+    if _knobs is None:  # pragma: no cover - Triton without knobs: always the normal launch
+        return False
+    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
+    return not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave)
+
+
+_PAD = _Launcher(_pad_kernel)
+_UNPAD = _Launcher(_unpad_kernel)
+
+
+def compile_count() -> int:
+    """Number of compiled pad + unpad binaries (Triton's JIT cache; launched specializations
+    under the interpreter). It must not grow with batch size or lengths."""
+    return _PAD.compile_count() + _UNPAD.compile_count()
+
+
+def _launch(launcher, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, max_q, consts, bs):
+    """Shared tail of both launchers: the spec key, the bit views under the interpreter."""
+    key = (consts, ss, ds, src.dtype, seq_lens_q.dtype, cu_seqlens_q.dtype, src.device.index,
+           src.data_ptr() & 15, dst.data_ptr() & 15, seq_lens_q.data_ptr() & 15,
+           cu_seqlens_q.data_ptr() & 15)
+    if not src.is_cuda:
+        src, dst = _as_bits(src), _as_bits(dst)
+    launcher(bs * max_q * consts[3], key, (src, dst, seq_lens_q, cu_seqlens_q, max_q, *ss, *ds,
+                                           *consts))
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT_VIEW[t.element_size()])
+
+
+# ---- validation --------------------------------------------------------------------------------
+def _check_common(x, name, rank, seq_lens_q, cu_seqlens_q, align):
+    if not isinstance(x, torch.Tensor) or x.dim() != rank:
+        shape = "[total_q, H, D]" if rank == 3 else "[bs, max_q, H, Dv]"
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{name} must be a {rank}-d tensor {shape}; got {got}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name}.dtype = {x.dtype}; supported: {SUPPORTED_DTYPES}")
+    for nm, t in (("seq_lens_q", seq_lens_q), ("cu_seqlens_q", cu_seqlens_q)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
+            got = (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{nm} must be a 1-d int32 tensor; got {got}")
+        if t.device != x.device:
+            raise ValueError(f"{nm} is on {t.device}, {name} on {x.device}: use one device")
+    if cu_seqlens_q.numel() != seq_lens_q.numel() + 1:
+        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries; expected bs + 1 = "
+                         f"{seq_lens_q.numel() + 1} (seq_lens_q has bs = {seq_lens_q.numel()})")
+    if align not in ("end", "start"):
+        raise ValueError(f"align = {align!r}; expected 'end' (exact causal windows) or 'start'")
+
+
+def _check_out(out, shape, like, name="out"):
+    if out is None:
+        return
+    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device:
+        raise ValueError(f"{name} must be {list(shape)} {like.dtype} on {like.device}; got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}")
+
+
+def _check_values(seq_lens_q, cu_seqlens_q, max_q, rows_avail, rows_name):
+    """Device-value checks (one host sync); skipped while a CUDA graph is being captured."""
+    if seq_lens_q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    cu = cu_seqlens_q.to(torch.int64)
+    sl = seq_lens_q.to(torch.int64)
+    bs = sl.numel()
+    stats = torch.stack([
+        cu[0], (cu[1:] - cu[:-1] != sl).sum(), sl.min() if bs else cu[0] * 0,
+        sl.max() if bs else cu[0] * 0, cu[-1],
+    ]).tolist()
+    first, mismatches, lo, hi, total = stats
+    if first != 0 or mismatches:
+        raise ValueError(f"cu_seqlens_q must be [0, cumsum(seq_lens_q)]; it starts at {first} and "
+                         f"disagrees with seq_lens_q at {mismatches} of {bs} requests")
+    if lo < 0 or hi > max_q:
+        raise ValueError(f"seq_lens_q must lie in 0..max_q = {max_q}; got min {lo}, max {hi}")
+    if total > rows_avail:
+        raise ValueError(f"the lengths add up to {total} rows but {rows_name} has {rows_avail}")
+
+
+# ---- pad -----------------------------------------------------------------------------------------
+def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", out=None,
+                           fill_padding=True, validate=True):
+    """Scatter ragged draft-extend query rows into a fixed ``[bs, max_q, H, D]`` block.
+
+    Parameters
+    ----------
+    q : Tensor ``[total_q, H, D]`` (bf16, fp16, fp32 or float8_e4m3fn), any strides
+        (e.g. a view into a wider buffer). It may have more rows than ``sum(seq_lens_q)``.
+    seq_lens_q : int32 ``[bs]``, rows per request, each in ``0..max_q``.
+    cu_seqlens_q : int32 ``[bs + 1]``, ``[0, cumsum(seq_lens_q)]`` (``qo_indptr``).
+    max_q : int, rows of the padded block.
+    align : ``"end"`` (real rows at the bottom of the block: exact causal windows) or ``"start"``
+        (SGLang's layout: rows at the top).
+    out : optional ``[bs, max_q, H, D]`` tensor of q's dtype (any strides); written in place.
+    fill_padding : zero the padded rows (True) or leave them as they are (False).
+    validate : check shapes and, outside graph capture, the lengths (one host sync).
+
+    Returns
+    -------
+    Tensor ``[bs, max_q, H, D]`` (``out`` when given).
+    """
+    if validate:
+        _check_common(q, "q", 3, seq_lens_q, cu_seqlens_q, align)
+        if not isinstance(max_q, int) or max_q < 0:
+            raise ValueError(f"max_q = {max_q!r}; expected an int >= 0")
+        _check_out(out, (seq_lens_q.shape[0], max_q, *q.shape[1:]), q)
+        _check_values(seq_lens_q, cu_seqlens_q, max_q, q.shape[0], "q")
+    bs, (_, h, d) = seq_lens_q.shape[0], q.shape
+    if out is None:
+        out = torch.empty((bs, max_q, h, d), dtype=q.dtype, device=q.device)
+    if not q.is_cuda and not use_triton(q):
+        return pad_draft_extend_query_ref(q, seq_lens_q, cu_seqlens_q, max_q, align=align,
+                                          out=out, fill_padding=fill_padding)
+    if bs * max_q == 0 or h * d == 0:
+        return out
+    qs, os_ = q.stride(), out.stride()
+    consts = _consts(h, d, q.element_size(), qs[1:], os_[2:], align == "end", bool(fill_padding))
+    _launch(_PAD, q, out, qs, os_, seq_lens_q, cu_seqlens_q, max_q, consts, bs)
+    return out
+
+
+def pad_draft_extend_query_ref(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", out=None,
+                               fill_padding=True):
+    """Torch twin of :func:`pad_draft_extend_query` (same bytes; no host sync; graph-safe)."""
+    bs, (_, h, d) = seq_lens_q.shape[0], q.shape
+    if out is None:
+        out = torch.empty((bs, max_q, h, d), dtype=q.dtype, device=q.device)
+    src_rows, real = _padded_row_map(seq_lens_q, cu_seqlens_q, max_q, align)
+    if q.shape[0] == 0 or bs * max_q == 0:
+        rows = torch.zeros((bs * max_q, h, d), dtype=q.dtype, device=q.device)
+    else:
+        rows = q.index_select(0, src_rows.clamp(0, q.shape[0] - 1))
+    rows, out_bits = _as_bits(rows).view(bs, max_q, h, d), _as_bits(out)
+    keep = out_bits if not fill_padding else torch.zeros_like(rows)
+    out_bits.copy_(torch.where(real.view(bs, max_q, 1, 1), rows, keep))
+    return out
+
+
+def _padded_row_map(seq_lens_q, cu_seqlens_q, max_q, align):
+    """Per padded row ``(b, s)``: its packed source row and whether it is real (``[bs*max_q]``)."""
+    lens = seq_lens_q.to(torch.int64)[:, None]
+    s = torch.arange(max_q, device=seq_lens_q.device)[None, :]
+    j = s - (max_q - lens) if align == "end" else s.expand(lens.shape[0], max_q)
+    real = (j >= 0) & (j < lens)
+    return (cu_seqlens_q[:-1].to(torch.int64)[:, None] + j).reshape(-1), real.reshape(-1)
+
+
+# ---- unpad ---------------------------------------------------------------------------------------
+def unpad_draft_extend_output(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, align="end",
+                              out=None, validate=True):
+    """Gather the real rows of a padded ``[bs, max_q, H, Dv]`` attention output back to packed rows.
+
+    Parameters
+    ----------
+    raw_out : Tensor ``[bs, max_q, H, Dv]`` (any strides), laid out as
+        :func:`pad_draft_extend_query` with the same ``align`` placed the queries.
+    seq_lens_q, cu_seqlens_q : int32 ``[bs]`` / ``[bs + 1]`` as for the pad.
+    total_q : int, rows of the result, ``>= sum(seq_lens_q)``. Rows past the real total are not
+        written (in a CUDA graph whose lengths vary, pass the capacity and an ``out`` that size).
+    align : the alignment the pad used.
+    out : optional ``[total_q, H, Dv]`` tensor of raw_out's dtype (any strides).
+    validate : check shapes and, outside graph capture, the lengths (one host sync).
+
+    Returns
+    -------
+    Tensor ``[total_q, H, Dv]`` (``out`` when given). Padded rows of ``raw_out`` are never read.
+    """
+    if validate:
+        _check_common(raw_out, "raw_out", 4, seq_lens_q, cu_seqlens_q, align)
+        if raw_out.shape[0] != seq_lens_q.shape[0]:
+            raise ValueError(f"raw_out has {raw_out.shape[0]} requests; seq_lens_q has "
+                             f"{seq_lens_q.shape[0]}")
+        if not isinstance(total_q, int) or total_q < 0:
+            raise ValueError(f"total_q = {total_q!r}; expected an int >= 0")
+        _check_out(out, (total_q, *raw_out.shape[2:]), raw_out)
+        _check_values(seq_lens_q, cu_seqlens_q, raw_out.shape[1], total_q, "the output (total_q)")
+    bs, max_q, h, d = raw_out.shape
+    if out is None:
+        out = torch.empty((total_q, h, d), dtype=raw_out.dtype, device=raw_out.device)
+    if not raw_out.is_cuda and not use_triton(raw_out):
+        return unpad_draft_extend_output_ref(raw_out, seq_lens_q, cu_seqlens_q, total_q,
+                                             align=align, out=out)
+    if bs * max_q == 0 or h * d == 0 or total_q == 0:
+        return out
+    rs, os_ = raw_out.stride(), out.stride()
+    consts = _consts(h, d, raw_out.element_size(), rs[2:], os_[1:], align == "end")
+    _launch(_UNPAD, raw_out, out, rs, os_, seq_lens_q, cu_seqlens_q, max_q, consts, bs)
+    return out
+
+
+def unpad_draft_extend_output_ref(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, align="end",
+                                  out=None):
+    """Torch twin of :func:`unpad_draft_extend_output` (same bytes; no host sync; graph-safe)."""
+    bs, max_q, h, d = raw_out.shape
+    if out is None:
+        out = torch.empty((total_q, h, d), dtype=raw_out.dtype, device=raw_out.device)
+    if total_q == 0 or bs * max_q == 0:
+        return out
+    r = torch.arange(total_q, device=raw_out.device)
+    cu = cu_seqlens_q.to(torch.int64)
+    b = torch.searchsorted(cu[1:].contiguous(), r, right=True)  # request of each packed row
+    valid = b < bs
+    b = b.clamp(max=bs - 1)
+    lens = seq_lens_q.to(torch.int64)[b]
+    s = r - cu[b] + ((max_q - lens) if align == "end" else 0)
+    src_rows = (b * max_q + s).clamp(0, bs * max_q - 1)
+    rows = raw_out.reshape(bs * max_q, h, d).index_select(0, src_rows)
+    out_bits = _as_bits(out)
+    out_bits.copy_(torch.where(valid.view(-1, 1, 1), _as_bits(rows), out_bits))
+    return out

@@ -1,0 +1,309 @@
+"""Split-KV absorbed-MLA attention over the paged latent cache (every forward mode).
+
+What it computes (per request ``b`` with ``q_len`` rows, ``kv_len`` KV positions, row ``i``
+seeing positions ``j < kv_len - q_len + i + 1``)::
+
+    out[t, h] = v_scale * softmax_j(sm_scale * k_scale * [q_nope | q_pe][t, h] . s_j) @ s_j[:Dv]
+
+where ``s_j = kv_flat[req_to_token[req, j]]`` is the stored ``[ckv | kpe]`` row (bf16 / fp16 /
+fp32, or e4m3 with the scales of ``mla_spec.kv_cache``). A row with an empty window gets zeros.
+
+Structure. MLA is MQA: all H heads read one latent KV head. A program owns ``BLOCK_M`` *flattened*
+query rows ``r = i * H + h`` of one request (rows of consecutive tokens are contiguous in the
+packed ``[N, H, D]`` query, so H need not be a power of two and q_len > 1 just adds rows), loads a
+KV tile ``[BLOCK_N, Dv + Dpe]`` once and serves every row with two ``tl.dot``s::
+
+    S = Qn [M, Dv] @ Kn^T + Qp [M, Dpe] @ Kp^T      O += P [M, N] @ Kn [N, Dv]
+
+fp32 online softmax in the log2 domain. Grid ``(bs, cdiv(max_q * H, BLOCK_M), num_splits)``:
+flash-decoding splits each request's KV into ``num_splits`` chunks so that small batches and
+long contexts fill the SMs; every split writes a normalized partial and its log2-sum-exp, and
+``mla_decode_combine.py`` merges them. With one split the kernel writes the output directly.
+Fixed q_len (``q_len=``: DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2 and end-aligned padded v1) and
+ragged ``qo_indptr`` (v1 draft extend, prefill: no padding at all) are one kernel.
+
+FP8 KV: tiles are loaded as e4m3 (half the bytes) and either dequantized in registers to the
+query dtype (``fp8_dot=0``; the scales are folded into the score and output scales), or, with
+``fp8_dot=1``, the queries are quantized to e4m3 with a per-(token, head) scale (launcher, torch,
+RTNE) and Q.K^T runs as an FP8 MMA. Error bound of ``fp8_dot=1`` on top of the FP8 cache: each
+query element is rounded with relative error <= 2**-4, so a score moves by at most
+``2**-4 * sm_scale * k_scale * sum_d |q_d s_d|``; tests assert the measured output error.
+
+Under the CPU interpreter (``TRITON_INTERPRET=1``) operands are upcast to fp32 before ``tl.dot``
+(bf16 dot / arithmetic are wrong there).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.device import triton_interpreting, use_triton
+from mla_spec.kernels.mla_decode_combine import combine_splits
+from mla_spec.kernels.mla_decode_ref import mla_decode_ref
+from mla_spec.quant.fp8 import FP8_DTYPE, FP8_E4M3_MAX
+
+__all__ = ["MLAKernelConfig", "mla_decode", "mla_decode_ref", "default_config", "pick_num_splits"]
+
+_LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class MLAKernelConfig:
+    """Tile config: rows per program, KV rows per tile, warps, pipeline stages."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@triton.jit
+def _mla_fwd_kernel(
+    Qn, Qp, QS, KV, R2T, RPI, KVL, QO, Out, Lse,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv, stride_r2t,
+    stride_o_t, stride_o_h, stride_ps, stride_lse_s,
+    H, q_len_fixed, num_splits, qk_scale_log2, v_scale,
+    DV: tl.constexpr, DPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RAGGED: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr, FP8_DOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    sid = tl.program_id(2)
+    if RAGGED:
+        qo_start = tl.load(QO + b)
+        q_len = tl.load(QO + b + 1) - qo_start
+    else:
+        qo_start = b * q_len_fixed
+        q_len = q_len_fixed
+    kv_len = tl.load(KVL + b)
+    n_rows = q_len * H
+    m0 = pid_m * BLOCK_M
+    if m0 < n_rows:
+        req = tl.load(RPI + b).to(tl.int64)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < n_rows
+        tok = (qo_start + offs_m // H).to(tl.int64)
+        head = (offs_m % H).to(tl.int64)
+        offs_d = tl.arange(0, DV)
+        offs_p = tl.arange(0, DPE)
+        qn = tl.load(Qn + tok[:, None] * stride_qn_t + head[:, None] * stride_qn_h
+                     + offs_d[None, :], mask=mask_m[:, None], other=0.0)
+        qp = tl.load(Qp + tok[:, None] * stride_qp_t + head[:, None] * stride_qp_h
+                     + offs_p[None, :], mask=mask_m[:, None], other=0.0)
+        if DOT_F32:
+            qn = qn.to(tl.float32)
+            qp = qp.to(tl.float32)
+        row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale_log2
+        if FP8_DOT:
+            row_scale = row_scale * tl.load(QS + tok * H + head, mask=mask_m, other=1.0)
+        # causal bound per row, and the KV range of this split
+        bound = kv_len - q_len + offs_m // H + 1  # [M]: row sees j < bound
+        last_row = tl.minimum(m0 + BLOCK_M, n_rows) - 1
+        hi_rows = kv_len - q_len + last_row // H + 1
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = sid * chunk
+        hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, DV], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < hi
+            slot = tl.load(R2T + req * stride_r2t + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kn = tl.load(KV + slot[:, None] * stride_kv + offs_d[None, :],
+                         mask=mask_n[:, None], other=0.0)
+            kp = tl.load(KV + slot[:, None] * stride_kv + DV + offs_p[None, :],
+                         mask=mask_n[:, None], other=0.0)
+            if DOT_F32:
+                kn = kn.to(tl.float32)
+                kp = kp.to(tl.float32)
+                kv_op = kn
+            elif FP8_DOT:
+                kv_op = kn.to(tl.bfloat16)
+            else:
+                kn = kn.to(qn.dtype)
+                kp = kp.to(qn.dtype)
+                kv_op = kn
+            if DOT_F32:
+                s = tl.dot(qn, tl.trans(kn), input_precision="ieee")
+                s += tl.dot(qp, tl.trans(kp), input_precision="ieee")
+            else:
+                s = tl.dot(qn, tl.trans(kn)) + tl.dot(qp, tl.trans(kp))
+            s = s * row_scale[:, None]
+            vis = (offs_n[None, :] < bound[:, None]) & mask_n[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DOT_F32:
+                pv = tl.dot(p, kv_op, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(kv_op.dtype), kv_op)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        has = l_i > 0.0
+        o = tl.where(has[:, None], acc / tl.where(has, l_i, 1.0)[:, None], 0.0) * v_scale
+        lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        rows = tok * H + head  # flattened (token, head) index
+        if SPLIT:
+            tl.store(Out + sid * stride_ps + rows[:, None] * DV + offs_d[None, :], o,
+                     mask=mask_m[:, None])
+            tl.store(Lse + sid * stride_lse_s + rows, lse2, mask=mask_m)
+        else:
+            tl.store(Out + tok[:, None] * stride_o_t + head[:, None] * stride_o_h
+                     + offs_d[None, :], o.to(Out.dtype.element_ty), mask=mask_m[:, None])
+            if WRITE_LSE:
+                tl.store(Lse + rows, lse2 * 0.6931471805599453, mask=mask_m)
+
+
+def default_config(rows: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                   device: torch.device) -> MLAKernelConfig:
+    """Tile choice: tiny tiles under the interpreter; on GPU by the rows per request."""
+    if device.type != "cuda":
+        return MLAKernelConfig(16, 16, 4, 1)
+    if q_dtype == torch.float32 or kv_dtype == torch.float32:
+        return MLAKernelConfig(16, 32, 4, 2)
+    if rows <= 32:
+        return MLAKernelConfig(32, 64, 4, 2)
+    return MLAKernelConfig(64, 64, 8, 2)
+
+
+def pick_num_splits(bs: int, m_blocks: int, max_kv: int, block_n: int,
+                    num_sms: int = 132, min_tiles: int = 2, max_splits: int = 64) -> int:
+    """Flash-decoding splits: about two waves of programs, each split >= ``min_tiles`` tiles."""
+    programs = max(bs * m_blocks, 1)
+    want = -(-2 * num_sms // programs)
+    tiles = -(-max(max_kv, 1) // block_n)
+    return int(max(1, min(want, tiles // min_tiles, max_splits)))
+
+
+def _quantize_q_rows(q_nope, q_pe):
+    """Per-(token, head) e4m3 quantization of the 576-wide query (torch, RTNE)."""
+    amax = torch.maximum(q_nope.abs().amax(-1), q_pe.abs().amax(-1)).float()
+    scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
+    qn8 = (q_nope.float() / scale[..., None]).clamp(-448, 448).to(FP8_DTYPE)
+    qp8 = (q_pe.float() / scale[..., None]).clamp(-448, 448).to(FP8_DTYPE)
+    return qn8, qp8, scale.contiguous()
+
+
+def mla_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    kv_flat: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    sm_scale: float,
+    *,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    q_len: int | None = None,
+    qo_indptr: torch.Tensor | None = None,
+    max_q: int | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    fp8_dot: int = 0,
+    config: MLAKernelConfig | None = None,
+    max_kv: int | None = None,
+):
+    """Absorbed MLA over the paged cache; see the module docstring.
+
+    Parameters
+    ----------
+    q_nope : ``[N, H, Dv]`` (or ``[bs, q_len, H, Dv]``), q_pe : ``[N, H, Dpe]`` (idem)
+    kv_flat : ``[num_slots, Dv + Dpe]`` one layer's cache (bf16 / fp16 / fp32 / e4m3)
+    req_to_token : ``[max_reqs, max_ctx]`` int32; req_pool_indices ``[bs]``; kv_lens ``[bs]`` int32
+    q_len : rows per request (fixed shape), or qo_indptr ``[bs + 1]`` int32 with ``max_q`` (ragged)
+    num_splits : KV splits (None: :func:`pick_num_splits`; needs ``max_kv`` or reads kv_lens)
+    return_lse : also return ``lse [N, H]`` fp32 (natural log)
+    out : optional ``[N, H, Dv]`` output; fp8_dot : 1 = FP8 MMA for Q.K^T (FP8 KV, CUDA only)
+
+    Returns
+    -------
+    ``[N, H, Dv]`` in q_nope's dtype (and ``lse``).
+    """
+    if q_nope.dim() == 4:
+        q_len = q_nope.shape[1] if q_len is None else q_len
+        q_nope, q_pe = q_nope.flatten(0, 1), q_pe.flatten(0, 1)
+    n, h, dv = q_nope.shape
+    dpe = q_pe.shape[-1]
+    bs = req_pool_indices.numel()
+    if (q_len is None) == (qo_indptr is None):
+        raise ValueError("give exactly one of q_len (fixed rows per request) or qo_indptr")
+    if kv_flat.shape[-1] != dv + dpe:
+        raise ValueError(f"kv rows are {kv_flat.shape[-1]} wide; q needs {dv} + {dpe}")
+    if q_len is not None and n != bs * q_len:
+        raise ValueError(f"{n} query rows != bs {bs} x q_len {q_len}")
+    if dv & (dv - 1) or dpe & (dpe - 1):
+        raise ValueError(f"Dv {dv} and Dpe {dpe} must be powers of two (512 / 64 for DeepSeek)")
+    if not use_triton(q_nope):
+        return mla_decode_ref(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
+                              sm_scale, k_scale=k_scale, v_scale=v_scale, q_len=q_len,
+                              qo_indptr=qo_indptr, return_lse=return_lse, out=out)
+    dev = q_nope.device
+    interp = triton_interpreting() and dev.type == "cpu"
+    is_fp8 = kv_flat.dtype == FP8_DTYPE
+    fp8_dot = int(fp8_dot) if (is_fp8 and not interp) else 0
+    rows = (q_len if q_len is not None else max_q) * h
+    if q_len is None and max_q is None:
+        max_q = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if bs else 0
+        rows = max_q * h
+    cfg = config or default_config(rows, q_nope.dtype, kv_flat.dtype, dev)
+    m_blocks = max(1, triton.cdiv(rows, cfg.block_m))
+    if num_splits is None:
+        mk = max_kv if max_kv is not None else (int(kv_lens.max()) if bs else 0)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" \
+            else 4
+        num_splits = pick_num_splits(bs, m_blocks, mk, cfg.block_n, sms)
+    if out is None:
+        out = torch.empty((n, h, dv), dtype=q_nope.dtype, device=dev)
+    lse = torch.empty((n, h), dtype=torch.float32, device=dev) if return_lse else None
+    if n == 0 or bs == 0:
+        return (out, lse) if return_lse else out
+    qs = out  # dummy pointer when unused
+    if fp8_dot:
+        q_nope, q_pe, qs = _quantize_q_rows(q_nope, q_pe)
+    split = num_splits > 1
+    if split:
+        part = torch.empty((num_splits, n * h, dv), dtype=torch.float32, device=dev)
+        part_lse = torch.empty((num_splits, n * h), dtype=torch.float32, device=dev)
+        o_arg, l_arg = part, part_lse
+    else:
+        o_arg, l_arg = out, (lse if return_lse else out)
+    qo = qo_indptr if qo_indptr is not None else kv_lens  # dummy when fixed
+    grid = (bs, m_blocks, num_splits)
+    _mla_fwd_kernel[grid](
+        q_nope, q_pe, qs, kv_flat, req_to_token, req_pool_indices, kv_lens, qo, o_arg, l_arg,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        kv_flat.stride(0), req_to_token.stride(0),
+        out.stride(0), out.stride(1), (n * h * dv) if split else 0, (n * h) if split else 0,
+        h, q_len or 0, num_splits, float(sm_scale) * float(k_scale) * _LOG2E, float(v_scale),
+        DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=return_lse,
+        DOT_F32=interp or q_nope.dtype == torch.float32 or kv_flat.dtype == torch.float32,
+        FP8_DOT=bool(fp8_dot), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        combine_splits(part, part_lse, out, lse)
+    return (out, lse) if return_lse else out
+
+
+def flops_and_bytes(bs: int, q_len: int, h: int, ctx: int, kv_elem_bytes: int,
+                    dv: int = 512, dpe: int = 64) -> tuple[float, float]:
+    """FLOPs ``2·bs·q·H·ctx·(Dv+Dpe+Dv)`` and KV bytes read once (for benchmarks)."""
+    flops = 2.0 * bs * q_len * h * ctx * (dv + dpe + dv)
+    return flops, float(bs * ctx * (dv + dpe) * kv_elem_bytes)
+
+
+assert math.isclose(_LOG2E, 1 / math.log(2))

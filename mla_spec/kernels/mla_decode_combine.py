@@ -1,0 +1,87 @@
+"""Merge the split-KV partials of ``mla_decode`` (flash-decoding's second pass).
+
+Split ``s`` of row ``r`` (a flattened (token, head)) left a normalized partial ``o_s [Dv]`` and
+its log2-sum-exp ``lse_s`` (``-inf`` when the split saw no visible KV). The exact result is
+
+    out = sum_s w_s o_s / sum_s w_s,   w_s = 2 ** (lse_s - max_s lse_s),   lse = log2(sum) + max
+
+(zeros and ``-inf`` when every split was empty). Kernel grid ``(rows,)``: one program per row
+walks the splits with a running maximum, so the register tile stays ``[Dv]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.device import use_triton
+
+__all__ = ["combine_splits", "combine_splits_ref"]
+
+
+@triton.jit
+def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
+                    stride_o_t, stride_o_h,
+                    DV: tl.constexpr, WRITE_LSE: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, DV)
+    m = float("-inf")
+    den = 0.0
+    acc = tl.zeros([DV], dtype=tl.float32)
+    for s in range(0, num_splits):
+        ls = tl.load(PLse + s * stride_ls + r)
+        m_new = tl.maximum(m, ls)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_use)
+        w = tl.exp2(ls - m_use)
+        o = tl.load(Part + s * stride_ps + r * DV + offs)
+        acc = acc * alpha + w * o
+        den = den * alpha + w
+        m = m_new
+    has = den > 0.0
+    res = tl.where(has, acc / tl.where(has, den, 1.0), 0.0)
+    t = r // H
+    h = r % H
+    tl.store(Out + t * stride_o_t + h * stride_o_h + offs, res.to(Out.dtype.element_ty))
+    if WRITE_LSE:
+        lse = tl.where(has, m + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
+        tl.store(Lse + r, lse * 0.6931471805599453)
+
+
+def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor | None = None) -> None:
+    """Merge ``part [S, N*H, Dv]`` fp32 / ``part_lse [S, N*H]`` (log2) into ``out [N, H, Dv]``.
+
+    ``lse`` (optional, ``[N, H]`` fp32) receives the natural-log LSE.
+    """
+    s, rows, dv = part.shape
+    n, h, _ = out.shape
+    if rows != n * h:
+        raise ValueError(f"partials have {rows} rows; out has {n} x {h}")
+    if not use_triton(part):
+        combine_splits_ref(part, part_lse, out, lse)
+        return
+    if rows == 0:
+        return
+    _combine_kernel[(rows,)](
+        part, part_lse, out, lse if lse is not None else part_lse, s, h,
+        part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
+        DV=dv, WRITE_LSE=lse is not None, num_warps=4,
+    )
+
+
+def combine_splits_ref(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor | None = None) -> None:
+    """Torch twin of :func:`combine_splits`."""
+    n, h, dv = out.shape
+    m = part_lse.amax(0)
+    m_use = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp2(part_lse - m_use)  # [S, rows]
+    tot = w.sum(0)
+    res = (w[..., None] * part).sum(0) / tot.clamp_min(1e-30)[:, None]
+    res = torch.where(tot[:, None] > 0, res, torch.zeros_like(res))
+    out.copy_(res.view(n, h, dv).to(out.dtype))
+    if lse is not None:
+        val = torch.where(tot > 0, m_use + torch.log2(tot.clamp_min(1e-30)), float("-inf"))
+        lse.copy_((val * 0.6931471805599453).view(n, h))

@@ -1,0 +1,293 @@
+"""W4A16 GEMM with NVFP4 weights: ``y = x @ dequant(W)^T``, dequantized in registers.
+
+Hopper has no FP4 matrix units, so the packed weights are decoded to bf16 inside the GEMM and fed
+to ordinary bf16 MMAs. At decode batch sizes (M <= 64 tokens) the GEMM is a GEMV in disguise and
+its time is the time to stream the weight bytes: 0.5625 B/weight instead of 2, up to 3.56x less.
+
+Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale e4m3
+``[N, K/16]``, weight_scale_2 fp32 ``[]``, y ``[M, N]``):
+
+- **Swap AB.** Each program computes ``y^T[BN, BM] = W'[BN, BK] @ x^T[BK, BM]``: the weight rows
+  are the MMA's M side (16..64), the few tokens its N side (16..64), so M = 1 wastes only MMA
+  issue slots, not weight bytes.
+- **No nibble interleave.** A byte holds the elements ``2j`` (low) and ``2j+1`` (high). Instead of
+  interleaving, the low nibbles multiply ``x[:, 0::2]`` and the high ones ``x[:, 1::2]``: two dots
+  of K = BK/2 per step.
+- **Weights as [BN, BK/16, 8] bytes** (128-byte rows per step for BK = 256: 16-byte loads), the
+  e4m3 block scale broadcast over the last axis: one scale load per 16 elements.
+- **Decode.** ``W' = E2M1 * s * 2**-8`` is exact in bf16 (E2M1 has 2 significant bits, e4m3 4);
+  ``weight_scale_2 * 256`` is applied to the fp32 accumulator, read from device memory (no host
+  sync; CUDA-graph safe). Two decoders: ``_decode_pure`` (portable, runs in the interpreter: the
+  nibble is placed in fp16 bits, ``E2M1 * 2**-14``, then scaled in fp32) and ``_decode_asm``
+  (GPU: PTX that decodes four bytes into eight bf16 with shifts/masks on 32-bit words holding two
+  bf16 each, ``E2M1 * 2**-126``, and one packed ``mul.bf16x2`` by ``s * 2**118``; opt-in through
+  ``NVFP4GemmConfig.fast_dequant`` until checked on hardware, see docs/bench_nvfp4.md).
+- **Split-K** for few output tiles (small N at small M): partial sums go to an fp32 workspace
+  ``[S, M, N]`` and ``_sum_rows_kernel`` adds them (deterministic, no atomics).
+
+``nvfp4_gemm_ref`` is the torch twin (dequantize, then matmul in fp32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.device import triton_interpreting, use_triton
+from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
+
+__all__ = ["NVFP4GemmConfig", "nvfp4_gemm", "nvfp4_gemm_ref", "default_gemm_config",
+           "set_gemm_config", "block_m_for"]
+
+_TWO_118 = tl.constexpr(2.0**118)  # jit code may only read constexpr globals
+
+# Four packed bytes ($4) and their scales s * 2**118 as bf16x2 ($5 bytes 0-1, $6 bytes 2-3) ->
+# low-nibble values ($0, $1) and high-nibble values ($2, $3) as bf16x2, E2M1 * s * 2**-8.
+_ASM = tl.constexpr("""
+{
+.reg .b32 z, t0, t1, a, b;
+mov.b32 z, 0;
+prmt.b32 t0, $4, z, 0x4140;
+prmt.b32 t1, $4, z, 0x4342;
+shl.b32 a, t0, 6; shl.b32 b, t0, 12; or.b32 a, a, b; and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $0, a, $5;
+shl.b32 a, t1, 6; shl.b32 b, t1, 12; or.b32 a, a, b; and.b32 a, a, 0x81C081C0;
+mul.rn.bf16x2 $1, a, $6;
+shl.b32 a, t0, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 8; and.b32 b, b, 0x80008000;
+or.b32 a, a, b; mul.rn.bf16x2 $2, a, $5;
+shl.b32 a, t1, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 8; and.b32 b, b, 0x80008000;
+or.b32 a, a, b; mul.rn.bf16x2 $3, a, $6;
+}
+""")
+
+
+@triton.jit
+def _decode_pure(wb, s8, OUT_F32: tl.constexpr):
+    """bytes [.., 8] uint8 + e4m3 scales [.., 1] -> (low, high) values E2M1 * s * 2**-8."""
+    b = wb.to(tl.uint16)
+    lo = ((b & 7) << 9) | ((b & 8) << 12)
+    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+    s = s8.to(tl.float32) * 64.0
+    lo = lo.to(tl.float16, bitcast=True).to(tl.float32) * s
+    hi = hi.to(tl.float16, bitcast=True).to(tl.float32) * s
+    if not OUT_F32:
+        lo = lo.to(tl.bfloat16)
+        hi = hi.to(tl.bfloat16)
+    return lo, hi
+
+
+@triton.jit
+def _decode_asm(wb, s8):
+    """GPU-only packed decoder, same result as ``_decode_pure`` in bf16."""
+    sb = (s8.to(tl.float32) * _TWO_118).to(tl.bfloat16)
+    sb = tl.broadcast_to(sb, wb.shape)
+    lo, hi = tl.inline_asm_elementwise(
+        _ASM, "=r,=r,=r,=r,r,r,r", [wb, sb], dtype=(tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=4)
+    return lo, hi
+
+
+@triton.jit
+def _decode(wb, s8, OUT_F32: tl.constexpr, FAST: tl.constexpr):
+    if FAST and not OUT_F32:
+        lo, hi = _decode_asm(wb, s8)
+    else:
+        lo, hi = _decode_pure(wb, s8, OUT_F32)
+    return lo, hi
+
+
+@triton.jit
+def _nvfp4_gemm_kernel(
+    x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
+    M, N, K, SPLIT_K, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    G: tl.constexpr = BK // 16
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_g = tl.arange(0, G)
+    offs_b = tl.arange(0, 8)
+    offs_j = tl.arange(0, BK // 2)
+    offs_2 = tl.arange(0, 2)
+    n_ok = offs_n < N
+    k_iters = tl.cdiv(K, BK)
+    per_split = tl.cdiv(k_iters, SPLIT_K)
+    it0 = pid_k * per_split
+    it1 = tl.minimum(it0 + per_split, k_iters)
+    # out-of-range rows / tokens are clamped (valid loads, dropped at the store): no masks
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    toks = tl.minimum(offs_m, M - 1).to(tl.int64)
+    w_row = w_ptr + rows[:, None, None] * stride_wn + (offs_g * 8)[None, :, None] \
+        + offs_b[None, None, :]
+    s_row = ws_ptr + rows[:, None] * stride_sn + offs_g[None, :]
+    x_row = x_ptr + toks[:, None, None] * stride_xm + (2 * offs_j)[None, :, None] \
+        + offs_2[None, None, :]
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    for it in range(it0, it1):
+        if EVEN_K:
+            wb = tl.load(w_row + it * (BK // 2))
+            s8 = tl.load(s_row + it * G)
+            x3 = tl.load(x_row + it * BK)
+        else:
+            g_ok = it * G + offs_g < K // 16
+            wb = tl.load(w_row + it * (BK // 2), mask=g_ok[None, :, None], other=0)
+            s8 = tl.load(s_row + it * G, mask=g_ok[None, :], other=0.0)
+            x_ok = (it * BK + 2 * offs_j < K)[None, :, None]
+            x3 = tl.load(x_row + it * BK, mask=x_ok, other=0.0)
+        lo, hi = _decode(wb, s8[:, :, None], DOT_F32, FAST)
+        lo = tl.reshape(lo, (BN, BK // 2))
+        hi = tl.reshape(hi, (BN, BK // 2))
+        xe, xo = tl.split(x3)  # [BM, BK/2] even / odd columns
+        if DOT_F32:
+            acc = tl.dot(lo, tl.trans(xe.to(tl.float32)), acc)
+            acc = tl.dot(hi, tl.trans(xo.to(tl.float32)), acc)
+        else:
+            acc = tl.dot(lo, tl.trans(xe.to(tl.bfloat16)), acc)
+            acc = tl.dot(hi, tl.trans(xo.to(tl.bfloat16)), acc)
+    acc = acc * (tl.load(ws2_ptr) * 256.0)
+    out = out_ptr + pid_k * stride_os + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & (offs_m < M)[None, :])
+
+
+@triton.jit
+def _sum_rows_kernel(src_ptr, dst_ptr, R, N, S, stride_sr, stride_ss, stride_dr,
+                     BLOCK: tl.constexpr):
+    """dst[r, n] = sum_s src[r * stride_sr + s * stride_ss + n] (fp32 sum, cast on store)."""
+    r = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(0, S):
+        acc += tl.load(src_ptr + r * stride_sr + s * stride_ss + offs, mask=ok, other=0.0)
+    tl.store(dst_ptr + r * stride_dr + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@dataclass(frozen=True)
+class NVFP4GemmConfig:
+    """Tile config: ``block_n`` weight rows and ``block_k`` elements per step, ``split_k``
+    programs along K, warps / pipeline stages, and the packed PTX decoder (GPU only)."""
+
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    fast_dequant: bool = False  # PTX decoder: compiles for sm_90, not yet validated on a GPU
+
+
+_CONFIGS: dict[tuple[int, int, int], NVFP4GemmConfig] = {}
+_NUM_SMS = 132
+
+
+def block_m_for(m: int) -> int:
+    """Token tile: 16 up to 16 tokens, then 32, then 64 (tiles repeat beyond)."""
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def default_gemm_config(m: int, n: int, k: int) -> NVFP4GemmConfig:
+    """Heuristic: enough programs to cover the SMs about twice, split K when N is small."""
+    hit = _CONFIGS.get((block_m_for(m), n, k))
+    if hit is not None:
+        return hit
+    bn = 64 if n >= 8192 else 32 if n >= 2048 else 16
+    tiles = triton.cdiv(n, bn) * triton.cdiv(max(m, 1), block_m_for(m))
+    k_iters = triton.cdiv(k, 256)
+    split = 1
+    while tiles * split < 2 * _NUM_SMS and split * 2 <= 8 and k_iters // (split * 2) >= 2:
+        split *= 2
+    return NVFP4GemmConfig(block_n=bn, split_k=split)
+
+
+def set_gemm_config(m: int, n: int, k: int, config: NVFP4GemmConfig) -> None:
+    """Pin the config used for (M bucket, N, K), e.g. after a tuning sweep."""
+    _CONFIGS[(block_m_for(m), n, k)] = config
+
+
+def _check_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                weight_scale_2: torch.Tensor) -> int:
+    k = validate_nvfp4(weight, weight_scale, weight_scale_2)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [N, K/2], got shape {tuple(weight.shape)}")
+    if weight_scale_2.numel() != 1:
+        raise ValueError(f"weight_scale_2 must be a scalar, got {tuple(weight_scale_2.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    if x.shape[-1] != k:
+        raise ValueError(f"x must be [..., K={k}] to match weight {tuple(weight.shape)}, "
+                         f"got {tuple(x.shape)}")
+    return k
+
+
+def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               weight_scale_2: torch.Tensor, out_dtype: torch.dtype | None = None,
+               config: NVFP4GemmConfig | None = None) -> torch.Tensor:
+    """``x @ dequant(W)^T`` with NVFP4 weights.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        ``[..., K]`` bf16 / fp16 / fp32 activations.
+    weight, weight_scale, weight_scale_2 : torch.Tensor
+        uint8 ``[N, K/2]``, float8_e4m3fn ``[N, K/16]``, fp32 scalar (ModelOpt layout).
+    out_dtype : torch.dtype, optional
+        default ``x.dtype``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``[..., N]``. Triton kernel when ``use_triton(x)``, else ``nvfp4_gemm_ref``.
+    """
+    k = _check_gemm(x, weight, weight_scale, weight_scale_2)
+    out_dtype = out_dtype or x.dtype
+    if not use_triton(x):
+        return nvfp4_gemm_ref(x, weight, weight_scale, weight_scale_2, out_dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m, n = x2.shape[0], weight.shape[0]
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0:
+        return out.reshape(*lead, n)
+    cfg = config or default_gemm_config(m, n, k)
+    bm = block_m_for(m)
+    interp = triton_interpreting()
+    dot_f32 = interp or x.dtype != torch.bfloat16  # fp16 / fp32 x: exact-ish fp32 (tf32) dot
+    split = cfg.split_k
+    dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, bm))
+    _nvfp4_gemm_kernel[grid](
+        x2, weight, weight_scale, weight_scale_2, dst, m, n, k, split,
+        x2.stride(0), weight.stride(0), weight_scale.stride(0),
+        dst.stride(0) if split > 1 else 0, dst.stride(-2),
+        BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT_F32=dot_f32,
+        FAST=cfg.fast_dequant and not interp, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
+    if split > 1:
+        sum_rows(dst.permute(1, 0, 2), out)
+    return out.reshape(*lead, n)
+
+
+def sum_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst[r, :] = src[r].sum(0)`` for ``src [R, S, N]`` fp32 (last dim contiguous)."""
+    r, s, n = src.shape
+    block = 1024 if n >= 1024 else triton.next_power_of_2(max(n, 16))
+    _sum_rows_kernel[(r, triton.cdiv(n, block))](
+        src, dst, r, n, s, src.stride(0), src.stride(1), dst.stride(0), BLOCK=block)
+
+
+def nvfp4_gemm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   weight_scale_2: torch.Tensor, out_dtype: torch.dtype | None = None
+                   ) -> torch.Tensor:
+    """Torch twin: dequantize to fp32, matmul in fp32, cast to ``out_dtype`` (default x's)."""
+    _check_gemm(x, weight, weight_scale, weight_scale_2)
+    w = dequantize_nvfp4(weight, weight_scale, weight_scale_2.reshape(()), torch.float32)
+    return (x.float() @ w.t()).to(out_dtype or x.dtype)

@@ -1,0 +1,256 @@
+"""Fused MoE with NVFP4 experts: route, ``SiLU(x W1^T) * (x W3^T)``, ``W2``, weighted sum.
+
+Shapes (hidden K, expert intermediate I, E experts, M tokens, top-k experts per token, P = M*k
+(token, expert) pairs):
+
+- ``x [M, K]``, ``topk_ids [M, k]`` int (ids outside ``[0, E)`` are skipped, e.g. -1 for experts
+  of another EP rank), ``topk_weights [M, k]`` fp32.
+- ``w13``: NVFP4Tensor stacked ``weight [E, 2I, K/2]``, ``weight_scale [E, 2I, K/16]``,
+  ``weight_scale_2`` ``[]`` / ``[E]`` / ``[E, 2]`` (gate rows 0..I-1 use column 0, up rows
+  column 1). Rows: **gate (w1) first, then up (w3)**, as SGLang's ``w13_weight``.
+- ``w2``: NVFP4Tensor ``weight [E, K, I/2]``, ``weight_scale [E, K, I/16]``, scale_2 ``[]``/``[E]``.
+- output ``[M, K]`` in x's dtype: ``sum_j topk_weights[m, j] * expert_{ids[m, j]}(x[m])``.
+
+The fused-MoE pattern: pairs are sorted by expert and cut into *slots* of ``BM`` rows that
+all use one expert (``moe_align``: ``sorted_ids [S*BM]`` pair ids padded with P, ``slot_expert
+[S]`` with -1 for unused slots; ``S = P // BM + min(E, P)`` bounds the slots without a host
+sync, so the launch is CUDA-graph safe). One launch runs w13 for every slot x I-tile, reading
+the gate and up tiles of the same rows and writing ``SiLU(gate) * up`` (bf16, like SGLang's
+intermediate cache); a second runs w2 for every slot x K-tile, scales each row by its routing
+weight and writes the pair's row; a third sums the k rows of each token. Each expert's weights
+are read once per token tile: at decode, the traffic is the active experts' bytes.
+
+``fused_moe_ref`` is the torch twin: dequantize and loop over experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.device import triton_interpreting, use_triton
+from mla_spec.kernels.nvfp4_gemm import _decode, block_m_for, sum_rows
+from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4
+
+__all__ = ["fused_moe_nvfp4", "fused_moe_ref", "moe_align"]
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, expert) pairs by expert into slots of ``block_m`` rows, on device.
+
+    Returns
+    -------
+    sorted_ids : torch.Tensor
+        int32 ``[S * block_m]``: pair index ``m * k + j`` or ``P`` (padding).
+    slot_expert : torch.Tensor
+        int32 ``[S]``: the slot's expert, -1 when unused. ``S = P // block_m + min(E, P)``.
+    """
+    flat = topk_ids.reshape(-1).long()
+    p, e, bm = flat.numel(), num_experts, block_m
+    dev = flat.device
+    n_slots = p // bm + min(e, p)
+    ids = torch.where((flat >= 0) & (flat < e), flat, torch.full_like(flat, e))
+    counts = torch.zeros(e + 1, dtype=torch.long, device=dev)
+    counts = counts.scatter_add_(0, ids, torch.ones_like(ids))[:e]  # no host sync (bincount)
+    blocks = (counts + bm - 1) // bm
+    blk_end = torch.cumsum(blocks, 0)
+    blk_start = blk_end - blocks
+    pair_start = torch.cumsum(counts, 0) - counts
+    order = torch.sort(ids, stable=True).indices
+    slots = torch.arange(n_slots, device=dev)
+    se = torch.searchsorted(blk_end, slots, right=True)
+    active = se < e
+    se_c = se.clamp(max=e - 1)
+    local = slots - blk_start[se_c]
+    begin = pair_start[se_c] + local * bm
+    rows = torch.where(active, (counts[se_c] - local * bm).clamp(0, bm), 0)
+    j = torch.arange(bm, device=dev)
+    src = (begin[:, None] + j[None, :]).clamp(max=max(p - 1, 0))
+    take = j[None, :] < rows[:, None]
+    sorted_ids = torch.where(take, order[src] if p else src, torch.full_like(src, p))
+    slot_expert = torch.where(active, se, torch.full_like(se, -1))
+    return sorted_ids.reshape(-1).to(torch.int32), slot_expert.to(torch.int32)
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, sorted_ptr, slot_expert_ptr, topk_w_ptr,
+    N, K, P, TOPK,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_s2e, stride_s2h, stride_om,
+    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr,
+):
+    """GATED (w13): rows = x[pair // TOPK], out[slot row, n] = silu(gate) * up, n < N = I.
+    not GATED (w2): rows = act[slot row], out[pair, n] = topk_w[pair] * (act @ W2^T)[n]."""
+    slot = tl.program_id(1)
+    expert = tl.load(slot_expert_ptr + slot)
+    if expert < 0:
+        return
+    pid_n = tl.program_id(0)
+    G: tl.constexpr = BK // 16
+    offs_r = slot * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + offs_r)
+    r_ok = pair < P
+    if GATED:
+        a_rows = (pair // TOPK).to(tl.int64)
+    else:
+        a_rows = offs_r.to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    n_ok = offs_n < N
+    offs_g = tl.arange(0, G)
+    offs_b = tl.arange(0, 8)
+    offs_j = tl.arange(0, BK // 2)
+    e64 = expert.to(tl.int64)
+    w_row = w_ptr + e64 * stride_we + offs_n.to(tl.int64)[:, None, None] * stride_wn
+    s_row = ws_ptr + e64 * stride_se + offs_n.to(tl.int64)[:, None] * stride_sn
+    a_col = a_ptr + a_rows[None, :] * stride_am
+    acc = tl.zeros((BN, BM), dtype=tl.float32)
+    acc_up = tl.zeros((BN, BM), dtype=tl.float32)
+    for it in range(0, tl.cdiv(K, BK)):
+        g = it * G + offs_g
+        g_ok = g < K // 16
+        wmask = n_ok[:, None, None] & g_ok[None, :, None]
+        smask = n_ok[:, None] & g_ok[None, :]
+        kk = it * BK + 2 * offs_j
+        x_ok = (kk < K)[:, None] & r_ok[None, :]
+        xe = tl.load(a_col + kk[:, None], mask=x_ok, other=0.0)
+        xo = tl.load(a_col + kk[:, None] + 1, mask=x_ok, other=0.0)
+        if DOT_F32:
+            xe = xe.to(tl.float32)
+            xo = xo.to(tl.float32)
+        else:
+            xe = xe.to(tl.bfloat16)
+            xo = xo.to(tl.bfloat16)
+        wp = w_row + (g * 8)[None, :, None] + offs_b[None, None, :]
+        wb = tl.load(wp, mask=wmask, other=0)
+        s8 = tl.load(s_row + g[None, :], mask=smask, other=0.0)
+        lo, hi = _decode(wb, s8[:, :, None], DOT_F32, FAST)
+        acc = tl.dot(tl.reshape(lo, (BN, BK // 2)), xe, acc)
+        acc = tl.dot(tl.reshape(hi, (BN, BK // 2)), xo, acc)
+        if GATED:
+            wb = tl.load(wp + N * stride_wn, mask=wmask, other=0)
+            s8 = tl.load(s_row + N * stride_sn + g[None, :], mask=smask, other=0.0)
+            lo, hi = _decode(wb, s8[:, :, None], DOT_F32, FAST)
+            acc_up = tl.dot(tl.reshape(lo, (BN, BK // 2)), xe, acc_up)
+            acc_up = tl.dot(tl.reshape(hi, (BN, BK // 2)), xo, acc_up)
+    acc = acc * (tl.load(ws2_ptr + e64 * stride_s2e) * 256.0)
+    if GATED:
+        acc_up = acc_up * (tl.load(ws2_ptr + e64 * stride_s2e + stride_s2h) * 256.0)
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        rows = offs_r.to(tl.int64)
+    else:
+        acc = acc * tl.load(topk_w_ptr + pair, mask=r_ok, other=0.0)[None, :]
+        rows = pair.to(tl.int64)
+    out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :])
+
+
+def _scale2_strides(ws2: torch.Tensor, gated: bool) -> tuple[torch.Tensor, int, int]:
+    """(contiguous fp32 scale_2, stride per expert, stride between gate and up)."""
+    ws2 = ws2.float().contiguous()
+    if ws2.dim() == 0 or ws2.numel() == 1:
+        return ws2.reshape(1), 0, 0
+    if ws2.dim() == 1:
+        return ws2, 1, 0
+    return ws2, ws2.stride(0), ws2.stride(1) if gated else 0
+
+
+def _check_moe(x, topk_ids, topk_weights, w13: NVFP4Tensor, w2: NVFP4Tensor) -> tuple[int, int]:
+    if w13.weight.dim() != 3 or w2.weight.dim() != 3:
+        raise ValueError(f"w13.weight must be [E, 2I, K/2] and w2.weight [E, K, I/2], got "
+                         f"{tuple(w13.weight.shape)} and {tuple(w2.weight.shape)}")
+    e, two_i, k_half = w13.weight.shape
+    inter = two_i // 2
+    if x.dim() != 2 or x.shape[1] != 2 * k_half:
+        raise ValueError(f"x must be [M, K={2 * k_half}] for w13 {tuple(w13.weight.shape)}, "
+                         f"got {tuple(x.shape)}")
+    want2 = (e, 2 * k_half, inter // 2)
+    if tuple(w2.weight.shape) != want2:
+        raise ValueError(f"w2.weight must have shape {want2}, got {tuple(w2.weight.shape)}")
+    if inter % 16:
+        raise ValueError(f"intermediate size I = {inter} must be a multiple of 16")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 \
+            or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids and topk_weights must both be [M={x.shape[0]}, k], got "
+                         f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+    if topk_ids.is_floating_point():
+        raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    return e, inter
+
+
+def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    w13: NVFP4Tensor, w2: NVFP4Tensor, block_n: int = 32,
+                    block_k: int = 256, fast_dequant: bool = False) -> torch.Tensor:
+    """Routed experts with NVFP4 weights (see the module docstring for shapes).
+
+    Returns ``[M, K]`` in x's dtype. Triton kernels when ``use_triton(x)``, else ``fused_moe_ref``.
+    """
+    e, inter = _check_moe(x, topk_ids, topk_weights, w13, w2)
+    if not use_triton(x):
+        return fused_moe_ref(x, topk_ids, topk_weights, w13, w2)
+    m, k_hidden = x.shape
+    topk = topk_ids.shape[1]
+    p = m * topk
+    out = torch.empty((m, k_hidden), dtype=x.dtype, device=x.device)
+    if p == 0:
+        return out
+    bm = block_m_for(triton.cdiv(p, min(e, p)))  # mean rows per active expert, at most
+    sorted_ids, slot_expert = moe_align(topk_ids, e, bm)
+    n_slots = slot_expert.numel()
+    interp = triton_interpreting()
+    dot_f32 = interp or x.dtype != torch.bfloat16  # fp16 / fp32 x: exact-ish fp32 (tf32) dot
+    fast = fast_dequant and not interp
+    act_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    act = torch.empty((n_slots * bm, inter), dtype=act_dtype, device=x.device)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    tw = topk_weights.reshape(-1).float().contiguous()
+    s13, s13e, s13h = _scale2_strides(w13.weight_scale_2, True)
+    bn13 = min(block_n, 16) if n_slots * triton.cdiv(inter, block_n) < 264 else block_n
+    _moe_gemm_kernel[(triton.cdiv(inter, bn13), n_slots)](
+        x2, w13.weight, w13.weight_scale, s13, act, sorted_ids, slot_expert, tw,
+        inter, k_hidden, p, topk, x2.stride(0), *w13.weight.stride()[:2],
+        *w13.weight_scale.stride()[:2], s13e, s13h, act.stride(0),
+        GATED=True, BM=bm, BN=bn13, BK=block_k, DOT_F32=dot_f32, FAST=fast)
+    pairs = torch.zeros((p, k_hidden), dtype=torch.float32, device=x.device)
+    s2, s2e, _ = _scale2_strides(w2.weight_scale_2, False)
+    _moe_gemm_kernel[(triton.cdiv(k_hidden, block_n), n_slots)](
+        act, w2.weight, w2.weight_scale, s2, pairs, sorted_ids, slot_expert, tw,
+        k_hidden, inter, p, topk, act.stride(0), *w2.weight.stride()[:2],
+        *w2.weight_scale.stride()[:2], s2e, 0, pairs.stride(0),
+        GATED=False, BM=bm, BN=block_n, BK=min(block_k, triton.next_power_of_2(inter)),
+        DOT_F32=dot_f32, FAST=fast)
+    sum_rows(pairs.view(m, topk, k_hidden), out)
+    return out
+
+
+def fused_moe_ref(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  w13: NVFP4Tensor, w2: NVFP4Tensor) -> torch.Tensor:
+    """Torch twin: per active expert, dequantize (fp32), ``silu(gate) * up`` rounded to bf16
+    (fp32 for fp32 x, as the kernel's intermediate), down-project, weight and sum."""
+    e, inter = _check_moe(x, topk_ids, topk_weights, w13, w2)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    act_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    for ex in torch.unique(topk_ids).tolist():
+        if not 0 <= ex < e:
+            continue
+        tok, slot = (topk_ids == ex).nonzero(as_tuple=True)
+        g13 = dequantize_nvfp4(w13.weight[ex], w13.weight_scale[ex], _pick(w13.weight_scale_2,
+                               ex, 0))
+        if w13.weight_scale_2.dim() == 2:
+            g13[inter:] = dequantize_nvfp4(w13.weight[ex, inter:], w13.weight_scale[ex, inter:],
+                                           _pick(w13.weight_scale_2, ex, 1))
+        w2e = dequantize_nvfp4(w2.weight[ex], w2.weight_scale[ex], _pick(w2.weight_scale_2, ex, 0))
+        h = x[tok].float() @ g13.t()
+        act = (torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]).to(act_dtype).float()
+        y = act @ w2e.t()
+        out.index_add_(0, tok, y * topk_weights[tok, slot].float()[:, None])
+    return out.to(x.dtype)
+
+
+def _pick(ws2: torch.Tensor, ex: int, half: int) -> torch.Tensor:
+    """Scalar scale_2 of expert ``ex`` (``half`` selects gate / up for ``[E, 2]``)."""
+    if ws2.dim() == 0 or ws2.numel() == 1:
+        return ws2.reshape(()).float()
+    return (ws2[ex] if ws2.dim() == 1 else ws2[ex, half]).float().reshape(())

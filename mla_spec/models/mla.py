@@ -1,0 +1,143 @@
+"""Multi-head latent attention (MLA) of DeepSeek-V3: the absorbed inference path and training.
+
+Projections (checkpoint names; H heads, split over TP ranks):
+
+    q_a_proj      [q_lora_rank, hidden]        replicated    (q_proj [H*192, hidden] when
+    q_a_layernorm [q_lora_rank]                replicated     q_lora_rank is None)
+    q_b_proj      [H*192, q_lora_rank]         column (heads)  per head: [q_nope 128 | q_pe 64]
+    kv_a_proj_with_mqa [512+64, hidden]        replicated    -> [latent 512 | k_pe 64]
+    kv_a_layernorm [512]                       replicated    ckv = kv_a_layernorm(latent)
+    kv_b_proj     [H*(128+128), 512]           column (heads)  per head: [W_UK 128 rows | W_UV 128]
+    o_proj        [hidden, H*128]              row (heads)   + all-reduce
+
+Inference (absorbed; what SGLang runs for decode, verify and draft extend). The KV cache holds only
+``[ckv | kpe]`` (576 per token, shared by all heads). Absorbing ``W_UK`` into the query,
+
+    q_nope_abs[n,h,:] = q_nope[n,h,:] @ W_UK[h]            [N, H, 512]
+    score = softmax_scale * (q_nope_abs . ckv + q_pe . kpe)
+    out_latent = softmax(score) @ ckv                      [N, H, 512]  (attention backend)
+    out[n,h,:] = out_latent[n,h,:] @ W_UV[h]^T             [N, H, 128]  -> o_proj
+
+equals the non-absorbed attention with ``k_nope = ckv @ W_UK^T`` and ``v = ckv @ W_UV^T``, which is
+what :meth:`MLAAttention.forward_train` computes (dense causal SDPA, differentiable).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_spec.models.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from mla_spec.models.norm import RMSNorm
+from mla_spec.models.rope import DeepseekRotaryEmbedding
+
+__all__ = ["MLAAttention"]
+
+
+class MLAAttention(nn.Module):
+    """One layer's MLA with ``H / tp_size`` local heads.
+
+    Parameters
+    ----------
+    cfg : ModelConfig
+    layer_id : index into the KV pool (``kv_layer_id``; the MTP layer uses its own pool's 0)
+    quantized : ``prefix -> bool`` for the linears (attention stays BF16 in NVIDIA's checkpoints)
+    """
+
+    def __init__(self, cfg, layer_id: int, *, prefix: str = "", quantized=None,
+                 tp_size: int = 1, dtype=torch.float32, device=None) -> None:
+        super().__init__()
+        H = cfg.num_attention_heads
+        if H % tp_size:
+            raise ValueError(f"num_attention_heads {H} is not divisible by tp_size {tp_size}")
+        self.layer_id = layer_id
+        self.num_heads = H // tp_size
+        self.qk_nope_head_dim, self.qk_rope_head_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_head_dim, self.kv_lora_rank = cfg.v_head_dim, cfg.kv_lora_rank
+        self.q_lora_rank = cfg.q_lora_rank
+        self.softmax_scale = cfg.softmax_scale
+        qk = cfg.qk_head_dim
+        q = quantized or (lambda name: False)
+        bias = cfg.attention_bias
+
+        def lin(cls, name, i, o, **extra):
+            return cls(i, o, quantized=q(f"{prefix}.{name}"), tp_size=tp_size, dtype=dtype,
+                       device=device, **extra)
+
+        if cfg.q_lora_rank is not None:
+            self.q_a_proj = lin(ReplicatedLinear, "q_a_proj", cfg.hidden_size, cfg.q_lora_rank,
+                                bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype,
+                                         device=device)
+            self.q_b_proj = lin(ColumnParallelLinear, "q_b_proj", cfg.q_lora_rank, H * qk)
+        else:
+            self.q_proj = lin(ColumnParallelLinear, "q_proj", cfg.hidden_size, H * qk)
+        self.kv_a_proj_with_mqa = lin(
+            ReplicatedLinear, "kv_a_proj_with_mqa", cfg.hidden_size,
+            cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias,
+        )
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype,
+                                      device=device)
+        self.kv_b_proj = lin(ColumnParallelLinear, "kv_b_proj", cfg.kv_lora_rank,
+                             H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = lin(RowParallelLinear, "o_proj", H * cfg.v_head_dim, cfg.hidden_size,
+                          bias=bias)
+        self.rotary_emb = DeepseekRotaryEmbedding(cfg, device=device)
+
+    # ---- shared pieces -------------------------------------------------------------------
+    def _q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., hidden]`` -> ``q_nope [..., H, 128]``, ``q_pe [..., H, 64]`` (not roped)."""
+        if self.q_lora_rank is not None:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.unflatten(-1, (self.num_heads, -1))
+        return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., hidden]`` -> ``ckv [..., 512]`` (normed), ``k_pe [..., 64]`` (not roped)."""
+        latent = self.kv_a_proj_with_mqa(x)
+        ckv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        return self.kv_a_layernorm(ckv), k_pe
+
+    def absorbed_weights(self, dtype: torch.dtype | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``W_UK [H, 128, 512]`` and ``W_UV [H, 128, 512]`` (views of ``kv_b_proj``'s weight)."""
+        w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, -1, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    # ---- inference: absorbed, paged KV cache ---------------------------------------------
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, batch) -> torch.Tensor:
+        """Absorbed MLA over the paged cache.
+
+        ``positions [N]``, ``x [N, hidden]`` -> ``[N, hidden]`` (all-reduced over TP ranks).
+        Writes this step's ``[ckv | kpe]`` rows at ``batch.out_cache_loc`` first, then calls
+        ``batch.attn_backend.forward(q_nope_abs [N,H,512], q_pe [N,H,64], layer_id, batch)``.
+        """
+        q_nope, q_pe = self._q(x)
+        ckv, k_pe = self._latent(x)
+        q_pe, kpe = self.rotary_emb(positions, q_pe, k_pe)
+        w_uk, w_uv = self.absorbed_weights(x.dtype)
+        q_nope_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)  # [N, H, 512]
+        batch.token_to_kv_pool.store(self.layer_id, batch.out_cache_loc, ckv, kpe)
+        out = batch.attn_backend.forward(q_nope_abs, q_pe, self.layer_id, batch)  # [N, H, 512]
+        out = torch.einsum("nhc,hvc->nhv", out.to(x.dtype), w_uv)  # [N, H, 128]
+        return self.o_proj(out.flatten(1))
+
+    # ---- training: dense causal, non-absorbed --------------------------------------------
+    def forward_train(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``positions [T]``, ``x [B, T, hidden]`` -> ``[B, T, hidden]``; causal, differentiable."""
+        B, T, _ = x.shape
+        q_nope, q_pe = self._q(x)  # [B, T, H, *]
+        ckv, k_pe = self._latent(x)  # [B, T, 512], [B, T, 64]
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        kv = self.kv_b_proj(ckv).unflatten(-1, (self.num_heads, -1))
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, scale=self.softmax_scale,
+        )  # [B, H, T, 128]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))

@@ -1,0 +1,234 @@
+"""DeepSeek-V3 feed-forward blocks: the dense SwiGLU MLP and the routed MoE with shared experts.
+
+Dense MLP (layers ``< first_k_dense_replace``, and each expert): ``down(silu(gate(x)) * up(x))``
+with ``gate_proj`` / ``up_proj`` column-parallel and ``down_proj`` row-parallel (intermediate dim
+split over TP ranks; one all-reduce at the end).
+
+Router (``mlp.gate``, "noaux_tc"): ``scores = sigmoid(x @ W_gate^T)`` in fp32 ``[N, E]``. Selection
+uses ``scores + e_score_correction_bias``; the experts are split into ``n_group`` groups, a group
+scores the sum of its top-2 biased scores, the best ``topk_group`` groups stay, and the top
+``num_experts_per_tok`` biased scores among them are chosen. The *weights* are the unbiased
+scores of the chosen experts, normalized to sum 1 (``norm_topk_prob``) and multiplied by
+``routed_scaling_factor``.
+
+MoE output: ``sum_k w_k * expert_{id_k}(x) + shared_experts(x)``, summed locally over the rank's
+slice of every expert's intermediate dim, then one all-reduce. Experts are kept as modules named
+like the checkpoint (``experts.{e}.{gate,up,down}_proj``); the loop runs only the experts some
+row chose (differentiable, so the trainer uses the same code).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_spec.models.linear import ColumnParallelLinear, RowParallelLinear
+from mla_spec.parallel import tp_all_reduce
+
+__all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens"]
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP, intermediate dim split over ``tp_size`` ranks.
+
+    ``reduce_results=False`` leaves the partial sum un-reduced (experts / shared experts).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, prefix: str = "",
+                 quantized=None, tp_size: int = 1, reduce_results: bool = True,
+                 dtype=torch.float32, device=None) -> None:
+        super().__init__()
+        q = quantized or (lambda name: False)
+        kw = dict(tp_size=tp_size, dtype=dtype, device=device)
+        self.gate_proj = ColumnParallelLinear(hidden_size, intermediate_size,
+                                              quantized=q(f"{prefix}.gate_proj"), **kw)
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size,
+                                            quantized=q(f"{prefix}.up_proj"), **kw)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
+                                           quantized=q(f"{prefix}.down_proj"),
+                                           reduce_results=reduce_results, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., hidden]``."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def route_tokens(
+    router_logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    scoring_func: str = "sigmoid",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 grouped top-k routing.
+
+    ``router_logits [N, E]`` fp32 -> ``topk_weights [N, top_k]`` fp32, ``topk_ids [N, top_k]``
+    int64. ``bias`` (``e_score_correction_bias [E]``) only affects which experts are chosen.
+    """
+    if scoring_func == "sigmoid":
+        scores = router_logits.sigmoid()
+    elif scoring_func == "softmax":
+        scores = router_logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"scoring_func {scoring_func!r}: supported 'sigmoid', 'softmax'")
+    n, e = scores.shape
+    choice = scores if bias is None else scores + bias.float()
+    if n_group > 1:
+        grouped = choice.view(n, n_group, e // n_group)
+        group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(-1)  # [N, G]
+        keep = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, topk_ids
+
+
+class MoEGate(nn.Module):
+    """``mlp.gate``: ``weight [E, hidden]`` and ``e_score_correction_bias [E]``, kept in fp32."""
+
+    def __init__(self, cfg, device=None) -> None:
+        super().__init__()
+        E = cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, device=device))
+        use_bias = cfg.topk_method == "noaux_tc"
+        self.register_buffer(
+            "e_score_correction_bias", torch.zeros(E, device=device) if use_bias else None
+        )
+        self.top_k, self.n_group, self.topk_group = (
+            cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
+        )
+        if cfg.topk_method == "greedy":
+            self.n_group = self.topk_group = 1
+        self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.scoring_func = cfg.scoring_func
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [N, hidden]`` -> ``(topk_weights [N, k] fp32, topk_ids [N, k] int64)``."""
+        logits = F.linear(x.float(), self.weight.float())
+        return route_tokens(
+            logits, self.e_score_correction_bias, top_k=self.top_k, n_group=self.n_group,
+            topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.scale, scoring_func=self.scoring_func,
+        )
+
+
+class DeepseekV3MoE(nn.Module):
+    """Router + ``n_routed_experts`` experts + shared experts; one all-reduce at the end."""
+
+    def __init__(self, cfg, *, prefix: str = "", quantized=None, tp_size: int = 1,
+                 dtype=torch.float32, device=None) -> None:
+        super().__init__()
+        self.tp_size = tp_size
+        kw = dict(quantized=quantized, tp_size=tp_size, reduce_results=False, dtype=dtype,
+                  device=device)
+        self.gate = MoEGate(cfg, device=device)
+        self.experts = nn.ModuleList(
+            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size,
+                     prefix=f"{prefix}.experts.{e}", **kw)
+            for e in range(cfg.n_routed_experts)
+        )
+        self.shared_experts = (
+            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                     prefix=f"{prefix}.shared_experts", **kw)
+            if cfg.n_shared_experts else None
+        )
+        # "auto": on CUDA at inference the fused NVFP4 kernel (or the masked all-experts loop for
+        # BF16 experts), elsewhere the loop over active experts. "never" / "always" / "masked"
+        # force a path (tests, CUDA-graph capture).
+        self.fused_mode = "auto"
+        self._fused = self._stack_nvfp4_experts()
+
+    def _stack_nvfp4_experts(self):
+        """Stack the NVFP4 experts into ``w13`` / ``w2`` tensors for ``fused_moe_nvfp4``.
+
+        The per-expert buffers become *views* of the stacked storage, so the loader's in-place
+        copies fill both and nothing is duplicated. Returns None for non-quantized experts.
+        """
+        lins = [(e.gate_proj, e.up_proj, e.down_proj) for e in self.experts]
+        if not lins or not all(lin.quantized for trio in lins for lin in trio):
+            return None
+        g0, _, d0 = lins[0]
+        E, inter = len(lins), g0.out_features
+        dev = g0.weight.device
+
+        def stacked(ref, rows):
+            return torch.zeros((E, rows, *ref.shape[1:]), dtype=ref.dtype, device=dev)
+
+        w13 = {n: stacked(getattr(g0, n), 2 * inter) for n in ("weight", "weight_scale")}
+        w2 = {n: stacked(getattr(d0, n), d0.out_features) for n in ("weight", "weight_scale")}
+        s13 = torch.ones((E, 2), device=dev)
+        s2 = torch.ones((E,), device=dev)
+        for e, (g, u, d) in enumerate(lins):
+            for n in ("weight", "weight_scale"):
+                g._buffers[n] = w13[n][e, :inter]
+                u._buffers[n] = w13[n][e, inter:]
+                d._buffers[n] = w2[n][e]
+            g._buffers["weight_scale_2"] = s13[e, 0]
+            u._buffers["weight_scale_2"] = s13[e, 1]
+            d._buffers["weight_scale_2"] = s2[e]
+        return w13, s13, w2, s2
+
+    def _use_fused(self, x: torch.Tensor) -> bool:
+        if self._fused is None or self.fused_mode == "never":
+            return False
+        return self.fused_mode == "always" or (x.is_cuda and not torch.is_grad_enabled())
+
+    def fused_experts_forward(self, x, topk_weights, topk_ids, kernel=None) -> torch.Tensor:
+        """Routed experts through ``fused_moe_nvfp4`` (or ``kernel``, e.g. ``fused_moe_ref``)."""
+        from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
+        from mla_spec.quant.nvfp4 import NVFP4Tensor
+
+        w13, s13, w2, s2 = self._fused
+        fn = kernel or fused_moe_nvfp4
+        return fn(x, topk_ids, topk_weights, NVFP4Tensor(w13["weight"], w13["weight_scale"], s13),
+                  NVFP4Tensor(w2["weight"], w2["weight_scale"], s2))
+
+    def experts_forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k w[n,k] * expert_{ids[n,k]}(x[n])`` over the rank's intermediate slice."""
+        out = torch.zeros_like(x)
+        if x.shape[0] == 0:
+            return out
+        for e in torch.unique(topk_ids).tolist():
+            rows, slot = torch.where(topk_ids == e)
+            y = self.experts[e](x[rows]) * topk_weights[rows, slot, None]
+            out = out.index_add(0, rows, y.to(x.dtype))
+        return out
+
+    def masked_experts_forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                               topk_ids: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, weighted by its (mostly zero) routing weight.
+
+        No host sync and fixed shapes, so it can be captured in a CUDA graph (used for BF16
+        experts on CUDA, e.g. the MTP layer's); it reads all experts' weights every call.
+        """
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            w = (topk_weights * (topk_ids == e)).sum(-1, keepdim=True)  # [N, 1] fp32
+            out = out + (expert(x) * w).to(x.dtype)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., hidden]`` (all-reduced)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        topk_weights, topk_ids = self.gate(x)
+        if self._use_fused(x):
+            out = self.fused_experts_forward(x, topk_weights, topk_ids)
+        elif self.fused_mode == "masked" or (
+            self.fused_mode == "auto" and x.is_cuda and not torch.is_grad_enabled()
+        ):
+            out = self.masked_experts_forward(x, topk_weights, topk_ids)
+        else:
+            out = self.experts_forward(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return tp_all_reduce(out, self.tp_size).view(shape)

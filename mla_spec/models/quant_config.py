@@ -1,0 +1,150 @@
+"""Which linears of a checkpoint are NVFP4: ModelOpt's quantization config, both formats.
+
+NVIDIA's FP4 checkpoints describe their quantization in one of two places:
+
+- ``hf_quant_config.json`` (legacy, nested)::
+
+      {"producer": {"name": "modelopt", "version": ...},
+       "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
+                        "group_size": 16, "exclude_modules": ["lm_head", ...]}}
+
+- ``config.json`` -> ``quantization_config`` (flat, newer): ``quant_algo``, ``group_size`` (or
+  ``config_groups.*.weights.group_size``), ``ignore`` for the exclusions and
+  ``kv_cache_scheme: {"type": "float", "num_bits": 8}`` for an FP8 KV cache.
+
+An exclusion pattern is a glob over the module name (``.`` literal, ``*`` -> ``.*``) that must
+match the *whole* name (regex fullmatch), e.g. ``model.layers.*.self_attn*`` or ``lm_head``.
+Excluded linears stay BF16. The MTP layer is always BF16 here (as SGLang forces for
+``modelopt_fp4``), whatever the list says.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["QuantConfig"]
+
+
+def _glob_to_regex(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\*", ".*"))
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """NVFP4 weight quantization (``quant_algo`` "NVFP4") with BF16 exclusions.
+
+    ``kv_cache_quant_algo``: "FP8" or None. ``producer``: the writer's name/version dict.
+    ``mtp_layer_id``: checkpoint index of the MTP layer (``num_hidden_layers``), always BF16.
+    """
+
+    quant_algo: str = "NVFP4"
+    group_size: int = 16
+    exclude_modules: tuple[str, ...] = ()
+    kv_cache_quant_algo: str | None = None
+    producer: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    mtp_layer_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.quant_algo != "NVFP4":
+            raise ValueError(f"quant_algo {self.quant_algo!r}: supported 'NVFP4'")
+        if self.group_size != 16:
+            raise ValueError(f"group_size {self.group_size}: NVFP4 uses 16")
+        object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
+        object.__setattr__(
+            self, "_regexes", tuple(_glob_to_regex(p) for p in self.exclude_modules)
+        )
+
+    # ---- parsing -------------------------------------------------------------------------
+    @classmethod
+    def from_hf_quant_config(cls, d: Mapping[str, Any], **kw) -> QuantConfig:
+        """From the nested ``hf_quant_config.json`` dict."""
+        if "quantization" not in d:
+            raise ValueError("hf_quant_config.json has no 'quantization' section")
+        q = d["quantization"]
+        return cls(
+            quant_algo=q.get("quant_algo"),
+            group_size=int(q.get("group_size", 16)),
+            exclude_modules=tuple(q.get("exclude_modules") or ()),
+            kv_cache_quant_algo=q.get("kv_cache_quant_algo") or None,
+            producer=dict(d.get("producer") or {}),
+            **kw,
+        )
+
+    @classmethod
+    def from_quantization_config(cls, q: Mapping[str, Any], **kw) -> QuantConfig:
+        """From the flat ``quantization_config`` of config.json (``ignore``,
+        ``kv_cache_scheme``)."""
+        algo = q.get("quant_algo")
+        group = q.get("group_size")
+        for g in (q.get("config_groups") or {}).values():
+            w = g.get("weights") or {}
+            algo = algo or ("NVFP4" if w.get("num_bits") == 4 else None)
+            group = group or w.get("group_size")
+        kv = q.get("kv_cache_quant_algo")
+        scheme = q.get("kv_cache_scheme")
+        if kv is None and scheme:
+            kv = "FP8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None
+        return cls(
+            quant_algo=algo,
+            group_size=int(group or 16),
+            exclude_modules=tuple(q.get("ignore") or q.get("exclude_modules") or ()),
+            kv_cache_quant_algo=kv,
+            producer=dict(q.get("producer") or {}),
+            **kw,
+        )
+
+    @classmethod
+    def from_folder(cls, path: str | Path, mtp_layer_id: int | None = None
+                    ) -> QuantConfig | None:
+        """Read a checkpoint folder; None when it is not quantized."""
+        p = Path(path)
+        hq = p / "hf_quant_config.json"
+        if hq.exists():
+            try:
+                d = json.loads(hq.read_text())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{hq}: not valid JSON ({e})") from e
+            return cls.from_hf_quant_config(d, mtp_layer_id=mtp_layer_id)
+        cj = p / "config.json"
+        if cj.exists():
+            q = json.loads(cj.read_text()).get("quantization_config")
+            if q:
+                if q.get("quant_method") not in (None, "modelopt"):
+                    raise ValueError(
+                        f"{cj}: quantization_config.quant_method {q.get('quant_method')!r}: "
+                        "supported 'modelopt' (NVFP4)"
+                    )
+                return cls.from_quantization_config(q, mtp_layer_id=mtp_layer_id)
+        return None
+
+    # ---- queries -------------------------------------------------------------------------
+    def is_excluded(self, prefix: str) -> bool:
+        """Whether module ``prefix`` (e.g. ``model.layers.3.self_attn.q_b_proj``) stays BF16."""
+        return any(r.fullmatch(prefix) for r in self._regexes)
+
+    def is_quantized(self, prefix: str) -> bool:
+        """Whether the linear named ``prefix`` is stored as NVFP4."""
+        mtp = self.mtp_layer_id
+        if mtp is not None and prefix.startswith(f"model.layers.{mtp}."):
+            return False
+        return not self.is_excluded(prefix)
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        return (self.kv_cache_quant_algo or "").upper() == "FP8"
+
+    def to_hf_quant_config(self) -> dict[str, Any]:
+        return {
+            "producer": dict(self.producer) or {"name": "modelopt", "version": "0.29.0"},
+            "quantization": {
+                "quant_algo": self.quant_algo,
+                "kv_cache_quant_algo": self.kv_cache_quant_algo,
+                "group_size": self.group_size,
+                "exclude_modules": list(self.exclude_modules),
+            },
+        }

@@ -1,0 +1,113 @@
+"""Rotary position embedding of DeepSeek-V3: YaRN-scaled frequencies, interleaved pairs.
+
+Only the ``qk_rope_head_dim`` = 64 wide part of each query head (``q_pe``) and the single shared
+key part (``k_pe``) are rotated. DeepSeek pairs *adjacent* elements ``(x[2i], x[2i+1])`` and
+rotates pair ``i`` by ``position * inv_freq[i]`` (SGLang's ``is_neox=False``). The output keeps the
+interleaved layout (as SGLang writes it into the KV cache); transformers returns the same values
+de-interleaved, which gives identical q·k dot products.
+
+YaRN (as transformers' ``_compute_yarn_parameters`` computes it): with ``dim`` = 64, base
+``rope_theta``, scale ``factor`` and ``original_max_position_embeddings`` L,
+``inv_freq = interp * (1 - m) + extrap * m`` where ``extrap = base^(-2i/dim)``,
+``interp = extrap / factor`` and ``m = 1 - clamp((i - low) / (high - low), 0, 1)`` over the
+correction range ``low = floor(d(beta_fast))``, ``high = ceil(d(beta_slow))``,
+``d(r) = dim * ln(L / (2*pi*r)) / (2 ln base)``. cos/sin are multiplied by the attention factor
+``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (1.0 for DeepSeek-V3); the
+softmax-scale part (``mscale_all_dim``) lives in ``ModelConfig.softmax_scale``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["DeepseekRotaryEmbedding", "yarn_inv_freq", "apply_rope_interleaved"]
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_inv_freq(
+    dim: int, base: float, rope_scaling: Mapping[str, Any] | None, max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[dim / 2]`` (fp32) and the cos/sin attention factor.
+
+    ``rope_scaling`` None (or type "default") gives plain RoPE.
+    """
+    pos = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    rs = dict(rope_scaling or {})
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind in ("default", None):
+        return 1.0 / pos, 1.0
+    if kind != "yarn":
+        raise ValueError(f"rope_scaling type {kind!r}: supported 'yarn' and default")
+    orig = rs.get("original_max_position_embeddings", max_position_embeddings)
+    factor = rs.get("factor")
+    if factor is None:
+        factor = max_position_embeddings / orig
+    attn = rs.get("attention_factor")
+    if attn is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn = _mscale(factor, m) / _mscale(factor, m_all) if m and m_all else _mscale(factor)
+    beta_fast = rs.get("beta_fast") or 32
+    beta_slow = rs.get("beta_slow") or 1
+
+    def corr(rot: float) -> float:
+        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr(beta_fast), corr(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrap_w = 1 - ramp
+    inv_freq = (1.0 / (factor * pos)) * (1 - extrap_w) + (1.0 / pos) * extrap_w
+    return inv_freq, float(attn)
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of ``x`` ``[..., dim]``; ``cos``/``sin`` broadcast to ``[..., dim/2]``.
+
+    Math in fp32, result in ``x``'s dtype, layout unchanged (interleaved).
+    """
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class DeepseekRotaryEmbedding(nn.Module):
+    """``(q_pe, k_pe) -> roped (q_pe, k_pe)`` at ``positions``.
+
+    Shapes: ``positions`` ``[*P]`` (``[N]`` packed rows or ``[T]`` for a dense batch),
+    ``q_pe`` ``[*B, *P, H, 64]``, ``k_pe`` ``[*B, *P, 64]`` (leading batch dims broadcast).
+    """
+
+    def __init__(self, cfg, device=None) -> None:
+        super().__init__()
+        inv_freq, attn = yarn_inv_freq(
+            cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.rope_scaling,
+            cfg.max_position_embeddings,
+        )
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.attention_factor = attn
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[*P, dim/2]`` fp32 cos and sin (attention factor applied)."""
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
+        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+
+    def forward(
+        self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin(positions)
+        q = apply_rope_interleaved(q_pe, cos[..., None, :], sin[..., None, :])
+        k = apply_rope_interleaved(k_pe, cos, sin)
+        return q, k

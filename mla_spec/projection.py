@@ -1,0 +1,294 @@
+"""A *projection* (not a measurement) of DeepSeek-V3 tokens/s per user from per-layer timings.
+
+``benchmarks/bench_layer.py`` times one decoder layer on one GPU at the shapes a GPU holds under
+tensor parallelism 4 (32 of 128 heads, experts split 4 ways on the intermediate dimension). The
+whole model on 4 GPUs runs, per target forward:
+
+    3 dense layers + 58 MoE layers + final norm and lm_head shard (vocab-parallel)
+    + 2 all-reduces per layer (after o_proj and after the MLP / MoE down projection),
+      each of the ``[rows, 7168]`` bf16 activations, rows = bs * q_len
+    + 1 all-gather of the logits of the rows that are sampled (``[rows, 129280]`` bf16)
+
+The GPUs run the layers in lock step, so one GPU's layer time is the model's layer time. The
+collectives are *estimated*, not measured: a ring all-reduce moves ``2 (tp-1)/tp * bytes`` per GPU
+and an all-gather ``(tp-1)/tp * bytes``, over a link of stated bandwidth, plus a fixed latency
+per collective. For the H200's NVLink 4 (through NVSwitch) we assume ~450 GB/s per direction per
+GPU and 5-10 us of small-message latency (NCCL, inside a CUDA graph); at batch 1 the messages
+are 14 KB, so latency is what counts: 123 collectives x 8 us ~ 1 ms per forward.
+
+Speculative decoding with the MTP layer (spec v2, topk 1, ``num_steps`` drafts, ``ndt =
+num_steps + 1`` rows per request) runs one *cycle* per ``accept_length`` tokens:
+
+    TARGET_VERIFY   target forward with ndt rows per request (logits of all ndt rows)
+    DRAFT_EXTEND_V2 the MTP layer over ndt rows, logits of one row per request (draft 1)
+    DECODE x (num_steps - 1)  the MTP layer with one row per request (drafts 2 .. num_steps)
+
+``tokens/s per user = accept_length / cycle time`` (``accept_length`` counts the bonus token, as
+everywhere in this package); without MTP it is ``1 / decode-step time``. Host overhead (sampling,
+scheduling) is not modelled: it is ``overhead_us`` per decode step or per MTP cycle, 0 by
+default (CUDA graphs and an overlapped scheduler hide most of it). The seed's bars (SGLang's
+``test_bs_1_speed``) are for 4 B200s: > 75 tok/s without MTP, > 150 with. :func:`b200_scaled`
+gives a crude bandwidth-scaled view of the same layer times, to separate "our kernels" from "the
+H200 is a slower machine".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = [
+    "LinkSpec",
+    "ModelShape",
+    "ForwardTimes",
+    "Projection",
+    "NVLINK4_H200",
+    "SEED_BARS",
+    "allreduce_us",
+    "allgather_us",
+    "target_forward_us",
+    "mtp_forward_us",
+    "project_no_mtp",
+    "project_mtp",
+    "b200_scaled",
+    "projection_report",
+]
+
+#: The seed's bs-1 speed bars (tok/s per user), measured by SGLang's CI on 4 B200s.
+SEED_BARS = {"no_mtp": 75.0, "mtp": 150.0}
+
+#: HBM bandwidth (TB/s) from the data sheets: H200 SXM and B200.
+H200_HBM_TB_S = 4.8
+B200_HBM_TB_S = 8.0
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A GPU-to-GPU link for the collective-cost estimate.
+
+    ``bandwidth_gb_s`` per direction per GPU (GB = 1e9 B); ``latency_us`` per collective.
+    """
+
+    name: str
+    bandwidth_gb_s: float
+    latency_us: float
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_gb_s > 0 or self.latency_us < 0:
+            raise ValueError(f"{self}: bandwidth must be > 0 and latency >= 0")
+
+
+#: NVLink 4 on the H200 (18 links x 25 GB/s per direction). An estimate, not a measurement.
+NVLINK4_H200 = LinkSpec("NVLink 4 (H200, estimate)", bandwidth_gb_s=450.0, latency_us=8.0)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the projection multiplies by (DeepSeek-V3 at TP 4 by default)."""
+
+    num_dense_layers: int = 3
+    num_moe_layers: int = 58
+    hidden_size: int = 7168
+    vocab_size: int = 129280
+    tp_size: int = 4
+    act_bytes: int = 2  # bf16 activations in the all-reduces
+    logit_bytes: int = 2  # bf16 logits in the all-gather
+    allreduces_per_layer: int = 2
+
+    @property
+    def num_layers(self) -> int:
+        return self.num_dense_layers + self.num_moe_layers
+
+
+@dataclass(frozen=True)
+class ForwardTimes:
+    """Measured device times (us) of one GPU's pieces at one (bs, q_len, context).
+
+    ``moe_layer_us`` / ``dense_layer_us``: one decoder layer (norms, attention, MoE or dense MLP),
+    no collectives. ``lm_head_us``: final norm + lm_head shard for the rows sampled at this
+    q_len. ``mtp_layer_us``: one MTP forward (enorm, hnorm, eh_proj, its decoder layer), without
+    the lm_head.
+    """
+
+    moe_layer_us: float
+    dense_layer_us: float
+    lm_head_us: float
+    mtp_layer_us: float = 0.0
+
+
+@dataclass(frozen=True)
+class Projection:
+    """One projected operating point. ``step_us`` is a decode step or a whole MTP cycle."""
+
+    label: str
+    step_us: float
+    tokens_per_step: float
+    breakdown: dict
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step * 1e6 / self.step_us
+
+    @property
+    def comm_fraction(self) -> float:
+        """Share of the step spent in (estimated) collectives."""
+        return self.breakdown.get("collectives", 0.0) / self.step_us
+
+
+def _bytes_per_us(link: LinkSpec) -> float:
+    return link.bandwidth_gb_s * 1e3  # GB/s -> bytes/us
+
+
+def allreduce_us(nbytes: float, tp_size: int, link: LinkSpec = NVLINK4_H200) -> float:
+    """Ring all-reduce of ``nbytes`` over ``tp_size`` GPUs: ``lat + 2 (tp-1)/tp * bytes / bw``.
+
+    0 for ``tp_size == 1`` (nothing to reduce).
+    """
+    if tp_size < 1 or nbytes < 0:
+        raise ValueError(f"tp_size {tp_size} must be >= 1 and nbytes {nbytes} >= 0")
+    if tp_size == 1:
+        return 0.0
+    return link.latency_us + 2 * (tp_size - 1) / tp_size * nbytes / _bytes_per_us(link)
+
+
+def allgather_us(nbytes_total: float, tp_size: int, link: LinkSpec = NVLINK4_H200) -> float:
+    """All-gather whose result is ``nbytes_total``: ``lat + (tp-1)/tp * bytes / bw``."""
+    if tp_size < 1 or nbytes_total < 0:
+        raise ValueError(f"tp_size {tp_size} must be >= 1 and nbytes {nbytes_total} >= 0")
+    if tp_size == 1:
+        return 0.0
+    return link.latency_us + (tp_size - 1) / tp_size * nbytes_total / _bytes_per_us(link)
+
+
+def _collectives_us(rows: int, logit_rows: int, num_layers: int, shape: ModelShape,
+                    link: LinkSpec) -> float:
+    ar = allreduce_us(rows * shape.hidden_size * shape.act_bytes, shape.tp_size, link)
+    ag = allgather_us(logit_rows * shape.vocab_size * shape.logit_bytes, shape.tp_size, link)
+    return num_layers * shape.allreduces_per_layer * ar + ag
+
+
+def target_forward_us(t: ForwardTimes, rows: int, logit_rows: int,
+                      shape: ModelShape = ModelShape(),
+                      link: LinkSpec = NVLINK4_H200) -> dict[str, float]:
+    """One forward of the target model: ``{"layers", "lm_head", "collectives", "total"}`` (us).
+
+    ``rows`` = bs * q_len (all-reduce size); ``logit_rows`` = rows whose logits are gathered.
+    """
+    layers = shape.num_dense_layers * t.dense_layer_us + shape.num_moe_layers * t.moe_layer_us
+    comm = _collectives_us(rows, logit_rows, shape.num_layers, shape, link)
+    return {"layers": layers, "lm_head": t.lm_head_us, "collectives": comm,
+            "total": layers + t.lm_head_us + comm}
+
+
+def mtp_forward_us(mtp_layer_us: float, lm_head_us: float, rows: int, logit_rows: int,
+                   shape: ModelShape = ModelShape(),
+                   link: LinkSpec = NVLINK4_H200) -> dict[str, float]:
+    """One forward of the MTP draft layer (+ shared lm_head): same keys as the target's."""
+    comm = _collectives_us(rows, logit_rows, 1, shape, link)
+    return {"layers": mtp_layer_us, "lm_head": lm_head_us, "collectives": comm,
+            "total": mtp_layer_us + lm_head_us + comm}
+
+
+def _sum(*parts: dict[str, float]) -> dict[str, float]:
+    keys = ("layers", "lm_head", "collectives", "total")
+    return {k: sum(p[k] for p in parts) for k in keys}
+
+
+def project_no_mtp(decode: ForwardTimes, bs: int = 1, shape: ModelShape = ModelShape(),
+                   link: LinkSpec = NVLINK4_H200, overhead_us: float = 0.0) -> Projection:
+    """Plain decoding: one target forward (q_len 1) per token.
+
+    Parameters
+    ----------
+    decode : layer times measured at q_len 1 and batch ``bs``
+    """
+    f = target_forward_us(decode, bs, bs, shape, link)
+    f["overhead"] = overhead_us
+    f["total"] += overhead_us
+    return Projection(f"no MTP, bs {bs}", f["total"], 1.0, f)
+
+
+def project_mtp(decode: ForwardTimes, verify: ForwardTimes, accept_length: float,
+                num_steps: int = 3, bs: int = 1, shape: ModelShape = ModelShape(),
+                link: LinkSpec = NVLINK4_H200, overhead_us: float = 0.0) -> Projection:
+    """MTP speculative decoding (spec v2, topk 1): ``accept_length`` tokens per cycle.
+
+    Parameters
+    ----------
+    decode : times at q_len 1 (its ``mtp_layer_us`` = a DECODE draft step, ``lm_head_us`` for
+        ``bs`` rows)
+    verify : times at q_len ``num_steps + 1`` (target layers in TARGET_VERIFY, ``mtp_layer_us`` =
+        the MTP layer in DRAFT_EXTEND_V2, ``lm_head_us`` for ``bs * (num_steps + 1)`` rows)
+    accept_length : mean tokens accepted per cycle, bonus included, in 1 .. num_steps + 1
+    """
+    ndt = num_steps + 1
+    if num_steps < 1 or not 1.0 <= accept_length <= ndt:
+        raise ValueError(f"accept_length {accept_length} must be in 1..{ndt} "
+                         f"(num_steps {num_steps} >= 1)")
+    tv = target_forward_us(verify, bs * ndt, bs * ndt, shape, link)
+    de = mtp_forward_us(verify.mtp_layer_us, decode.lm_head_us, bs * ndt, bs, shape, link)
+    dd = mtp_forward_us(decode.mtp_layer_us, decode.lm_head_us, bs, bs, shape, link)
+    steps = [tv, de] + [dd] * (num_steps - 1)
+    f = _sum(*steps)
+    f.update(verify=tv["total"], draft_extend=de["total"],
+             draft_decode=dd["total"] * (num_steps - 1), overhead=overhead_us)
+    f["total"] += overhead_us
+    return Projection(f"MTP {num_steps} steps, accept {accept_length:g}, bs {bs}", f["total"],
+                      float(accept_length), f)
+
+
+def b200_scaled(t: ForwardTimes, factor: float = H200_HBM_TB_S / B200_HBM_TB_S) -> ForwardTimes:
+    """Every time multiplied by ``factor`` (default 4.8/8.0, the HBM bandwidth ratio).
+
+    Crude: it assumes every piece is memory-bound and ignores the B200's FP4 tensor cores and
+    faster NVLink 5. It only says what the same kernels would need on a machine with more bytes/s.
+    """
+    return replace(t, moe_layer_us=t.moe_layer_us * factor,
+                   dense_layer_us=t.dense_layer_us * factor,
+                   lm_head_us=t.lm_head_us * factor, mtp_layer_us=t.mtp_layer_us * factor)
+
+
+def projection_report(decode: ForwardTimes, verify: ForwardTimes | None,
+                      accept_lengths=(2.04, 2.5, 3.0), num_steps: int = 3, bs: int = 1,
+                      shape: ModelShape = ModelShape(), link: LinkSpec = NVLINK4_H200,
+                      latency_range=(5.0, 10.0)) -> list[str]:
+    """Human-readable lines: tokens/s per user with and without MTP next to the seed's bars.
+
+    ``latency_range`` reprints each number with the link latency at its low and high end.
+    """
+    lo, hi = (replace(link, latency_us=v) for v in latency_range)
+    lines = [f"PROJECTION (not a measurement): DeepSeek-V3, {shape.num_dense_layers} dense + "
+             f"{shape.num_moe_layers} MoE layers + lm_head, TP {shape.tp_size}, bs {bs}; "
+             f"collectives estimated on {link.name}: {link.bandwidth_gb_s:g} GB/s/direction, "
+             f"{link.latency_us:g} us each (range {latency_range[0]:g}-{latency_range[1]:g} us)"]
+
+    def row(name, fn, bar):
+        p, plo, phi = fn(link), fn(hi), fn(lo)
+        b2 = fn(link, scaled=True)
+        lines.append(
+            f"  {name:<26} {p.tokens_per_s:7.1f} tok/s/user [{plo.tokens_per_s:.1f}-"
+            f"{phi.tokens_per_s:.1f}]  step {p.step_us / 1e3:6.2f} ms (collectives "
+            f"{100 * p.comm_fraction:4.1f}%)  seed bar {bar:g} on 4xB200: "
+            f"{100 * p.tokens_per_s / bar:5.1f}%  | B200-bandwidth-scaled {b2.tokens_per_s:.1f}")
+
+    def no_mtp(lk, scaled=False):
+        return project_no_mtp(b200_scaled(decode) if scaled else decode, bs, shape, lk)
+
+    row("no MTP", no_mtp, SEED_BARS["no_mtp"])
+    ratios = [no_mtp(link).tokens_per_s / SEED_BARS["no_mtp"]]
+    if verify is not None:
+        for acc in accept_lengths:
+            def mtp(lk, scaled=False, acc=acc):
+                d, v = (b200_scaled(decode), b200_scaled(verify)) if scaled else (decode, verify)
+                return project_mtp(d, v, acc, num_steps, bs, shape, lk)
+            row(f"MTP {num_steps} steps, accept {acc:g}", mtp, SEED_BARS["mtp"])
+            ratios.append(mtp(link).tokens_per_s / SEED_BARS["mtp"])
+    verdict = ("at or above the B200 bars" if min(ratios) >= 1 else
+               "below the B200 bars" if max(ratios) < 1 else "around the B200 bars")
+    lines.append(
+        f"  How close: {verdict} ({', '.join(f'{100 * r:.0f}%' for r in ratios)}). The bars are "
+        "end-to-end on 4 B200s (8 TB/s HBM vs the H200's 4.8, FP4 tensor cores, NVLink 5, "
+        "trtllm-gen MLA); on the H200 NVFP4 weights are decoded in software (W4A16), and every "
+        "forward pays ~123 collective latencies. The projection leaves out host overhead, "
+        "sampling and scheduling, so a real server lands below it. The B200-scaled column only "
+        "rescales the layer times by 4.8/8.0 (memory-bound assumption).")
+    return lines

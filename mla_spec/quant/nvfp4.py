@@ -1,0 +1,304 @@
+"""NVFP4 weights in NVIDIA ModelOpt's checkpoint format: quantize, pack, unpack, dequantize.
+
+NVFP4 stores a weight matrix ``W [N, K]`` (N = out features, K = in features) in three pieces:
+
+- ``weight`` uint8 ``[N, K/2]``: one 4-bit E2M1 code per element, two per byte. The **even**
+  element ``k = 2i`` sits in the **low** nibble, the odd one ``2i+1`` in the high nibble.
+- ``weight_scale`` float8_e4m3fn ``[N, K/16]``: one scale per 16 consecutive elements of a row.
+- ``weight_scale_2`` float32 scalar: the per-tensor ("global") scale, ``amax(W) / (6 * 448)``.
+
+and ``W ~= E2M1[code] * weight_scale[n, k // 16] * weight_scale_2`` (4.5 bits per weight).
+
+E2M1 (1 sign, 2 exponent, 1 mantissa bit, bias 1) has the magnitudes
+``{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` for codes 0..7; bit 3 is the sign (code 8 is -0).
+
+Quantization follows ``NVFP4QTensor`` of NVIDIA Model-Optimizer (facts only, own code):
+
+1. ``weight_scale_2 = amax(|W|) / (6 * 448)`` (fp32). The largest block scale then lands on 448,
+   the top of e4m3.
+2. block scale ``= amax(|block|) / (6 * weight_scale_2)``; a zero block gets 1.0; the result is
+   clamped to ``>= 2**-9`` (smallest e4m3 subnormal) and cast (round-to-nearest-even) to e4m3.
+3. each element is divided by ``float(block scale) * weight_scale_2`` and rounded to E2M1 by
+   counting the decision bounds ``[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5]`` strictly below ``|x|``
+   (``searchsorted``), then adding one when ``|x|`` equals 0.75, 1.75 or 2.5 exactly.
+   **Tie rule**: a value exactly half-way goes *up* at 0.75 -> 1, 1.75 -> 2, 2.5 -> 3 and *down*
+   at 0.25 -> 0, 1.25 -> 1, 3.5 -> 3, 5 -> 4. This is round-half-even on the mantissa except at
+   2.5 and 3.5, which both land on 3 (IEEE RNE would give 2 and 4). Values above 6 saturate to
+   6. The sign bit is ``x < 0``, so a small negative value that rounds to zero is stored as
+   code 8 (-0), while an exact ``-0.0`` input gives code 0.
+
+The activation scale that ModelOpt exports beside each linear is ``input_scale = amax(x) /
+(6 * 448)``; a W4A16 GEMM does not need it, but the checkpoint carries it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "E2M1_VALUES",
+    "E2M1_BOUNDS",
+    "FP4_MAX",
+    "E4M3_MAX",
+    "BLOCK_SIZE",
+    "NVFP4Tensor",
+    "NVFP4ErrorReport",
+    "cast_to_e2m1",
+    "pack_fp4",
+    "unpack_fp4",
+    "global_scale",
+    "input_scale_from_amax",
+    "nvfp4_block_scales",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
+    "validate_nvfp4",
+    "nvfp4_error_report",
+    "make_error_report",
+]
+
+FP4_MAX = 6.0
+E4M3_MAX = 448.0
+BLOCK_SIZE = 16
+E2M1_VALUES = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+E2M1_BOUNDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+_TIES_UP = (0.75, 1.75, 2.5)
+_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _on(name: str, device: torch.device) -> torch.Tensor:
+    """Cached device copy of a table (no host-to-device copy inside a CUDA-graph capture)."""
+    key = (name, torch.device(device))
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = {"values": E2M1_VALUES, "bounds": E2M1_BOUNDS}[name].to(device)
+    return _ON_DEVICE[key]
+
+
+def cast_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round already-scaled values to 4-bit E2M1 codes with ModelOpt's tie rule.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        Any shape, any float dtype; values in units of the block scale (|x| <= 6 unless clipped).
+
+    Returns
+    -------
+    torch.Tensor
+        uint8 codes in 0..15 of the same shape (bit 3 = sign, bits 0..2 = magnitude index).
+    """
+    x = x.float()
+    sign = (x < 0).to(torch.uint8)
+    mag = x.abs()
+    idx = torch.searchsorted(_on("bounds", x.device), mag.contiguous()).to(torch.uint8)
+    tie_up = torch.zeros_like(idx)
+    for b in _TIES_UP:
+        tie_up |= (mag == b).to(torch.uint8)
+    return (sign << 3) | (idx + tie_up)
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes ``[..., K]`` (K even) into bytes ``[..., K/2]``, even element low."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_fp4: last dim must be even, got shape {tuple(codes.shape)}")
+    c = codes.to(torch.uint8)
+    return (c[..., 0::2] & 0xF) | ((c[..., 1::2] & 0xF) << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Unpack bytes ``[..., K/2]`` into codes ``[..., K]`` (low nibble -> even element)."""
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"unpack_fp4: expected uint8, got {packed.dtype}")
+    lo = packed & 0xF
+    hi = packed >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def global_scale(amax: torch.Tensor | float) -> torch.Tensor:
+    """Per-tensor scale ``amax / (6 * 448)`` as an fp32 scalar tensor (``amax == 0`` -> 1/2688)."""
+    a = torch.as_tensor(amax, dtype=torch.float32)
+    a = torch.where(a > 0, a, torch.ones_like(a))
+    return a / (FP4_MAX * E4M3_MAX)
+
+
+def input_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
+    """Activation ``input_scale = amax(x) / (6 * 448)`` (fp32 scalar), as ModelOpt exports it."""
+    return global_scale(amax)
+
+
+def nvfp4_block_scales(w: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.Tensor:
+    """e4m3 block scales ``[..., K/16]`` of ``w [..., K]`` for a given global scale."""
+    blocks = w.float().unflatten(-1, (-1, BLOCK_SIZE))
+    amax = blocks.abs().amax(-1)
+    s = amax / (FP4_MAX * weight_scale_2.float().to(w.device))
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return s.clamp(min=2.0**-9, max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+@dataclass(frozen=True)
+class NVFP4Tensor:
+    """One NVFP4 weight, named like the checkpoint tensors.
+
+    ``weight`` uint8 ``[..., N, K/2]``, ``weight_scale`` float8_e4m3fn ``[..., N, K/16]``,
+    ``weight_scale_2`` fp32 scalar tensor (or ``[E]`` / ``[E, 2]`` for stacked experts, see
+    ``mla_spec.kernels.nvfp4_moe``), ``input_scale`` fp32 or None. Leading dims stack experts.
+    """
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_scale_2: torch.Tensor
+    input_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        validate_nvfp4(self.weight, self.weight_scale, self.weight_scale_2)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Logical (dequantized) shape ``[..., N, K]``."""
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 2)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[..., N, K]`` in ``dtype`` (2-D tensors with a scalar ``weight_scale_2`` only)."""
+        return dequantize_nvfp4(self.weight, self.weight_scale, self.weight_scale_2, dtype)
+
+    def to(self, device: torch.device | str) -> NVFP4Tensor:
+        """Copy of all four tensors on ``device``."""
+        mv = lambda t: None if t is None else t.to(device)
+        return NVFP4Tensor(mv(self.weight), mv(self.weight_scale), mv(self.weight_scale_2),
+                           mv(self.input_scale))
+
+
+def validate_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
+                   weight_scale_2: torch.Tensor, name: str = "") -> int:
+    """Check dtypes and shapes of one (possibly expert-stacked) NVFP4 weight; return K.
+
+    Raises
+    ------
+    ValueError
+        naming the tensor and the expected dtype / shape.
+    """
+    p = f"{name}." if name else ""
+    if weight.dtype != torch.uint8:
+        raise ValueError(f"{p}weight must be uint8 [..., N, K/2] (two E2M1 codes per byte), "
+                         f"got {weight.dtype}")
+    if weight.dim() < 2:
+        raise ValueError(f"{p}weight must be [..., N, K/2], got shape {tuple(weight.shape)}")
+    k = weight.shape[-1] * 2
+    if k % BLOCK_SIZE:
+        raise ValueError(f"{p}weight: K = {k} (2 * {weight.shape[-1]}) is not a multiple of "
+                         f"{BLOCK_SIZE}; NVFP4 needs in_features % 16 == 0")
+    if weight_scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{p}weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
+    want = (*weight.shape[:-1], k // BLOCK_SIZE)
+    if tuple(weight_scale.shape) != want:
+        raise ValueError(f"{p}weight_scale must have shape {want} (one per 16 elements of "
+                         f"weight {tuple(weight.shape)}), got {tuple(weight_scale.shape)}")
+    if weight_scale_2.dtype != torch.float32:
+        raise ValueError(f"{p}weight_scale_2 must be float32, got {weight_scale_2.dtype}")
+    lead = tuple(weight.shape[:-2])
+    ok = [(), (1,)] + ([(lead[0],), (lead[0], 2)] if len(lead) == 1 else [])
+    if tuple(weight_scale_2.shape) not in ok:
+        raise ValueError(f"{p}weight_scale_2 must have shape one of {ok} for weight "
+                         f"{tuple(weight.shape)}, got {tuple(weight_scale_2.shape)}")
+    return k
+
+
+def quantize_nvfp4(w: torch.Tensor, weight_scale_2: torch.Tensor | None = None,
+                   input_amax: float | torch.Tensor | None = None) -> NVFP4Tensor:
+    """Quantize ``w [..., N, K]`` (K % 16 == 0) to NVFP4 with ModelOpt's conventions.
+
+    Parameters
+    ----------
+    w : torch.Tensor
+        float weight ``[..., N, K]``.
+    weight_scale_2 : torch.Tensor, optional
+        global scale to use (default ``amax(|w|) / 2688``, one for the whole tensor).
+    input_amax : float, optional
+        calibrated activation amax; sets ``input_scale = input_amax / 2688``.
+
+    Returns
+    -------
+    NVFP4Tensor
+    """
+    if not w.is_floating_point():
+        raise ValueError(f"quantize_nvfp4: w must be a float tensor, got {w.dtype}")
+    if w.dim() < 2 or w.shape[-1] % BLOCK_SIZE:
+        raise ValueError(f"quantize_nvfp4: w must be [..., N, K] with K % 16 == 0, "
+                         f"got {tuple(w.shape)}")
+    w32 = w.float()
+    ws2 = global_scale(w32.abs().amax()) if weight_scale_2 is None else weight_scale_2.float()
+    ws2 = ws2.to(w.device)
+    scale = nvfp4_block_scales(w32, ws2)
+    scaled = w32.unflatten(-1, (-1, BLOCK_SIZE)) / (scale.float() * ws2).unsqueeze(-1)
+    codes = cast_to_e2m1(scaled.flatten(-2))
+    inp = None if input_amax is None else input_scale_from_amax(input_amax).to(w.device)
+    return NVFP4Tensor(pack_fp4(codes), scale, ws2.reshape(ws2.shape), inp)
+
+
+def dequantize_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
+                     weight_scale_2: torch.Tensor, dtype: torch.dtype = torch.float32
+                     ) -> torch.Tensor:
+    """``E2M1[code] * weight_scale * weight_scale_2`` -> ``[..., N, K]`` in ``dtype``.
+
+    ``weight_scale_2`` may be a scalar, ``[E]`` (one per stacked expert) or ``[E, 2]`` (gate /
+    up halves of a stacked w13, the first N/2 rows use column 0).
+    """
+    validate_nvfp4(weight, weight_scale, weight_scale_2)
+    codes = unpack_fp4(weight).long()
+    vals = _on("values", weight.device)[codes]
+    per_block = weight_scale.float() * _expand_scale_2(weight_scale_2, weight.shape)
+    out = vals.unflatten(-1, (-1, BLOCK_SIZE)) * per_block.unsqueeze(-1)
+    return out.flatten(-2).to(dtype)
+
+
+def _expand_scale_2(ws2: torch.Tensor, wshape: torch.Size) -> torch.Tensor:
+    """Broadcast a scalar / ``[E]`` / ``[E, 2]`` global scale to ``[..., N, 1]``."""
+    ws2 = ws2.float()
+    if ws2.dim() == 0 or ws2.numel() == 1 and len(wshape) == 2:
+        return ws2.reshape(())
+    if ws2.dim() == 1:
+        return ws2.reshape(-1, 1, 1)
+    n = wshape[-2]
+    half = torch.arange(n, device=ws2.device) >= n // 2
+    return ws2[:, half.long()].unsqueeze(-1)
+
+
+@dataclass(frozen=True)
+class NVFP4ErrorReport:
+    """How well a quantized tensor reproduces the original.
+
+    ``rel_error`` = ||W - Q|| / ||W|| (Frobenius); ``max_error`` = max |W - Q|;
+    ``clipped_block_share`` = share of 16-blocks with an element beyond +-6 after scaling (the
+    e4m3 rounding of the block scale went down, or the scale saturated); ``sqnr_db`` =
+    20 log10(||W|| / ||W - Q||); ``bits_per_weight`` = storage cost of the format.
+    """
+
+    rel_error: float
+    max_error: float
+    clipped_block_share: float
+    sqnr_db: float
+    bits_per_weight: float = 4.5
+
+
+def nvfp4_error_report(w: torch.Tensor, q: NVFP4Tensor | None = None) -> NVFP4ErrorReport:
+    """Quantize ``w [..., N, K]`` (unless ``q`` is given) and measure the error."""
+    q = quantize_nvfp4(w) if q is None else q
+    w32 = w.float()
+    dq = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2)
+    blocks = w32.unflatten(-1, (-1, BLOCK_SIZE))
+    denom = q.weight_scale.float() * _expand_scale_2(q.weight_scale_2, q.weight.shape)
+    clipped = (blocks.abs() / denom.unsqueeze(-1) > FP4_MAX).any(-1)
+    return make_error_report(w32, dq, clipped.float().mean().item(), 4.5)
+
+
+def make_error_report(w32: torch.Tensor, dq: torch.Tensor, clipped: float,
+                      bits: float) -> NVFP4ErrorReport:
+    """Error report of a dequantized ``dq`` against ``w32`` (also used for MXFP4 / int4)."""
+    err = (w32 - dq).norm().item()
+    ref = w32.norm().item()
+    rel = err / ref if ref > 0 else 0.0
+    sqnr = float("inf") if err == 0 else 20.0 * torch.log10(torch.tensor(ref / err)).item()
+    return NVFP4ErrorReport(rel, (w32 - dq).abs().max().item(), clipped, sqnr, bits)

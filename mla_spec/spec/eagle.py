@@ -1,0 +1,249 @@
+"""EAGLE / NEXTN speculative decoding with DeepSeek's MTP layer as the draft (topk 1, greedy).
+
+Tokens and positions (one request; SGLang's semantics). ``t_0 .. t_{L-1}`` have target KV;
+``verified_id = t_L`` was sampled and has none. The MTP layer at position ``p`` combines the
+target hidden ``h_p`` with the embedding of ``t_{p+1}`` and predicts ``t_{p+2}``.
+
+Prefill (``kind == "prefill"``)::
+
+    target EXTEND   tokens t_0..t_{n-1} at 0..n-1 (hidden FULL) -> sample t_n = verified_id
+    draft  EXTEND   tokens t_1..t_n     at 0..n-1, hidden h_0..h_{n-1} (LAST) -> d1, draft hidden
+
+One speculative round (``kind == "decode"``), ``ns = num_steps``, ``ndt = ns + 1``::
+
+    draft  DECODE x (ns-1)   token d_i at position L+i-1, hidden = the MTP's own last output
+                             -> d_2 .. d_ns
+    target TARGET_VERIFY     [t_L, d_1 .. d_ns] at L .. L+ndt-1 -> predict[j] = argmax
+    greedy accept            a = 1 + #leading j with d_{j+1} == predict[j]   (1..ndt, bonus incl.)
+                             new tokens predict[0..a-1]; verified_id = predict[a-1]; L += a
+    v1 DRAFT_EXTEND          a rows (positions L..L+a-1, tokens predict[0..a-1], hidden rows
+                             0..a-1 of the verify), ragged; the last row gives the next d1
+    v2 DRAFT_EXTEND_V2       all ndt rows (fixed shape), keep row a-1 (select_last_rows)
+
+The v1 draft extend needs ``a`` on the host to shape its batch (one device-to-host sync between
+verify and the next draft). v2 keeps ``a`` on the device from the verify's argmax to the next
+``d1``: every batch of that region is built and planned before it starts, and the accept
+lengths only index rows. KV rows written for rejected positions (target rows L+a.. of the verify,
+draft rows of v2's extend) are overwritten by the next round before anything attends to them.
+
+Per-request state lives on the device, indexed by the request row: ``verified_id``,
+``draft_token`` (d1) and ``draft_hidden``. Every rank of a tensor-parallel group executes the same
+:class:`StepPlan` through :meth:`EagleWorker.execute`; logits are identical on all ranks, so the
+greedy decisions (and v1's ragged shapes) agree without extra communication.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from mla_spec.config import SpecConfig
+from mla_spec.forward_batch import ForwardBatch
+from mla_spec.forward_mode import CaptureHiddenMode
+
+__all__ = ["EagleWorker", "StepOutput", "greedy_accept", "no_host_sync"]
+
+FULL, LAST = CaptureHiddenMode.FULL, CaptureHiddenMode.LAST
+
+
+def greedy_accept(predict: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """Accept lengths of a chain of drafts (bonus token included).
+
+    Parameters
+    ----------
+    predict : ``[bs, ndt]`` target argmax at each verify row
+    drafts : ``[bs, ndt - 1]`` draft tokens d_1 .. d_{ndt-1}
+
+    Returns
+    -------
+    ``[bs]`` int64 in ``1..ndt``: 1 + the number of leading ``j`` with ``drafts[:, j] ==
+    predict[:, j]``. Device only (no host synchronization).
+    """
+    match = (drafts == predict[:, : drafts.shape[1]]).to(torch.int64)
+    return 1 + torch.cumprod(match, dim=1).sum(dim=1)
+
+
+@contextmanager
+def no_host_sync(enabled: bool = True):
+    """Make any device-to-host synchronization inside the block raise (CUDA only)."""
+    if not enabled:
+        yield
+        return
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+@dataclass
+class StepOutput:
+    """Device results of one step (rank 0 copies them to the host once per step)."""
+
+    next_ids: torch.Tensor | None = None  # [bs] prefill / plain decode: the new verified id
+    predict: torch.Tensor | None = None  # [bs, ndt] spec round: target argmax per verify row
+    accept: torch.Tensor | None = None  # [bs] spec round: accept lengths in 1..ndt
+
+
+class EagleWorker:
+    """Executes step plans on one rank: prefill, plain decode, or one speculative round.
+
+    Parameters
+    ----------
+    runner : ``ModelRunner`` of this rank
+    spec : ``SpecConfig`` (``spec.enabled`` False -> target only, plain DECODE steps)
+    """
+
+    def __init__(self, runner, spec: SpecConfig) -> None:
+        if spec.enabled and not runner.has_draft:
+            raise ValueError("speculative decoding needs the MTP draft model; the checkpoint "
+                             "has none (num_nextn_predict_layers = 0): use spec off")
+        self.runner, self.spec = runner, spec
+        dev, max_reqs = runner.device, runner.req_to_token.shape[0]
+        self.verified_id = torch.zeros(max_reqs, dtype=torch.int64, device=dev)
+        self.draft_token = torch.zeros(max_reqs, dtype=torch.int64, device=dev)
+        self.draft_hidden: torch.Tensor | None = None  # [max_reqs, hidden], made on first use
+        self.last_drafts: torch.Tensor | None = None  # [bs, ns] of the last round (tests)
+        # v2 on a GPU: raise if anything between verify and the next draft syncs with the host
+        self.check_no_sync = False
+
+    # ---- entry point -------------------------------------------------------------------------
+    @torch.no_grad()
+    def execute(self, plan) -> StepOutput | None:
+        self.runner.apply_slot_updates(plan.slot_updates)
+        if plan.kind == "prefill":
+            return self.prefill(plan)
+        if plan.kind == "decode":
+            return self.spec_round(plan) if self.spec.enabled else self.decode(plan)
+        if plan.kind == "stop":
+            return None
+        raise ValueError(f"unknown step kind {plan.kind!r}: expected prefill, decode or stop")
+
+    def _rows(self, plan, rows_per_req) -> list[int]:
+        return [r for r, q in zip(plan.req_pool_indices, rows_per_req) for _ in range(q)]
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64).to(self.runner.device)
+
+    # ---- prefill -----------------------------------------------------------------------------
+    def prefill(self, plan) -> StepOutput:
+        """Target EXTEND (+ draft EXTEND when speculating); returns the sampled verified ids."""
+        run, bs = self.runner, plan.batch_size
+        lens = list(plan.seq_lens)
+        ids = self._index([t for f in plan.fill_ids for t in f])
+        row_req = self._rows(plan, lens)
+        batch = ForwardBatch.extend([0] * bs, lens, req_pool_indices=plan.req_pool_indices,
+                                    device=run.device,
+                                    capture_hidden_mode=FULL if self.spec.enabled else LAST)
+        run.prepare("target", batch, row_req)
+        known = self._index(plan.known_next_ids)
+        rpi = self._index(plan.req_pool_indices)
+        dbatch = None
+        if self.spec.enabled:
+            dbatch = ForwardBatch.extend([0] * bs, lens, req_pool_indices=plan.req_pool_indices,
+                                         device=run.device, capture_hidden_mode=LAST)
+            run.prepare("draft", dbatch, row_req)
+        hidden = run.run("target", batch, ids)
+        last = batch.select_last_rows()
+        sampled = torch.argmax(run.logits("target", hidden[last]), dim=-1)
+        next_ids = torch.where(known >= 0, known, sampled)
+        self.verified_id[rpi] = next_ids
+        if dbatch is not None:
+            draft_ids = torch.empty_like(ids)
+            draft_ids[:-1] = ids[1:]  # t_1 .. t_{n-1} per request (row n-1 is overwritten)
+            draft_ids[last] = next_ids  # ... then t_n
+            dh = run.run("draft", dbatch, draft_ids, hidden)
+            self._keep_draft(rpi, dh[dbatch.select_last_rows()])
+        return StepOutput(next_ids=next_ids)
+
+    def _keep_draft(self, rpi: torch.Tensor, hidden_last: torch.Tensor) -> None:
+        """Store d1 = argmax of the draft logits and the draft hidden of each request row."""
+        if self.draft_hidden is None or self.draft_hidden.shape[1] != hidden_last.shape[1]:
+            self.draft_hidden = hidden_last.new_zeros(
+                (self.verified_id.shape[0], hidden_last.shape[1]))
+        self.draft_token[rpi] = torch.argmax(self.runner.logits("draft", hidden_last), dim=-1)
+        self.draft_hidden[rpi] = hidden_last
+
+    # ---- plain decode ------------------------------------------------------------------------
+    def decode(self, plan) -> StepOutput:
+        run = self.runner
+        rpi = self._index(plan.req_pool_indices)
+        batch = ForwardBatch.decode([L + 1 for L in plan.seq_lens],
+                                    req_pool_indices=plan.req_pool_indices, device=run.device)
+        run.prepare("target", batch, list(plan.req_pool_indices))
+        hidden = run.run("target", batch, self.verified_id[rpi])
+        next_ids = torch.argmax(run.logits("target", hidden), dim=-1)
+        self.verified_id[rpi] = next_ids
+        return StepOutput(next_ids=next_ids)
+
+    # ---- one speculative round ---------------------------------------------------------------
+    def draft(self, plan, rpi: torch.Tensor) -> torch.Tensor:
+        """``num_steps - 1`` draft DECODE forwards from (d1, draft hidden) -> drafts [bs, ns]."""
+        run = self.runner
+        tok, h = self.draft_token[rpi], self.draft_hidden[rpi]
+        drafts = [tok]
+        for i in range(self.spec.num_steps - 1):
+            b = ForwardBatch.decode([L + 1 + i for L in plan.seq_lens],
+                                    req_pool_indices=plan.req_pool_indices, device=run.device,
+                                    capture_hidden_mode=LAST)
+            run.prepare("draft", b, list(plan.req_pool_indices))
+            h = run.run("draft", b, tok, h)
+            tok = torch.argmax(run.logits("draft", h), dim=-1)
+            drafts.append(tok)
+        return torch.stack(drafts, dim=1)
+
+    def spec_round(self, plan) -> StepOutput:
+        run, bs, ndt = self.runner, plan.batch_size, self.spec.num_draft_tokens
+        rpi = self._index(plan.req_pool_indices)
+        drafts = self.draft(plan, rpi)  # [bs, ns]
+        self.last_drafts = drafts
+        # every batch of the sync-free region is built and planned here, before it
+        vb = ForwardBatch.target_verify(plan.seq_lens, ndt, req_pool_indices=plan.req_pool_indices,
+                                        device=run.device)
+        run.prepare("target", vb, self._rows(plan, [ndt] * bs))
+        eb = None
+        if self.spec.version == "v2":
+            eb = ForwardBatch.draft_extend_v2(plan.seq_lens, ndt, [1] * bs,
+                                              req_pool_indices=plan.req_pool_indices,
+                                              device=run.device)
+            eb.out_cache_loc = vb.out_cache_loc
+            run.prepare("draft", eb)
+        if eb is not None:
+            with no_host_sync(self.check_no_sync and run.device.type == "cuda"):
+                predict, accept, vh = self.verify(vb, rpi, drafts)
+                self.draft_extend_v2(eb, rpi, predict, accept, vh)
+        else:
+            predict, accept, vh = self.verify(vb, rpi, drafts)
+            self.draft_extend_v1(plan, rpi, predict, accept, vh)
+        return StepOutput(predict=predict, accept=accept)
+
+    def verify(self, vb: ForwardBatch, rpi: torch.Tensor, drafts: torch.Tensor):
+        """TARGET_VERIFY + greedy accept -> (predict [bs, ndt], accept [bs], verify hidden)."""
+        run, ndt = self.runner, self.spec.num_draft_tokens
+        ids = torch.cat([self.verified_id[rpi][:, None], drafts], dim=1).reshape(-1)
+        vh = run.run("target", vb, ids)
+        predict = torch.argmax(run.logits("target", vh), dim=-1).view(-1, ndt)
+        accept = greedy_accept(predict, drafts)
+        self.verified_id[rpi] = predict.gather(1, (accept - 1)[:, None]).squeeze(1)
+        return predict, accept, vh
+
+    def draft_extend_v2(self, eb: ForwardBatch, rpi, predict, accept, vh) -> None:
+        """DRAFT_EXTEND_V2: all ndt rows; keep row accept-1 (accept stays on the device)."""
+        eb.accept_length = accept.to(torch.int32)
+        eb.accept_length_cpu = None
+        dh = self.runner.run("draft", eb, predict.reshape(-1), vh)
+        self._keep_draft(rpi, dh[eb.select_last_rows()])
+
+    def draft_extend_v1(self, plan, rpi, predict, accept, vh) -> None:
+        """DRAFT_EXTEND (v1): accept rows per request (ragged; the host needs ``accept``)."""
+        run, ndt = self.runner, self.spec.num_draft_tokens
+        acc = accept.tolist()  # the device-to-host sync v2 avoids
+        rows = self._index([b * ndt + j for b, a in enumerate(acc) for j in range(a)])
+        eb = ForwardBatch.draft_extend([L + a for L, a in zip(plan.seq_lens, acc)], acc, ndt,
+                                       req_pool_indices=plan.req_pool_indices, device=run.device)
+        run.prepare("draft", eb, self._rows(plan, acc))
+        dh = run.run("draft", eb, predict.reshape(-1)[rows], vh[rows])
+        self._keep_draft(rpi, dh[eb.select_last_rows()])

@@ -1,0 +1,197 @@
+"""Engine and scheduler: batching, KV exhaustion, preemption, stops, metrics (mock model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mla_spec.config import SpecConfig
+from mla_spec.engine import Engine, RequestRejectedError
+from mla_spec.kv_cache import KVCacheFullError
+from mla_spec.scheduler import Scheduler
+from mla_spec.spec.mock import build_mock_runner, mock_greedy_reference
+
+PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [3], [10, 20, 30, 40, 50, 60], [8, 8]]
+
+
+class _WordTok:
+    """A stand-in tokenizer: token id i <-> the word "w{i}"."""
+
+    class _Enc:
+        def __init__(self, ids):
+            self.ids = ids
+
+    def encode(self, text):
+        return self._Enc([int(w[1:]) for w in text.split()])
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.mark.parametrize("spec", [SpecConfig.off(), SpecConfig(version="v2")],
+                         ids=["off", "v2"])
+def test_small_pool_preempts_without_corrupting(spec):
+    """Five requests in a pool that holds about two: all finish, all equal the reference."""
+    eng = Engine(runner=build_mock_runner(num_pages=20, page_size=4), spec=spec)
+    res = eng.generate(PROMPTS, max_new_tokens=30)
+    for p, r in zip(PROMPTS, res):
+        assert r.output_ids == mock_greedy_reference(p, 30), r
+    assert eng.scheduler.num_preemptions > 0
+    assert eng.scheduler.allocator.num_free == 19  # everything freed but the scratch page
+
+
+def test_request_that_can_never_fit_is_rejected_with_a_clear_message():
+    eng = Engine(runner=build_mock_runner(num_pages=8, page_size=4), spec=SpecConfig())
+    with pytest.raises(RequestRejectedError, match=r"needs \d+ pages.*raise num_pages"):
+        eng.add_request(list(range(1, 20)), max_new_tokens=40)
+    with pytest.raises(RequestRejectedError, match="max_context_len"):
+        eng.add_request([1, 2], max_new_tokens=500)
+    # generate() serves the others and reports the rejected one
+    res = eng.generate([[1, 2, 3], list(range(1, 30))], max_new_tokens=5)
+    assert res[0].output_ids == mock_greedy_reference([1, 2, 3], 5)
+    assert res[1].finished_reason == "abort" and "pages" in res[1].error
+
+
+def test_scheduler_reserves_scratch_and_raises_when_alone_too_big():
+    s = Scheduler(num_pages=4, page_size=4, max_reqs=4, max_context_len=64, step_rows=4)
+    assert s.allocator.num_free == 3
+    with pytest.raises(RequestRejectedError):
+        s.add([1] * 10, max_new_tokens=10)  # 24 tokens = 6 pages > 3
+    s.add([1] * 3, max_new_tokens=4)  # 11 tokens = 3 pages: fits alone
+    plan = s.schedule()
+    assert plan.kind == "prefill" and plan.req_pool_indices != [0]
+    assert all(0 not in pages for _, _, pages in plan.slot_updates)
+
+
+def test_stop_strings_eos_and_text():
+    ref = mock_greedy_reference([5, 6, 7], 12)
+    stop_word = f"w{ref[4]}"
+    eng = Engine(runner=build_mock_runner(), spec=SpecConfig(version="v2"), tokenizer=_WordTok())
+    (r,) = eng.generate(["w5 w6 w7"], max_new_tokens=12, stop=[stop_word])
+    assert r.finished_reason == "stop"
+    assert r.text == " ".join(f"w{t}" for t in ref[: ref.index(ref[4])]) + (
+        " " if ref.index(ref[4]) else "")
+    eos = ref[3]
+    eng = Engine(runner=build_mock_runner(), spec=SpecConfig.off(), stop_token_ids=[eos])
+    (r,) = eng.generate([[5, 6, 7]], max_new_tokens=12)
+    assert r.finished_reason == "eos" and r.output_ids == ref[: ref.index(eos) + 1]
+
+
+def test_metrics_per_mode_and_per_request():
+    eng = Engine(runner=build_mock_runner(), spec=SpecConfig(version="v2"))
+    res = eng.generate(PROMPTS, max_new_tokens=10)
+    table = {(r["model"], r["mode"]): r for r in eng.metrics.mode_table()}
+    assert {("target", "EXTEND"), ("draft", "EXTEND"), ("draft", "DECODE"),
+            ("target", "TARGET_VERIFY"), ("draft", "DRAFT_EXTEND_V2")} == set(table)
+    assert sum(r["share"] for r in table.values()) == pytest.approx(1.0)
+    summary = eng.metrics.summary()
+    assert summary["generated_tokens"] == sum(len(r.output_ids) for r in res) == 50
+    assert summary["tokens_per_s"] > 0
+    for r in res:
+        m = r.metrics
+        assert m.completion_tokens == 10 and m.ttft is not None and m.ttft >= 0
+        assert m.acc_length == pytest.approx(10 / len(r.accept_lengths))
+    hist = eng.metrics.accept_histogram(4)
+    assert sum(hist) == len(eng.metrics.accept_lengths)
+
+
+def test_continuous_batching_admits_while_decoding():
+    eng = Engine(runner=build_mock_runner(), spec=SpecConfig.off())
+    a = eng.add_request([1, 2, 3], max_new_tokens=8)
+    eng.step()
+    eng.step()
+    b = eng.add_request([4, 5], max_new_tokens=3)
+    kinds = []
+    while eng.scheduler.has_work:
+        kinds.append(eng.step().kind)
+    assert kinds[0] == "prefill" and "decode" in kinds
+    assert a.output_ids == mock_greedy_reference([1, 2, 3], 8)
+    assert b.output_ids == mock_greedy_reference([4, 5], 3)
+
+
+def test_idle_engine_that_cannot_admit_raises():
+    s = Scheduler(num_pages=3, page_size=4, max_reqs=2, max_context_len=64)
+    s.add([1] * 4, max_new_tokens=2)
+    s.allocator.alloc(2)  # someone else holds the pages
+    with pytest.raises(KVCacheFullError, match="cannot be admitted"):
+        s.schedule()
+
+
+# ---- the real model (a random tiny DeepSeek-V3 checkpoint) --------------------------------------
+REAL_PROMPTS = [[0, 5, 6, 7, 8], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [0, 3]]
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    import torch
+
+    from mla_spec.checkpoint_writer import random_state_dict, save_checkpoint, tiny_config
+
+    cfg = tiny_config()
+    path = tmp_path_factory.mktemp("tiny_dsv3")
+    save_checkpoint(random_state_dict(cfg, seed=0), cfg, path, quantize=True,
+                    dtype=torch.float32)
+    return path
+
+
+def _real_engine(path, spec, tp_size=1, kv_dtype="auto"):
+    from mla_spec.config import CacheConfig
+
+    return Engine(path, tp_size=tp_size, spec=spec, attention_backend="torch",
+                  cache=CacheConfig(page_size=16, kv_dtype=kv_dtype), num_pages=24, max_reqs=8,
+                  max_context_len=128)
+
+
+def test_real_model_spec_equals_plain_greedy(tiny_ckpt):
+    outs = {}
+    for name, spec in [("off", SpecConfig.off()), ("v1", SpecConfig(version="v1")),
+                       ("v2", SpecConfig(version="v2"))]:
+        eng = _real_engine(tiny_ckpt, spec)
+        outs[name] = [r.output_ids for r in eng.generate(REAL_PROMPTS, max_new_tokens=12)]
+    assert outs["off"] == outs["v1"] == outs["v2"]
+    assert all(len(o) == 12 for o in outs["off"])
+
+
+def test_real_model_tp2_equals_tp1(tiny_ckpt):
+    spec = SpecConfig(version="v2")
+    ref = [r.output_ids for r in _real_engine(tiny_ckpt, spec, kv_dtype="fp8_e4m3")
+           .generate(REAL_PROMPTS, max_new_tokens=8)]
+    with _real_engine(tiny_ckpt, spec, tp_size=2, kv_dtype="fp8_e4m3") as eng:
+        got = [r.output_ids for r in eng.generate(REAL_PROMPTS, max_new_tokens=8)]
+    assert got == ref
+
+
+def test_dead_rank_is_an_error_within_seconds(tiny_ckpt):
+    import time
+
+    from mla_spec.parallel import RankFailedError
+
+    eng = _real_engine(tiny_ckpt, SpecConfig.off(), tp_size=2)
+    try:
+        eng.generate([[0, 1, 2]], max_new_tokens=2)
+        eng.workers.processes[0].kill()
+        t0 = time.monotonic()
+        with pytest.raises(RankFailedError, match="rank 1"):
+            eng.generate([[0, 4, 5]], max_new_tokens=4)
+        assert time.monotonic() - t0 < 10
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.gpu
+def test_real_model_on_gpu_graphs_or_a_reason(tiny_ckpt):
+    """Triton backend, bf16: tokens equal with and without CUDA graphs; if the model cannot be
+    captured (a host sync in its forward), the graph runner says so and the engine runs eagerly."""
+    from mla_spec.config import CacheConfig
+
+    outs = {}
+    for graph in (False, True):
+        eng = Engine(tiny_ckpt, spec=SpecConfig(version="v2"), attention_backend="triton",
+                     cache=CacheConfig(page_size=16, kv_dtype="fp8_e4m3"), device="cuda",
+                     num_pages=24, max_reqs=8, max_context_len=128, cuda_graph=graph,
+                     graph_batch_sizes=(1, 2, 4))
+        outs[graph] = [r.output_ids for r in eng.generate(REAL_PROMPTS, max_new_tokens=12)]
+        if graph:
+            g = eng.runner.graphs
+            assert g.graphs or "synchronizes" in (g.disabled_reason or ""), g.disabled_reason
+            print("graphs:", g.disabled_reason or f"{len(g.graphs)} captured")
+    assert outs[True] == outs[False]

@@ -1,0 +1,132 @@
+"""The tokens/s projection (hand-computed cases) and the ``--cpu-smoke`` path of bench_layer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from mla_spec.projection import (
+    NVLINK4_H200,
+    SEED_BARS,
+    ForwardTimes,
+    LinkSpec,
+    ModelShape,
+    allgather_us,
+    allreduce_us,
+    b200_scaled,
+    mtp_forward_us,
+    project_mtp,
+    project_no_mtp,
+    projection_report,
+    target_forward_us,
+)
+
+# A link with no bandwidth cost: only the latency counts (easy hand arithmetic).
+LAT10 = LinkSpec("test", bandwidth_gb_s=math.inf, latency_us=10.0)
+
+
+def test_allreduce_ring_formula():
+    # bs 1, hidden 7168, bf16 = 14336 B; 2 * 3/4 * 14336 B / 450e3 B/us = 0.047787 us, + 8 us
+    assert allreduce_us(14336, 4, NVLINK4_H200) == pytest.approx(8.0 + 1.5 * 14336 / 450e3)
+    # bandwidth term alone: 450 KB over 450 GB/s with factor 1.5 = 1.5 us
+    no_lat = LinkSpec("bw", 450.0, 0.0)
+    assert allreduce_us(450_000, 4, no_lat) == pytest.approx(1.5)
+    assert allreduce_us(450_000, 2, no_lat) == pytest.approx(1.0)  # 2 * 1/2
+    assert allreduce_us(10**9, 1, no_lat) == 0.0  # nothing to reduce at TP 1
+    assert allgather_us(450_000, 4, no_lat) == pytest.approx(0.75)
+    with pytest.raises(ValueError):
+        allreduce_us(1, 0)
+    with pytest.raises(ValueError):
+        LinkSpec("bad", 0.0, 1.0)
+
+
+def test_target_forward_hand_computed():
+    t = ForwardTimes(moe_layer_us=100.0, dense_layer_us=80.0, lm_head_us=50.0)
+    f = target_forward_us(t, rows=1, logit_rows=1, link=LAT10)
+    assert f["layers"] == pytest.approx(3 * 80 + 58 * 100)  # 6040
+    assert f["collectives"] == pytest.approx(122 * 10 + 10)  # 2 all-reduces x 61 + 1 all-gather
+    assert f["total"] == pytest.approx(6040 + 50 + 1230)
+
+
+def test_no_mtp_tokens_per_s():
+    t = ForwardTimes(moe_layer_us=100.0, dense_layer_us=100.0, lm_head_us=100.0)
+    p = project_no_mtp(t, bs=1, link=LAT10)
+    # 61 * 100 + 100 + 1230 = 7430 us per token
+    assert p.step_us == pytest.approx(7430.0)
+    assert p.tokens_per_s == pytest.approx(1e6 / 7430.0)
+    assert p.comm_fraction == pytest.approx(1230 / 7430)
+    p2 = project_no_mtp(t, link=LAT10, overhead_us=70.0)
+    assert p2.step_us == pytest.approx(7500.0)
+
+
+def test_mtp_tokens_per_s():
+    decode = ForwardTimes(moe_layer_us=100.0, dense_layer_us=100.0, lm_head_us=100.0,
+                          mtp_layer_us=150.0)
+    verify = ForwardTimes(moe_layer_us=200.0, dense_layer_us=200.0, lm_head_us=150.0,
+                          mtp_layer_us=250.0)
+    p = project_mtp(decode, verify, accept_length=3.0, num_steps=3, bs=1, link=LAT10)
+    verify_us = 61 * 200 + 150 + 1230  # 13580
+    draft_extend_us = 250 + 100 + 2 * 10 + 10  # 380 (MTP over 4 rows, logits of 1 row)
+    draft_decode_us = 2 * (150 + 100 + 2 * 10 + 10)  # 560 (drafts 2 and 3)
+    total = verify_us + draft_extend_us + draft_decode_us  # 14520
+    assert p.breakdown["verify"] == pytest.approx(verify_us)
+    assert p.breakdown["draft_extend"] == pytest.approx(draft_extend_us)
+    assert p.breakdown["draft_decode"] == pytest.approx(draft_decode_us)
+    assert p.step_us == pytest.approx(total)
+    assert p.tokens_per_s == pytest.approx(3.0 * 1e6 / total)  # 206.6
+    # MTP speeds up when the cycle costs less than accept_length decode steps
+    assert p.tokens_per_s > project_no_mtp(decode, link=LAT10).tokens_per_s
+    with pytest.raises(ValueError):
+        project_mtp(decode, verify, accept_length=4.5, num_steps=3)
+    with pytest.raises(ValueError):
+        project_mtp(decode, verify, accept_length=0.5)
+
+
+def test_mtp_forward_and_shape_overrides():
+    f = mtp_forward_us(40.0, 10.0, rows=4, logit_rows=1, link=LAT10)
+    assert f["total"] == pytest.approx(40 + 10 + 30)
+    tp1 = ModelShape(tp_size=1)
+    t = ForwardTimes(1.0, 1.0, 1.0)
+    assert target_forward_us(t, 1, 1, tp1, LAT10)["collectives"] == 0.0
+
+
+def test_b200_scaled_and_report():
+    t = ForwardTimes(100.0, 80.0, 50.0, 120.0)
+    s = b200_scaled(t)
+    assert s.moe_layer_us == pytest.approx(60.0) and s.mtp_layer_us == pytest.approx(72.0)
+    lines = projection_report(t, t, accept_lengths=(2.04, 3.0))
+    text = "\n".join(lines)
+    assert "PROJECTION" in text and "not a measurement" in text
+    assert text.count("tok/s/user") == 3
+    assert f"seed bar {SEED_BARS['mtp']:g}" in text and f"seed bar {SEED_BARS['no_mtp']:g}" in text
+
+
+# ---- the --cpu-smoke path of benchmarks/bench_layer.py ----------------------------------------
+def _load_bench():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer.py"
+    spec = importlib.util.spec_from_file_location("bench_layer", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_layer"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_layer_cpu_smoke(tmp_path, monkeypatch, capsys):
+    bench = _load_bench()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    result = bench.main(["--cpu-smoke"])
+    out = capsys.readouterr().out
+    assert "PROJECTION" in out and "ratio" in out
+    rows = result["rows"]
+    assert {r["mode"] for r in rows} >= {"DECODE", "TARGET_VERIFY", "DRAFT_EXTEND_V2"}
+    for r in rows:
+        for key in ("ours_us", "base_us"):
+            assert r[key] > 0 and math.isfinite(r[key]), r
+    saved = json.loads((tmp_path / "bench_layer.json").read_text())
+    assert len(saved["rows"]) == len(rows)
+    assert (tmp_path / "bench_layer.md").exists()
