@@ -8,6 +8,8 @@ the shapes of h200-measured.md (H 32 / 128, q 1 / 4, bf16 / fp8, (bs, ctx) in (1
 (128,8k), (64,32k)), page size 64, pages in random order: µs, KV GB/s, TFLOP/s, ratio; eager
 (``triton.testing.do_bench``, median, L2 flushed) and, at batch 1, inside a replayed CUDA graph
 rotating over enough KV copies to defeat the 60 MB L2. Writes JSON / markdown to $OUT if set.
+"Ours" here is the generic kernel (``mla_decode``); the paged fast path that the triton backend
+uses on Hopper is swept and tabled beside FlashInfer by ``benchmarks/sweep_mla.py``.
 """
 
 from __future__ import annotations

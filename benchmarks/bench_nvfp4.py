@@ -22,6 +22,7 @@ import torch
 import triton
 
 from mla_spec.kernels.nvfp4_gemm import NVFP4GemmConfig, nvfp4_gemm, nvfp4_gemm_ref
+from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, default_gemv_config
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref, moe_align
 from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 
@@ -126,6 +127,11 @@ def tune(m, n, k, sets, fast_ok):
                 print(f"  skip {cfg}: {type(exc).__name__}")
                 continue
             best = min(best, (us, cfg), key=lambda t: t[0])
+    if m <= GEMV_MAX_M:  # the GEMV kernel (nvfp4_gemm's default at decode sizes)
+        cfg = default_gemv_config(m, n, k)
+        us = graph_us([lambda a=a, c=cfg: nvfp4_gemm(x, *a, config=c) for a in sets[:8]])
+        best = min(best, (us, cfg), key=lambda t: t[0])
+        return best
     if fast_ok and m in (1, 16):  # what the packed PTX decoder buys, at the best config
         cfg = best[1]
         slow = NVFP4GemmConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
@@ -155,7 +161,7 @@ def bench_dense(fast_ok, quick):
                              bf16_us=round(bf16, 2), dq_mm_us=round(dq, 1),
                              speedup_vs_bf16=round(bf16 / ours, 2),
                              speedup_vs_dq_mm=round(dq / ours, 1), ours_GBps=round(gbs),
-                             config=f"bn{cfg.block_n} bk{cfg.block_k} s{cfg.split_k} "
+                             config=f"{type(cfg).__name__} bn{cfg.block_n} s{cfg.split_k} "
                                     f"st{cfg.num_stages} w{cfg.num_warps}"))
             print(rows[-1], f"({time.time() - t0:.0f} s)")
         del sets, wbf

@@ -98,6 +98,14 @@ class ModelConfig:
             raw = json.loads(p.read_text())
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}
+        # transformers >= 5 saves rope settings as `rope_parameters` (rope_theta inside it).
+        rope = raw.get("rope_parameters")
+        if isinstance(rope, Mapping):
+            if kwargs.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+                kwargs["rope_scaling"] = {("type" if k == "rope_type" else k): v
+                                          for k, v in rope.items() if k != "rope_theta"}
+            if "rope_theta" in rope and "rope_theta" not in raw:
+                kwargs["rope_theta"] = rope["rope_theta"]
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         return cls(**kwargs)

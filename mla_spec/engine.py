@@ -118,6 +118,7 @@ class Engine:
         self.tp_size = tp_size
         self.model_path = None if model_path is None else Path(model_path)
         self._timeout_s = timeout_s
+        self._threads: int | None = None
         self.workers = None
         self._queues: list = []
         if runner is None:
@@ -167,7 +168,9 @@ class Engine:
             from mla_spec.parallel import spawn_workers
 
             if device.type == "cpu":
-                torch.set_num_threads(1)  # tp_size CPU ranks share the cores: one thread each
+                # tp_size CPU ranks share the cores: one thread each (restored at shutdown)
+                self._threads = torch.get_num_threads()
+                torch.set_num_threads(1)
             ctx = mp.get_context("spawn")
             self._queues = [ctx.Queue() for _ in range(tp_size - 1)]
             worker_kw = dict(kw, device=device)
@@ -340,6 +343,9 @@ class Engine:
             q.close()
             q.join_thread()
         self._queues = []
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
     def __enter__(self) -> Engine:
         return self

@@ -1,16 +1,10 @@
-"""Tensor parallelism: process launch, the all-reduce, and column/row-parallel linears.
+"""Tensor parallelism: process launch, the TP all-reduce (linears: ``mla_spec.models.linear``).
 
-DeepSeek-V3 is split Megatron-style over ``tp_size`` ranks:
-
-- attention heads are split (``q_b_proj`` / ``kv_b_proj`` are column-parallel: each rank owns
-  ``H / tp`` heads' rows; ``o_proj`` is row-parallel over the same heads), so the latent KV cache
-  (one 576-wide row per token, shared by all heads) is replicated on every rank;
-- MLPs and experts are split on the intermediate dimension (``gate_proj`` / ``up_proj``
-  column-parallel, ``down_proj`` row-parallel);
-- exactly one all-reduce after attention and one after the MLP / MoE (the routed experts and the
-  shared expert are summed locally first). Everything else (embeddings, norms, router, ``q_a_proj``,
-  ``kv_a_proj_with_mqa``, ``lm_head``) is replicated, so every rank holds the same hidden state and
-  computes the same logits.
+DeepSeek-V3 is split Megatron-style over ``tp_size`` ranks: attention heads (``q_b_proj`` /
+``kv_b_proj`` column-parallel, ``o_proj`` row-parallel; the 576-wide latent KV cache is shared by
+all heads, so it is replicated), MLP and expert intermediate dims (``gate_proj`` / ``up_proj``
+column, ``down_proj`` row), with one all-reduce after attention and one after the MLP / MoE.
+Everything else is replicated, so all ranks hold the same hidden state and the same logits.
 
 Processes. :func:`launch` runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes
 (``torch.multiprocessing`` spawn, a free TCP port on 127.0.0.1, NCCL when every rank gets a GPU,
@@ -219,10 +213,14 @@ def launch(
             raise ValueError(
                 f"world_size {world_size} but torchrun started {os.environ['WORLD_SIZE']} ranks"
             )
+        owns_group = not dist.is_initialized()
         init_distributed(backend=backend, timeout_s=timeout_s)
         out = fn(dist.get_rank(), world_size, *args)
         gathered: list[Any] = [None] * world_size
         dist.all_gather_object(gathered, _to_cpu(out))
+        if owns_group:  # as in spawn mode, the group lives for the duration of fn only
+            dist.barrier()
+            dist.destroy_process_group()
         return gathered
     backend = resolve_backend(backend, world_size)
     init_method = f"tcp://127.0.0.1:{_free_port()}"

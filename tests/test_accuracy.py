@@ -23,7 +23,7 @@ from mla_spec.eval import format_table, heldout_problems
 from mla_spec.eval.sweep import EMBEDDED_MODEL, EvalConfig, dequantize_checkpoint, run_config
 
 N_QUESTIONS = 200
-K_SHOTS = 2
+K_SHOTS = 1
 MAX_NEW_TOKENS = 56
 
 pytestmark = pytest.mark.skipif(

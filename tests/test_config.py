@@ -78,3 +78,14 @@ def test_frozen():
 
     with pytest.raises(dataclasses.FrozenInstanceError):
         CacheConfig().page_size = 32
+
+
+def test_transformers5_rope_parameters():
+    raw = json.loads(REAL.read_text())
+    rs = raw.pop("rope_scaling")
+    raw.pop("rope_theta")
+    raw["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0,
+                              **{k: v for k, v in rs.items() if k != "type"}}
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.softmax_scale == pytest.approx(0.1352338, abs=1e-6)
+    assert cfg.rope_theta == 10000.0 and cfg.rope_scaling["type"] == "yarn"

@@ -1,10 +1,16 @@
-"""Our backend: the split-KV Triton kernels of ``mla_spec/kernels/mla_decode.py``.
+"""Our backend: the split-KV Triton kernels of ``mla_spec/kernels/mla_decode*.py``.
 
-One kernel serves every mode: fixed rows per request (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2)
-go through the ``q_len`` path, ragged ones (v1 DRAFT_EXTEND, EXTEND, MIXED) through
-``qo_indptr`` with no padding at all. ``plan`` picks the number of KV splits on the host (two
-waves of programs over the SMs). KV slots are read straight from ``req_to_token``, so any page
-size and any page order work. Runs on CUDA (SM80+) and, for tests, on the CPU interpreter.
+Two kernels compute the same function. The *paged* fast path (``mla_decode_paged``: one
+contiguous page tile per iteration, two half-width accumulators, fp16 MMA for FP8 KV) runs when
+the device is Hopper (or the CPU interpreter), the cache is bf16 / fp16 / fp8, and the pool's
+page size is a multiple of its KV tile (64 / 32 on the H200). Otherwise (fp32 caches or queries,
+other GPUs, odd page sizes) the *generic* kernel (``mla_decode``: per-token gather through
+``req_to_token``, any page size and order) runs. ``kernel="generic"`` / ``"paged"`` forces one.
+
+One kernel call serves every mode: fixed rows per request (DECODE, TARGET_VERIFY,
+DRAFT_EXTEND_V2) go through ``q_len``, ragged ones (v1 DRAFT_EXTEND, EXTEND, MIXED) through
+``qo_indptr`` with no padding at all. ``plan`` picks the tile config and the number of KV splits
+on the host once per step (no device sync in ``forward``, so it is CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -15,23 +21,45 @@ from mla_spec.attention.base import AttnPlan, MLABackend
 from mla_spec.device import triton_interpreting
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.kernels.mla_decode import MLAKernelConfig, default_config, mla_decode, pick_num_splits
+from mla_spec.kernels.mla_decode_paged import (
+    PagedConfig,
+    mla_decode_paged,
+    paged_config,
+    paged_supported,
+    pick_num_splits_paged,
+)
 
 __all__ = ["TritonMLABackend"]
 
+_KERNELS = ("auto", "paged", "generic")
+
 
 class TritonMLABackend(MLABackend):
-    """Triton split-KV MLA. Options: ``num_splits`` (None = heuristic), ``fp8_dot`` (0 / 1),
-    ``config`` (an ``MLAKernelConfig``)."""
+    """Triton split-KV MLA. Options: ``kernel`` ("auto" | "paged" | "generic"), ``num_splits``
+    (None = heuristic), ``fp8_dot`` (generic kernel only: 0 / 1), ``config`` (an
+    ``MLAKernelConfig`` for the generic kernel or a ``PagedConfig`` for the paged one)."""
 
     name = "triton"
 
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
                  num_splits: int | None = None, fp8_dot: int = 0,
-                 config: MLAKernelConfig | None = None):
+                 config: MLAKernelConfig | PagedConfig | None = None, kernel: str = "auto"):
         super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
+        if kernel not in _KERNELS:
+            raise ValueError(f"kernel {kernel!r}: choose one of {', '.join(_KERNELS)}")
+        if isinstance(config, PagedConfig) and kernel == "generic":
+            raise ValueError("a PagedConfig needs kernel='paged' or 'auto'")
         self.num_splits, self.fp8_dot, self.config = num_splits, fp8_dot, config
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 4)
+        pool = kv_pool
+        pcfg = config if isinstance(config, PagedConfig) else None
+        why = paged_supported(self.device, pool.kv_lora_rank, pool.qk_rope_head_dim,
+                              pool.page_size, pool.dtype, pcfg)
+        if kernel == "paged" and why:
+            raise ValueError(f"kernel='paged' cannot run here: {why}")
+        self.paged = kernel != "generic" and why is None and not fp8_dot \
+            and not isinstance(config, MLAKernelConfig)
 
     @classmethod
     def device_reason(cls, device: torch.device) -> str | None:
@@ -43,12 +71,22 @@ class TritonMLABackend(MLABackend):
         return "needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU)"
 
     def _plan_extra(self, plan: AttnPlan, batch: ForwardBatch) -> None:
+        pool = self.kv_pool
         rows = (plan.fixed_q or plan.max_q) * self.num_heads
-        cfg = self.config or default_config(rows, torch.bfloat16, self.kv_pool.dtype, self.device)
-        m_blocks = -(-rows // cfg.block_m)
+        if self.paged:
+            cfg = self.config or paged_config(rows, pool.dtype, self.device, pool.page_size)
+            m_blocks = -(-rows // cfg.block_m)
+            splits = self.num_splits or pick_num_splits_paged(
+                plan.bs, m_blocks, plan.max_kv, cfg.block_n, rows,
+                pool.kv_cache_dim * pool.kv_buffer[0].element_size(), self._sms,
+                2 if cfg.part_bf16 else 4, pool.kv_lora_rank)
+            plan.extra["paged_config"] = cfg
+            plan.extra["paged_splits"] = splits
+        cfg = (self.config if isinstance(self.config, MLAKernelConfig)
+               else default_config(rows, torch.bfloat16, pool.dtype, self.device))
         plan.extra["config"] = cfg
         plan.extra["num_splits"] = self.num_splits or pick_num_splits(
-            plan.bs, m_blocks, plan.max_kv, cfg.block_n, self._sms)
+            plan.bs, -(-rows // cfg.block_m), plan.max_kv, cfg.block_n, self._sms)
 
     def _forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, plan: AttnPlan):
         pool = self.kv_pool
@@ -56,10 +94,18 @@ class TritonMLABackend(MLABackend):
         kv_flat = pool.get_kv(layer_id).view(pool.num_slots, pool.kv_cache_dim)
         shape = (dict(q_len=plan.fixed_q) if plan.fixed_q is not None
                  else dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q))
-        cfg = self.config or default_config((plan.fixed_q or plan.max_q) * self.num_heads,
-                                            q_nope.dtype, pool.dtype, self.device)
+        common = dict(k_scale=k_scale, v_scale=v_scale, **shape)
+        if self.paged and (q_nope.dtype == pool.dtype or q_nope.device.type == "cpu"
+                           or pool.is_fp8):
+            return mla_decode_paged(
+                q_nope, q_pe, kv_flat, self.req_to_token, plan.req_pool_indices, plan.kv_lens,
+                self.softmax_scale, page_size=pool.page_size, max_kv=plan.max_kv,
+                num_splits=plan.extra["paged_splits"], config=plan.extra["paged_config"],
+                **common)
+        cfg = (self.config if isinstance(self.config, MLAKernelConfig)
+               else default_config((plan.fixed_q or plan.max_q) * self.num_heads,
+                                   q_nope.dtype, pool.dtype, self.device))
         return mla_decode(
             q_nope, q_pe, kv_flat, self.req_to_token, plan.req_pool_indices, plan.kv_lens,
-            self.softmax_scale, k_scale=k_scale, v_scale=v_scale,
-            num_splits=plan.extra["num_splits"], fp8_dot=self.fp8_dot, config=cfg, **shape,
-        )
+            self.softmax_scale, num_splits=plan.extra["num_splits"], fp8_dot=self.fp8_dot,
+            config=cfg, **common)

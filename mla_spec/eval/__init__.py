@@ -2,7 +2,8 @@
 
 ``gsm_synth`` generates GSM8K-format word problems (train / held-out splits), ``few_shot`` builds
 SGLang-style k-shot prompts and scores by the last integer, ``tokenizer`` makes the word-level
-``tokenizer.json``, ``report`` holds ``EvalReport`` and ``harness.run_eval`` ties them together.
+``tokenizer.json``, ``report`` holds ``EvalReport``, ``harness.run_eval`` ties them together
+and ``sweep`` runs the embedded model through the engine in every serving configuration.
 """
 
 from mla_spec.eval.few_shot import (
@@ -23,9 +24,23 @@ from mla_spec.eval.gsm_synth import (
 )
 from mla_spec.eval.harness import DEFAULT_MAX_NEW_TOKENS, run_eval, score_completions
 from mla_spec.eval.report import EvalReport, format_table
+from mla_spec.eval.sweep import (
+    EMBEDDED_MODEL,
+    EvalConfig,
+    config_grid,
+    dequantize_checkpoint,
+    run_config,
+    run_sweep,
+)
 from mla_spec.eval.tokenizer import build_tokenizer, load_tokenizer
 
 __all__ = [
+    "EMBEDDED_MODEL",
+    "EvalConfig",
+    "config_grid",
+    "dequantize_checkpoint",
+    "run_config",
+    "run_sweep",
     "DEFAULT_MAX_NEW_TOKENS",
     "EvalReport",
     "Problem",

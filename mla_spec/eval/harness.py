@@ -67,7 +67,7 @@ def score_completions(
 def run_eval(
     engine_or_generate_fn: Any | Callable[..., Sequence[Any]],
     questions: Sequence[Problem],
-    k_shots: int = 2,
+    k_shots: int = 1,
     *,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     stop: Sequence[str] = STOP,

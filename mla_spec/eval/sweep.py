@@ -110,7 +110,7 @@ def run_config(
     *,
     model_path: str | Path = EMBEDDED_MODEL,
     bf16_path: str | Path | None = None,
-    k_shots: int = 2,
+    k_shots: int = 1,
     device: str | None = None,
     attention_backend: str = "auto",
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
@@ -125,6 +125,8 @@ def run_config(
     # generous collective timeout: CPU ranks on a busy 2-core box take a while to start
     kw = dict(max_reqs=max(len(questions), 1), max_context_len=512, timeout_s=180.0)
     kw.update(engine_kw or {})
+    if kw.get("cuda_graph") is False and (device or "cuda").startswith("cpu"):
+        kw.pop("cuda_graph")
     eng = Engine(path, tp_size=cfg.tp, spec=cfg.spec_config(), cache=cfg.cache_config(),
                  attention_backend=attention_backend, device=device, **kw)
     try:
@@ -139,12 +141,15 @@ def run_config(
     return EvalReport(**{**asdict(rep), "extra": extra})
 
 
-def run_sweep(configs: list[EvalConfig], questions: list[Problem], **kw) -> list[EvalReport]:
-    """``run_config`` for each configuration (the BF16 twin is written once if needed)."""
+def run_sweep(configs: list[EvalConfig], questions: list[Problem], on_report=None,
+              **kw) -> list[EvalReport]:
+    """``run_config`` for each configuration; ``on_report(reports)`` after each one."""
     reports = []
     for c in configs:
         reports.append(run_config(c, questions, **kw))
         print(format_table(reports[-1:]).splitlines()[-1], flush=True)
+        if on_report is not None:
+            on_report(reports)
     return reports
 
 
@@ -154,24 +159,30 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="accuracy / accept length / latency sweep")
     ap.add_argument("--model", type=Path, default=EMBEDDED_MODEL)
     ap.add_argument("--questions", type=int, default=64)
-    ap.add_argument("--k-shots", type=int, default=2)
+    ap.add_argument("--k-shots", type=int, default=1)
     ap.add_argument("--tp", type=int, nargs="+", default=[1])
     ap.add_argument("--device", default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--no-cuda-graph", action="store_true")
     a = ap.parse_args(argv)
     qs = heldout_problems(a.questions)
+    meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "questions": a.questions, "k_shots": a.k_shots,
+            "attention_backend": a.attention_backend, "cuda_graph": not a.no_cuda_graph}
+
+    def save(reports):
+        if a.out is not None:
+            a.out.write_text(json.dumps(
+                {"meta": meta, "reports": [r.to_dict(details=True) for r in reports]}))
+
+    engine_kw = {"cuda_graph": False} if a.no_cuda_graph else None
     with tempfile.TemporaryDirectory() as tmp:
         bf16 = dequantize_checkpoint(a.model, Path(tmp) / "bf16")
-        reports = run_sweep(config_grid(tuple(a.tp)), qs, model_path=a.model, bf16_path=bf16,
-                            k_shots=a.k_shots, device=a.device,
-                            attention_backend=a.attention_backend)
+        reports = run_sweep(config_grid(tuple(a.tp)), qs, on_report=save, model_path=a.model,
+                            bf16_path=bf16, k_shots=a.k_shots, device=a.device,
+                            attention_backend=a.attention_backend, engine_kw=engine_kw)
     print(format_table(reports))
-    if a.out is not None:
-        meta = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                "torch": torch.__version__, "questions": a.questions, "k_shots": a.k_shots}
-        a.out.write_text(json.dumps({"meta": meta,
-                                     "reports": [r.to_dict(details=True) for r in reports]}))
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ its log2-sum-exp ``lse_s`` (``-inf`` when the split saw no visible KV). The exac
 
     out = sum_s w_s o_s / sum_s w_s,   w_s = 2 ** (lse_s - max_s lse_s),   lse = log2(sum) + max
 
-(zeros and ``-inf`` when every split was empty). Kernel grid ``(rows,)``: one program per row
-walks the splits with a running maximum, so the register tile stays ``[Dv]``.
+(zeros and ``-inf`` when every split was empty). Kernel grid ``(rows, Dv / BLOCK_D)``: one
+program loads the ``[S, BLOCK_D]`` slab of its row in one shot (no serial walk over the
+splits, whose dependent load latencies dominated small batches) and reduces it; partials may be
+fp32 or bf16.
 """
 
 from __future__ import annotations
@@ -20,38 +22,40 @@ from mla_spec.device import use_triton
 __all__ = ["combine_splits", "combine_splits_ref"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
                     stride_o_t, stride_o_h,
-                    DV: tl.constexpr, WRITE_LSE: tl.constexpr):
+                    DV: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
+                    WRITE_LSE: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, DV)
-    m = float("-inf")
-    den = 0.0
-    acc = tl.zeros([DV], dtype=tl.float32)
-    for s in range(0, num_splits):
-        ls = tl.load(PLse + s * stride_ls + r)
-        m_new = tl.maximum(m, ls)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)
-        w = tl.exp2(ls - m_use)
-        o = tl.load(Part + s * stride_ps + r * DV + offs)
-        acc = acc * alpha + w * o
-        den = den * alpha + w
-        m = m_new
+    pid_d = tl.program_id(1)
+    offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, S_PAD)
+    mask_s = offs_s < num_splits
+    ls = tl.load(PLse + offs_s * stride_ls + r, mask=mask_s, other=float("-inf"))
+    m = tl.max(ls, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(ls - m_use)  # [S_PAD], 0 for empty / absent splits
+    den = tl.sum(w, 0)
+    part = tl.load(Part + offs_s[:, None] * stride_ps + r * DV + offs[None, :],
+                   mask=mask_s[:, None], other=0.0).to(tl.float32)
+    part = tl.where(w[:, None] > 0.0, part, 0.0)  # an empty split's partial is never NaN-read
+    acc = tl.sum(part * w[:, None], 0)
     has = den > 0.0
     res = tl.where(has, acc / tl.where(has, den, 1.0), 0.0)
     t = r // H
     h = r % H
     tl.store(Out + t * stride_o_t + h * stride_o_h + offs, res.to(Out.dtype.element_ty))
     if WRITE_LSE:
-        lse = tl.where(has, m + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
-        tl.store(Lse + r, lse * 0.6931471805599453)
+        if pid_d == 0:
+            lse = tl.where(has, m + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
+            tl.store(Lse + r, lse * 0.6931471805599453)
 
 
 def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor | None = None) -> None:
-    """Merge ``part [S, N*H, Dv]`` fp32 / ``part_lse [S, N*H]`` (log2) into ``out [N, H, Dv]``.
+    """Merge ``part [S, N*H, Dv]`` (fp32 or bf16) / ``part_lse [S, N*H]`` fp32 (log2) into
+    ``out [N, H, Dv]``.
 
     ``lse`` (optional, ``[N, H]`` fp32) receives the natural-log LSE.
     """
@@ -64,10 +68,13 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         return
     if rows == 0:
         return
-    _combine_kernel[(rows,)](
+    s_pad = max(2, triton.next_power_of_2(s))
+    # keep the [S_PAD, BLOCK_D] tile around 8k elements (32 registers / thread at 4 warps)
+    block_d = max(16, min(dv, 8192 // s_pad)) if part.is_cuda else dv
+    _combine_kernel[(rows, dv // block_d)](
         part, part_lse, out, lse if lse is not None else part_lse, s, h,
         part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
-        DV=dv, WRITE_LSE=lse is not None, num_warps=4,
+        DV=dv, BLOCK_D=block_d, S_PAD=s_pad, WRITE_LSE=lse is not None, num_warps=4,
     )
 
 
@@ -79,6 +86,7 @@ def combine_splits_ref(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
     m_use = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp2(part_lse - m_use)  # [S, rows]
     tot = w.sum(0)
+    part = torch.where(w[..., None] > 0, part.float(), torch.zeros((), device=part.device))
     res = (w[..., None] * part).sum(0) / tot.clamp_min(1e-30)[:, None]
     res = torch.where(tot[:, None] > 0, res, torch.zeros_like(res))
     out.copy_(res.view(n, h, dv).to(out.dtype))

@@ -22,6 +22,9 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
   (GPU: PTX that decodes four bytes into eight bf16 with shifts/masks on 32-bit words holding two
   bf16 each, ``E2M1 * 2**-126``, and one packed ``mul.bf16x2`` by ``s * 2**118``; opt-in through
   ``NVFP4GemmConfig.fast_dequant`` until checked on hardware, see docs/bench_nvfp4.md).
+- **GEMV regime.** Up to ``GEMV_MAX_M`` tokens ``nvfp4_gemm`` runs ``nvfp4_gemv`` instead
+  (``mla_spec.kernels.nvfp4_gemv``: FMA, 16 weights per int64 word, ~4 instructions per
+  weight); pass a ``GemvConfig`` / ``NVFP4GemmConfig`` as ``config`` to force either kernel.
 - **Split-K** for few output tiles (small N at small M): partial sums go to an fp32 workspace
   ``[S, M, N]`` and ``_sum_rows_kernel`` adds them (deterministic, no atomics).
 
@@ -37,6 +40,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
+from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, GemvConfig, default_gemv_config, nvfp4_gemv
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "nvfp4_gemm", "nvfp4_gemm_ref", "default_gemm_config",
@@ -227,7 +231,7 @@ def _check_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                weight_scale_2: torch.Tensor, out_dtype: torch.dtype | None = None,
-               config: NVFP4GemmConfig | None = None) -> torch.Tensor:
+               config: NVFP4GemmConfig | GemvConfig | None = None) -> torch.Tensor:
     """``x @ dequant(W)^T`` with NVFP4 weights.
 
     Parameters
@@ -238,6 +242,9 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         uint8 ``[N, K/2]``, float8_e4m3fn ``[N, K/16]``, fp32 scalar (ModelOpt layout).
     out_dtype : torch.dtype, optional
         default ``x.dtype``.
+    config : NVFP4GemmConfig or GemvConfig, optional
+        kernel and tiles; default: ``default_gemv_config`` for M <= ``GEMV_MAX_M``, else
+        ``default_gemm_config``.
 
     Returns
     -------
@@ -256,9 +263,13 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     if m == 0:
         return out.reshape(*lead, n)
+    interp = triton_interpreting()
+    if isinstance(config, GemvConfig) or (config is None and m <= GEMV_MAX_M):
+        w = weight if weight.data_ptr() % 8 == 0 else weight.clone()
+        return nvfp4_gemv(x2, w, weight_scale, weight_scale_2, out,
+                          config or default_gemv_config(m, n, k), interp).reshape(*lead, n)
     cfg = config or default_gemm_config(m, n, k)
     bm = block_m_for(m)
-    interp = triton_interpreting()
     dot_f32 = interp or x.dtype != torch.bfloat16  # fp16 / fp32 x: exact-ish fp32 (tf32) dot
     split = cfg.split_k
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)

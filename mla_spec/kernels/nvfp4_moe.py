@@ -30,7 +30,9 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
+from mla_spec.kernels import nvfp4_gemv
 from mla_spec.kernels.nvfp4_gemm import _decode, block_m_for, sum_rows
+from mla_spec.kernels.nvfp4_moe_gemv import MOE_GEMV_MAX_M, moe_gemv
 from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4
 
 __all__ = ["fused_moe_nvfp4", "fused_moe_ref", "moe_align"]
@@ -182,11 +184,19 @@ def _check_moe(x, topk_ids, topk_weights, w13: NVFP4Tensor, w2: NVFP4Tensor) -> 
 
 def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: NVFP4Tensor, w2: NVFP4Tensor, block_n: int = 32,
-                    block_k: int = 256, fast_dequant: bool = False) -> torch.Tensor:
+                    block_k: int = 256, fast_dequant: bool = False, path: str = "auto",
+                    gemv_block_n: int = 128, gemv_split: int | None = None,
+                    gemv_warps: int = 1) -> torch.Tensor:
     """Routed experts with NVFP4 weights (see the module docstring for shapes).
+
+    ``path``: "gemv" (one program per token-expert pair, ``nvfp4_moe_gemv``), "sorted" (the
+    moe_align slots below), or "auto" (gemv up to ``MOE_GEMV_MAX_M`` tokens). ``block_n`` /
+    ``block_k`` / ``fast_dequant`` tune the sorted path, ``gemv_*`` the gemv path.
 
     Returns ``[M, K]`` in x's dtype. Triton kernels when ``use_triton(x)``, else ``fused_moe_ref``.
     """
+    if path not in ("auto", "gemv", "sorted"):
+        raise ValueError(f"path must be 'auto', 'gemv' or 'sorted', got {path!r}")
     e, inter = _check_moe(x, topk_ids, topk_weights, w13, w2)
     if not use_triton(x):
         return fused_moe_ref(x, topk_ids, topk_weights, w13, w2)
@@ -196,13 +206,19 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     out = torch.empty((m, k_hidden), dtype=x.dtype, device=x.device)
     if p == 0:
         return out
+    interp = triton_interpreting()
+    act_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    if path == "gemv" or (path == "auto" and m <= MOE_GEMV_MAX_M):
+        x2 = x if x.stride(-1) == 1 else x.contiguous()
+        return moe_gemv(x2, topk_ids.reshape(-1).to(torch.int32), topk_weights.reshape(-1)
+                        .float().contiguous(), w13, w2, _scale2_strides(w13.weight_scale_2, True),
+                        _scale2_strides(w2.weight_scale_2, False), act_dtype, gemv_block_n,
+                        gemv_split, gemv_warps, not interp and nvfp4_gemv.GEMV_FAST)
     bm = block_m_for(triton.cdiv(p, min(e, p)))  # mean rows per active expert, at most
     sorted_ids, slot_expert = moe_align(topk_ids, e, bm)
     n_slots = slot_expert.numel()
-    interp = triton_interpreting()
     dot_f32 = interp or x.dtype != torch.bfloat16  # fp16 / fp32 x: exact-ish fp32 (tf32) dot
     fast = fast_dequant and not interp
-    act_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     act = torch.empty((n_slots * bm, inter), dtype=act_dtype, device=x.device)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     tw = topk_weights.reshape(-1).float().contiguous()

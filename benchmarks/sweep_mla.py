@@ -1,0 +1,332 @@
+"""Sweep the paged MLA kernel's variants on the GPU, check each against the oracle, and time them
+beside FlashInfer at the issue's shapes, in one run (GPU).
+
+    python benchmarks/sweep_mla.py [--deadline 200] [--quick]
+
+1. *Compile + check* (in parallel, a process pool): every variant (tile / warps / stages / TMA /
+   bf16 partials) x KV dtype x {one split, 5 splits} runs at DeepSeek dims (H 32, q 4, causal,
+   irregular lengths 4..3004, shuffled pages of 64) against ``mla_decode_ref``; the compiled
+   kernels' registers / spills / shared memory are printed. One more worker runs the triton
+   backend (defaults) x every mode x {bf16, fp8} x H {16, 128} against the torch oracle.
+   The Triton disk cache is shared, so the timing phase below reuses these binaries.
+2. *Timing* (main process): the shapes of bench_mla.py (H 32 / 128, q 1 / 4, bf16 / fp8, (bs,
+   ctx) in (1,4k), (32,4k), (128,8k), (64,32k)): FlashInfer and every variant that passed, eager
+   (``do_bench`` median) and, at batch 1, per call inside a replayed CUDA graph rotating over
+   enough KV copies to defeat the L2. Alternative split counts at batch 1 and 32.
+3. Prints the variant matrix, then the comparison table of the best variant vs FlashInfer
+   (last), and writes both to $OUT (``sweep_mla.md`` / ``.json``) when set.
+``--deadline`` (s since start): after it, rows time only FlashInfer and the default variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from mla_spec.kernels.mla_decode_paged import PagedConfig  # noqa: E402
+
+T0 = time.time()
+SM_SCALE = 0.1352338
+DV, DPE, PAGE = 512, 64, 64
+VARIANTS = {  # name -> config (round 2: round 1's winners A C F G + new ones)
+    "A": PagedConfig(64, 64, 8, 2),
+    "C": PagedConfig(64, 64, 8, 2, tma=True),
+    "F": PagedConfig(64, 64, 8, 2, part_bf16=True),
+    "G": PagedConfig(32, 64, 4, 2),
+    "CF": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True),
+    "C16": PagedConfig(64, 64, 16, 2, tma=True),
+    "C16n": PagedConfig(64, 32, 16, 3, tma=True),
+    "GT": PagedConfig(32, 64, 4, 2, tma=True),
+    "GT3": PagedConfig(32, 32, 4, 3, tma=True),
+    "Gb": PagedConfig(32, 64, 4, 2, part_bf16=True),
+    "C3": PagedConfig(64, 64, 8, 3, tma=True),  # fp8 only (smem)
+}
+ONLY = {"C3": ("float8_e4m3fn",)}
+SHAPES = [(1, 4096), (32, 4096), (128, 8192), (64, 32768)]
+
+
+def _kernel_infos():
+    from mla_spec.kernels import mla_decode_paged as mp_
+
+    infos = {}
+    for dev_cache in mp_._mla_paged_kernel.device_caches.values():
+        cache = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
+        for key, k in dict(cache).items():
+            try:
+                infos[str(key)] = dict(regs=k.n_regs, spills=k.n_spills,
+                                       smem=k.metadata.shared, warps=k.metadata.num_warps)
+            except Exception as e:  # noqa: BLE001
+                infos[str(key)] = dict(err=str(e)[:80])
+    return infos
+
+
+def check_job(job):
+    """Worker: compile + check one (variant, kv dtype); returns errors and kernel resources."""
+    name, kvd_s = job
+    try:
+        from mla_spec.attention.synthetic import make_scene
+        from mla_spec.forward_mode import ForwardMode
+        from mla_spec.kernels.mla_decode import mla_decode_ref
+        from mla_spec.kernels.mla_decode_paged import mla_decode_paged
+
+        kvd = getattr(torch, kvd_s)
+        cfg = VARIANTS[name]
+        dev = torch.device("cuda")
+        sc = make_scene(ForwardMode.TARGET_VERIFY, [0, 63, 700, 3000, 1], [4] * 5,
+                        num_heads=32, num_draft_tokens=4, kv_dtype=kvd, q_dtype=torch.bfloat16,
+                        page_size=PAGE, device=dev, k_scale=0.8, v_scale=0.8, seed=3)
+        b, pool = sc.batch, sc.pool
+        flat = pool.get_kv(0).view(pool.num_slots, -1)
+        r2t = sc.req_pool.req_to_token
+        ref = mla_decode_ref(sc.q_nope, sc.q_pe, flat, r2t, b.req_pool_indices, b.kv_lens,
+                             SM_SCALE, k_scale=0.8, v_scale=0.8, q_len=4).float()
+        scale = ref.abs().max().item()
+        before = set(_kernel_infos())
+        errs = {}
+        for sp in (1, 5):
+            out = torch.full_like(sc.q_nope, float("nan"))
+            mla_decode_paged(sc.q_nope, sc.q_pe, flat, r2t, b.req_pool_indices, b.kv_lens,
+                             SM_SCALE, page_size=PAGE, k_scale=0.8, v_scale=0.8, q_len=4,
+                             num_splits=sp, config=cfg, max_kv=b.max_kv_len, out=out)
+            torch.cuda.synchronize()
+            errs[sp] = (out.float() - ref).abs().max().item() / scale
+        infos = {k: v for k, v in _kernel_infos().items() if k not in before}
+        return dict(name=name, kv=kvd_s, errs=errs, infos=list(infos.values()))
+    except Exception as e:  # noqa: BLE001
+        return dict(name=name, kv=kvd_s, fail=f"{type(e).__name__}: {str(e)[:400]}",
+                    tb=traceback.format_exc()[-600:])
+
+
+def backend_job(_):
+    """Worker: triton backend (defaults) x every mode x {bf16, fp8} x H vs the torch oracle."""
+    try:
+        from mla_spec.attention import create_backend
+        from mla_spec.attention.synthetic import ALL_MODES, make_scene
+
+        dev = torch.device("cuda")
+        res = []
+        for h in (16, 128):
+            for kvd in (torch.bfloat16, torch.float8_e4m3fn):
+                for mode in ALL_MODES:
+                    sc = make_scene(mode, [0, 1, 700, 3000, 63], [1, 4, 2, 3, 1], num_heads=h,
+                                    num_draft_tokens=4, kv_dtype=kvd, q_dtype=torch.bfloat16,
+                                    page_size=PAGE, device=dev, k_scale=0.8, v_scale=0.8,
+                                    seed=h)
+                    kw = dict(num_heads=h, softmax_scale=SM_SCALE, kv_pool=sc.pool,
+                              req_to_token=sc.req_pool)
+                    ref = create_backend("torch", **kw).forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+                    be = create_backend("triton", **kw)
+                    o = be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+                    sc_ = ref.float().abs().max().item() + 1e-6 if ref.numel() else 1.0
+                    err = (o.float() - ref.float()).abs().max().item() / sc_ if o.numel() else 0
+                    res.append((h, str(kvd)[6:], mode.name, be.paged, err,
+                                bool(torch.isfinite(o).all())))
+        return res
+    except Exception as e:  # noqa: BLE001
+        return [("FAIL", f"{type(e).__name__}: {str(e)[:400]}", traceback.format_exc()[-800:])]
+
+
+def ours_fn(pool, r2t, rpi, kv_lens, qn, qp, q, cfg, splits, ctx):
+    from mla_spec.kernels.mla_decode_paged import mla_decode_paged
+
+    flat = pool.kv_buffer[0].view(-1, DV + DPE)
+    out = torch.empty_like(qn)
+    return lambda: mla_decode_paged(qn, qp, flat, r2t, rpi, kv_lens, SM_SCALE, page_size=PAGE,
+                                    q_len=q, num_splits=splits, config=cfg, max_kv=ctx, out=out,
+                                    num_sms=132)
+
+
+def time_row(h, q, bs, ctx, kvd, dev, names, full):
+    import math
+
+    from bench_mla import build, fi_wrapper, graph_time
+    from triton.testing import do_bench
+
+    from mla_spec.kernels.mla_decode_paged import pick_num_splits_paged
+
+    fp8 = kvd == torch.float8_e4m3fn
+    kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
+    graph = bs == 1
+    reps = max(1, min(64, math.ceil(250e6 / kv_bytes))) if graph else 1
+    pool, r2t, rpis, kv_lens, qn, qp, perm = build(h, q, bs, ctx, kvd, dev, reps)
+    row = {"kv": "fp8" if fp8 else "bf16", "H": h, "q": q, "bs": bs, "ctx": ctx,
+           "kv_mb": kv_bytes / 1e6, "var": {}}
+    try:
+        _, run = fi_wrapper(pool, perm[:bs], bs, q, h, ctx, dev, kvd)
+        row["fi_us"] = do_bench(lambda: run(qn, qp), warmup=5, rep=30) * 1e3
+        if graph:
+            ws = [fi_wrapper(pool, perm[r * bs:(r + 1) * bs], bs, q, h, ctx, dev, kvd, True)
+                  for r in range(min(reps, 16))]
+            row["fi_graph_us"] = graph_time([(lambda r=r: r(qn, qp)) for _, r in ws])
+    except Exception as e:  # noqa: BLE001
+        print(f"   flashinfer FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
+    rows = h * q
+    for name in names if full else names[:1]:
+        cfg = VARIANTS[name]
+        mb = -(-rows // cfg.block_m)
+        heur = pick_num_splits_paged(bs, mb, ctx, cfg.block_n, rows, (DV + DPE) * (1 + (not fp8)),
+                                     132, 2 if cfg.part_bf16 else 4)
+        alts = [heur]
+        if full and name == names[0] and bs in (1, 32):
+            alts += [s for s in ({1: (16, 32, 64, 128), 32: (1, 2, 8)}[bs])
+                     if s != heur and s <= -(-ctx // cfg.block_n)]
+        for sp in alts:
+            tag = f"{name}/sp{sp}"
+            try:
+                fn = ours_fn(pool, r2t, rpis[0], kv_lens, qn, qp, q, cfg, sp, ctx)
+                t = do_bench(fn, warmup=5, rep=30) * 1e3
+                ent = {"us": t}
+                if graph:
+                    fns = [ours_fn(pool, r2t, rpi, kv_lens, qn, qp, q, cfg, sp, ctx)
+                           for rpi in rpis]
+                    ent["graph_us"] = graph_time(fns)
+                row["var"][tag] = ent
+            except Exception as e:  # noqa: BLE001
+                print(f"   {tag} FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
+    key = "graph_us" if graph else "us"
+    ok = {k: v for k, v in row["var"].items() if key in v}
+    if ok:
+        best = min(ok, key=lambda k: ok[k][key])
+        row["best"] = best
+        row["ours_us"] = ok[best]["us"]
+        if graph:
+            row["ours_graph_us"] = ok[best]["graph_us"]
+    flops = 2.0 * bs * q * h * ctx * (DV + DPE + DV)
+    for k in ("ours_us", "fi_us", "ours_graph_us", "fi_graph_us"):
+        if k in row:
+            row[k.replace("_us", "_GBs")] = kv_bytes / row[k] / 1e3
+            row[k.replace("_us", "_TFs")] = flops / row[k] / 1e6
+    if "ours_us" in row and "fi_us" in row:
+        row["ratio"] = row["fi_us"] / row["ours_us"]
+    if "ours_graph_us" in row and "fi_graph_us" in row:
+        row["graph_ratio"] = row["fi_graph_us"] / row["ours_graph_us"]
+    del pool
+    torch.cuda.empty_cache()
+    return row
+
+
+HEADER = ("| KV | H | q | bs | ctx | ours µs | FI µs | FI/ours | ours GB/s | FI GB/s | ours TF/s | "
+          "FI TF/s | ours graph µs | FI graph µs | graph FI/ours | ours graph GB/s | best |\n"
+          + "|---" * 17 + "|")
+
+
+def fmt(r):
+    g = lambda k, f="{:.1f}": f.format(r[k]) if k in r else "-"  # noqa: E731
+    return (f"| {r['kv']} | {r['H']} | {r['q']} | {r['bs']} | {r['ctx']} | {g('ours_us')} | "
+            f"{g('fi_us')} | {g('ratio', '{:.2f}')} | {g('ours_GBs', '{:.0f}')} | "
+            f"{g('fi_GBs', '{:.0f}')} | {g('ours_TFs', '{:.0f}')} | {g('fi_TFs', '{:.0f}')} | "
+            f"{g('ours_graph_us')} | {g('fi_graph_us')} | {g('graph_ratio', '{:.2f}')} | "
+            f"{g('ours_graph_GBs', '{:.0f}')} | {r.get('best', '-')} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--deadline", type=float, default=200.0)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--workers", type=int, default=14)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    import triton
+    print("triton", triton.__version__, flush=True)
+    jobs = [(n, k) for k in ("bfloat16", "float8_e4m3fn") for n in VARIANTS
+            if k in ONLY.get(n, (k,))]
+    ctx = mp.get_context("spawn")
+    pool = ctx.Pool(min(args.workers, len(jobs) + 1))
+    bjob = pool.apply_async(backend_job, (0,))
+    cjobs = [pool.apply_async(check_job, (j,)) for j in jobs]
+    # warm FlashInfer's JIT meanwhile
+    try:
+        from bench_mla import build, fi_wrapper
+        for kvd in (torch.bfloat16, torch.float8_e4m3fn):
+            for q in (1, 4):
+                p_, _, _, _, qn, qp, perm = build(32, q, 2, 256, kvd, dev, 1)
+                _, run = fi_wrapper(p_, perm[:2], 2, q, 32, 256, dev, kvd)
+                run(qn, qp)
+        torch.cuda.synchronize()
+        print(f"[{time.time() - T0:.0f}s] flashinfer warm", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print("flashinfer warm FAIL", type(e).__name__, str(e)[:300], flush=True)
+    passed = {"bfloat16": [], "float8_e4m3fn": []}
+    results = {"check": [], "backend": None, "rows": []}
+    print("== compile + check vs mla_decode_ref (H 32, q 4, rel err = max|d| / max|ref|)")
+    for j in cjobs:
+        try:
+            r = j.get(timeout=max(5.0, 150 - (time.time() - T0)))
+        except Exception as e:  # noqa: BLE001
+            print("  job lost:", type(e).__name__, flush=True)
+            continue
+        results["check"].append(r)
+        cfg = VARIANTS[r["name"]]
+        if "fail" in r:
+            print(f"  {r['name']} {cfg.tag} {r['kv']}: FAIL {r['fail']}\n{r['tb']}", flush=True)
+            continue
+        good = all(e < 2e-2 for e in r["errs"].values())
+        print(f"  {r['name']} {cfg.tag} {r['kv']}: err sp1 {r['errs'][1]:.2e} sp5 "
+              f"{r['errs'][5]:.2e} {'OK' if good else 'BAD'} kernels "
+              + "; ".join(f"regs {i.get('regs')} spills {i.get('spills')} smem {i.get('smem')}"
+                          for i in r["infos"]), flush=True)
+        if good:
+            passed[r["kv"]].append(r["name"])
+    try:
+        br = bjob.get(timeout=max(5.0, 170 - (time.time() - T0)))
+        results["backend"] = br
+        worst = {}
+        for e in br:
+            if e[0] == "FAIL":
+                print("  backend FAIL", e[1], e[2], flush=True)
+                continue
+            k = (e[1], e[3])
+            worst[k] = max(worst.get(k, 0.0), e[4] if e[5] else float("inf"))
+        for (kd, paged), err in sorted(worst.items()):
+            print(f"  backend triton ({'paged' if paged else 'generic'}) {kd}: all modes x H 16/128"
+                  f" max rel err vs oracle {err:.2e}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print("  backend check lost:", type(e).__name__, flush=True)
+    pool.terminate()
+    print(f"[{time.time() - T0:.0f}s] passed: {passed}", flush=True)
+    order = [(h, q, bs, c) for bs, c in SHAPES for h in (32, 128) for q in (1, 4)]
+    if args.quick:
+        order = order[:4]
+    for i, (h, q, bs, c) in enumerate(order):
+        for kvd in (torch.bfloat16, torch.float8_e4m3fn):
+            names = passed[str(kvd)[6:]]
+            if not names:
+                continue
+            left = args.deadline - (time.time() - T0)
+            full = left > 6.0 * (len(order) - i)
+            t0 = time.time()
+            try:
+                r = time_row(h, q, bs, c, kvd, dev, names, full)
+            except Exception as e:  # noqa: BLE001
+                print(f"  row {h} {q} {bs} {c} FAIL {type(e).__name__}: {str(e)[:300]}")
+                continue
+            results["rows"].append(r)
+            var = " ".join(f"{k}={v.get('graph_us', v['us']):.1f}" for k, v in r["var"].items())
+            print(f"  [{time.time() - T0:.0f}s +{time.time() - t0:.1f}] {r['kv']} H{h} q{q} "
+                  f"bs{bs} ctx{c} FI {r.get('fi_graph_us', r.get('fi_us', 0)):.1f} | {var}",
+                  flush=True)
+    table = HEADER + "\n" + "\n".join(fmt(r) for r in results["rows"])
+    print("\n== best paged variant vs FlashInfer (eager do_bench median; graph at bs 1)")
+    print(table, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "sweep_mla.md"), "w") as f:
+            f.write(table + "\n")
+        with open(os.path.join(out, "sweep_mla.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

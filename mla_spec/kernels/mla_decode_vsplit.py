@@ -1,0 +1,335 @@
+"""V-split and fused-combine variants of the paged MLA kernel (``mla_decode_paged``'s options).
+
+Same function as ``mla_decode_paged`` / ``mla_decode`` (torch twin: ``mla_decode_ref``, re-exported
+here as ``mla_decode_vsplit_ref``); only the work distribution differs.
+
+**V-split** (``NV`` in {1, 2, 4}). The paged kernel keeps a ``[BLOCK_M, 512]`` fp32 output
+accumulator: 128 registers per thread at 8 warps, which with S, P and the pipeline's operands
+pushes every 8-warp Hopper variant to the 255-register cap with spills. Here ``NV`` sibling
+programs share one (row block, KV split): each computes the full 576-wide ``Q . K^T`` and the
+softmax of its rows, but only its ``512 / NV`` columns of ``P . V`` (accumulator
+``[BLOCK_M, 512 / NV]``). The KV tile is read once per sibling; the V-split index is the
+fastest-varying index of grid axis 0, so siblings run at the same time and the second to
+fourth reads of a tile hit L2. The score is summed over column chunks of width
+``DC = 512 / max(NV, 2)`` (two 256-wide or four 128-wide TMA boxes plus the 64-wide rope box)
+in a *rotated* order that starts with the sibling's own chunk, which is then reused for P . V::
+
+    chunk j of sibling v:  columns ((v * OWN + j) % NC) * DC + [0, DC),   OWN = NC / NV
+    S  = sum_j Q_j @ K_j^T + Qpe @ Kpe^T                     [BLOCK_M, BLOCK_N] fp32
+    O_own += P @ K_j   for j < OWN                           OWN x [BLOCK_M, DC] fp32
+
+Siblings sum the chunks in different orders, so their scores (hence softmax normalizers) can
+differ in the last fp32 bit; each writes its own LSE (``part_lse [NV, S, rows]``) and the
+final LSE is sibling 0's.
+
+**Fused combine** (``FUSED``, with splits). Each split program writes its partial and LSE,
+then (one thread, after a CTA barrier) increments an int32 counter per
+(request, row block, sibling) with an acq_rel atomic; the program that sees
+``num_splits - 1`` merges the ``num_splits`` partials of its rows / columns into the output
+(reading them through L2, ``.cg``) and sets the counter back to 0, so the zero-initialized
+counter buffer can be reused by the next launch and inside a CUDA graph. This saves the
+combine launch; its cost is a serial merge in one program (``S x BLOCK_M x 512/NV`` partial
+elements), so it pays at small batch with moderate split counts. Launches sharing one counter
+buffer must be stream-ordered (never concurrent).
+
+Layout otherwise as ``mla_decode_paged``: grid ``(m_blocks * NV, num_splits, bs)``, rows are
+flattened (token, head) pairs, one scalar ``req_to_token`` read per page tile, FP8 KV converted
+to fp16 (exact) with an exact power-of-two query pre-scale, fp32 dots under the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.kernels.mla_decode_combine import combine_splits
+from mla_spec.kernels.mla_decode_ref import mla_decode_ref
+
+__all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
+
+mla_decode_vsplit_ref = mla_decode_ref  # the torch twin: the same function
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """A zero-initialized int32 buffer of >= ``n`` counters for the fused combine (cached per
+    device; the kernel leaves it zeroed). Grows only outside CUDA-graph capture."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+@triton.jit
+def _scaled_f16(x, pw):
+    return (x.to(tl.float32) * pw).to(tl.float16)
+
+
+@triton.jit(do_not_specialize=["H", "q_len_fixed", "num_splits", "m_blocks", "stride_r2t",
+                               "num_slots"])
+def _mla_vsplit_kernel(
+    Qn, Qp, KV, R2T, RPI, KVL, QO, Out, Lse, Part, PLse, Cnt,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_r2t,
+    stride_o_t, stride_o_h, stride_ps, stride_lse_v, stride_lse_s, num_slots,
+    H, q_len_fixed, num_splits, m_blocks, qk_scale_log2, v_scale,
+    DV: tl.constexpr, DPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NV: tl.constexpr, NC: tl.constexpr, RAGGED: tl.constexpr, SPLIT: tl.constexpr,
+    FUSED: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
+    TMA: tl.constexpr,
+):
+    DC: tl.constexpr = DV // NC
+    OWN: tl.constexpr = NC // NV
+    DK: tl.constexpr = DV + DPE
+    pid0 = tl.program_id(0)
+    vid = pid0 % NV  # fastest-varying: siblings of one KV tile run side by side
+    pid_m = pid0 // NV
+    sid = tl.program_id(1)
+    b = tl.program_id(2)
+    if RAGGED:
+        qo_start = tl.load(QO + b)
+        q_len = tl.load(QO + b + 1) - qo_start
+    else:
+        qo_start = b * q_len_fixed
+        q_len = q_len_fixed
+    kv_len = tl.load(KVL + b)
+    n_rows = q_len * H
+    m0 = pid_m * BLOCK_M
+    if m0 < n_rows:
+        req = tl.load(RPI + b).to(tl.int64)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < n_rows
+        tok = (qo_start + offs_m // H).to(tl.int64)
+        head = (offs_m % H).to(tl.int64)
+        offs_c = tl.arange(0, DC)
+        offs_p = tl.arange(0, DPE)
+        # column offsets of the chunks, own chunk(s) first
+        oa = ((vid * OWN) % NC) * DC
+        ob = ((vid * OWN + 1) % NC) * DC
+        qrow = Qn + tok[:, None] * stride_qn_t + head[:, None] * stride_qn_h + offs_c[None, :]
+        qa = tl.load(qrow + oa, mask=mask_m[:, None], other=0.0)
+        qb = tl.load(qrow + ob, mask=mask_m[:, None], other=0.0)
+        if NC == 4:
+            oc = ((vid * OWN + 2) % NC) * DC
+            od = ((vid * OWN + 3) % NC) * DC
+            qc = tl.load(qrow + oc, mask=mask_m[:, None], other=0.0)
+            qd = tl.load(qrow + od, mask=mask_m[:, None], other=0.0)
+        qp = tl.load(Qp + tok[:, None] * stride_qp_t + head[:, None] * stride_qp_h
+                     + offs_p[None, :], mask=mask_m[:, None], other=0.0)
+        row_scale = qk_scale_log2
+        if F16:
+            # exact power-of-two pre-scale so that max|q| lands in [2**13, 2**14]
+            amax = tl.maximum(tl.max(tl.max(tl.abs(qa.to(tl.float32)), 1), 0),
+                              tl.max(tl.max(tl.abs(qb.to(tl.float32)), 1), 0))
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(qp.to(tl.float32)), 1), 0))
+            if NC == 4:
+                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(qc.to(tl.float32)), 1), 0))
+                amax = tl.maximum(amax, tl.max(tl.max(tl.abs(qd.to(tl.float32)), 1), 0))
+            e = tl.where(amax > 0, 14 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0)
+            e = tl.minimum(tl.maximum(e, -100.0), 100.0).to(tl.int32)
+            pw = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            ipw = ((127 - e) << 23).to(tl.float32, bitcast=True)
+            qa, qb, qp = _scaled_f16(qa, pw), _scaled_f16(qb, pw), _scaled_f16(qp, pw)
+            if NC == 4:
+                qc, qd = _scaled_f16(qc, pw), _scaled_f16(qd, pw)
+            row_scale = row_scale * ipw
+        elif DOT_F32:
+            qa, qb, qp = qa.to(tl.float32), qb.to(tl.float32), qp.to(tl.float32)
+            if NC == 4:
+                qc, qd = qc.to(tl.float32), qd.to(tl.float32)
+        bound = kv_len - q_len + offs_m // H + 1  # [M]: row sees j < bound
+        last_row = tl.minimum(m0 + BLOCK_M, n_rows) - 1
+        hi_rows = kv_len - q_len + last_row // H + 1
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = sid * chunk
+        hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
+        if TMA:
+            dsc_v = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
+                                              block_shape=[BLOCK_N, DC])
+            dsc_p = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
+                                              block_shape=[BLOCK_N, DPE])
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc0 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+        if OWN == 2:
+            acc1 = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+        r2t_row = R2T + req * stride_r2t
+        offs_r = tl.arange(0, BLOCK_N)
+        for start in range(lo, hi, BLOCK_N):
+            slot0 = tl.load(r2t_row + start)  # first slot of this tile: rows are contiguous
+            if TMA:
+                ka = dsc_v.load([slot0, oa])
+                kb = dsc_v.load([slot0, ob])
+                if NC == 4:
+                    kc = dsc_v.load([slot0, oc])
+                    kd = dsc_v.load([slot0, od])
+                kp = dsc_p.load([slot0, DV])
+            else:
+                kptr = KV + (slot0.to(tl.int64) + offs_r)[:, None] * DK
+                mask_r = ((start + offs_r) < hi)[:, None]
+                ka = tl.load(kptr + oa + offs_c[None, :], mask=mask_r, other=0.0)
+                kb = tl.load(kptr + ob + offs_c[None, :], mask=mask_r, other=0.0)
+                if NC == 4:
+                    kc = tl.load(kptr + oc + offs_c[None, :], mask=mask_r, other=0.0)
+                    kd = tl.load(kptr + od + offs_c[None, :], mask=mask_r, other=0.0)
+                kp = tl.load(kptr + DV + offs_p[None, :], mask=mask_r, other=0.0)
+            if F16:
+                ka, kb, kp = ka.to(tl.float16), kb.to(tl.float16), kp.to(tl.float16)
+                if NC == 4:
+                    kc, kd = kc.to(tl.float16), kd.to(tl.float16)
+            elif DOT_F32:
+                ka, kb, kp = ka.to(tl.float32), kb.to(tl.float32), kp.to(tl.float32)
+                if NC == 4:
+                    kc, kd = kc.to(tl.float32), kd.to(tl.float32)
+            if DOT_F32:
+                s = tl.dot(qa, tl.trans(ka), input_precision="ieee")
+                s = tl.dot(qb, tl.trans(kb), s, input_precision="ieee")
+                if NC == 4:
+                    s = tl.dot(qc, tl.trans(kc), s, input_precision="ieee")
+                    s = tl.dot(qd, tl.trans(kd), s, input_precision="ieee")
+                s = tl.dot(qp, tl.trans(kp), s, input_precision="ieee")
+            else:
+                s = tl.dot(qa, tl.trans(ka))
+                s = tl.dot(qb, tl.trans(kb), s)
+                if NC == 4:
+                    s = tl.dot(qc, tl.trans(kc), s)
+                    s = tl.dot(qd, tl.trans(kd), s)
+                s = tl.dot(qp, tl.trans(kp), s)
+            s = s * row_scale
+            offs_n = start + offs_r
+            vis = (offs_n[None, :] < bound[:, None]) & (offs_n[None, :] < hi)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DOT_F32:
+                acc0 = tl.dot(p, ka, acc0 * alpha[:, None], input_precision="ieee")
+                if OWN == 2:
+                    acc1 = tl.dot(p, kb, acc1 * alpha[:, None], input_precision="ieee")
+            else:
+                pc = p.to(ka.dtype)
+                acc0 = tl.dot(pc, ka, acc0 * alpha[:, None])
+                if OWN == 2:
+                    acc1 = tl.dot(pc, kb, acc1 * alpha[:, None])
+            m_i = m_new
+
+        has = l_i > 0.0
+        inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+        lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        rows = tok * H + head
+        if SPLIT:
+            pbase = Part + sid * stride_ps + rows[:, None] * DV + offs_c[None, :]
+            tl.store(pbase + oa, (acc0 * inv[:, None]).to(Part.dtype.element_ty),
+                     mask=mask_m[:, None])
+            if OWN == 2:
+                tl.store(pbase + ob, (acc1 * inv[:, None]).to(Part.dtype.element_ty),
+                         mask=mask_m[:, None])
+            plse = PLse + vid * stride_lse_v
+            tl.store(plse + sid * stride_lse_s + rows, lse2, mask=mask_m)
+            if FUSED:
+                tl.debug_barrier()  # every thread's partial stores precede the release
+                cnt = Cnt + (b * m_blocks + pid_m) * NV + vid
+                done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+                if done == num_splits - 1:  # the last split of (request, row block, sibling)
+                    tl.debug_barrier()
+                    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                    for s2 in range(0, num_splits):
+                        ls = tl.load(plse + s2 * stride_lse_s + rows, mask=mask_m,
+                                     other=float("-inf"), cache_modifier=".cg")
+                        m = tl.maximum(m, ls)
+                    m_use = tl.where(m == float("-inf"), 0.0, m)
+                    den = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    for s2 in range(0, num_splits):
+                        ls = tl.load(plse + s2 * stride_lse_s + rows, mask=mask_m,
+                                     other=float("-inf"), cache_modifier=".cg")
+                        den += tl.exp2(ls - m_use)
+                    ok = den > 0.0
+                    rden = tl.where(ok, 1.0 / tl.where(ok, den, 1.0), 0.0)
+                    obase = (Out + tok[:, None] * stride_o_t + head[:, None] * stride_o_h
+                             + offs_c[None, :])
+                    for j in tl.static_range(OWN):
+                        col = oa if j == 0 else ob
+                        acc = tl.zeros([BLOCK_M, DC], dtype=tl.float32)
+                        for s2 in range(0, num_splits):
+                            ls = tl.load(plse + s2 * stride_lse_s + rows, mask=mask_m,
+                                         other=float("-inf"), cache_modifier=".cg")
+                            w = tl.exp2(ls - m_use)  # 0 for an empty split / masked row
+                            pt = tl.load(Part + s2 * stride_ps + rows[:, None] * DV + col
+                                         + offs_c[None, :], mask=mask_m[:, None] & (w > 0.0)[:, None],
+                                         other=0.0, cache_modifier=".cg").to(tl.float32)
+                            acc += pt * w[:, None]
+                        tl.store(obase + col, (acc * rden[:, None]).to(Out.dtype.element_ty),
+                                 mask=mask_m[:, None])
+                    if WRITE_LSE:
+                        if vid == 0:
+                            lse = tl.where(ok, m + tl.log2(tl.where(ok, den, 1.0)),
+                                           float("-inf"))
+                            tl.store(Lse + rows, lse * 0.6931471805599453, mask=mask_m)
+                    tl.store(cnt, 0)  # reset for the next launch (CUDA-graph safe)
+        else:
+            optr = (Out + tok[:, None] * stride_o_t + head[:, None] * stride_o_h
+                    + offs_c[None, :])
+            tl.store(optr + oa, (acc0 * inv[:, None]).to(Out.dtype.element_ty),
+                     mask=mask_m[:, None])
+            if OWN == 2:
+                tl.store(optr + ob, (acc1 * inv[:, None]).to(Out.dtype.element_ty),
+                         mask=mask_m[:, None])
+            if WRITE_LSE:
+                if vid == 0:
+                    tl.store(Lse + rows, lse2 * 0.6931471805599453, mask=mask_m)
+
+
+def launch_vsplit(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
+                  out, lse, qk_scale_log2: float, v_scale: float, *, q_len: int | None,
+                  m_blocks: int, num_splits: int, cfg, interp: bool,
+                  counters: torch.Tensor | None = None) -> None:
+    """Launch the V-split / fused-combine kernel (``cfg.vsplit``, ``cfg.fused``).
+
+    Called by :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` after validation:
+    ``q_nope [N, H, Dv]``, ``q_pe [N, H, Dpe]``, ``kv_flat [slots, Dv + Dpe]``, ``out [N, H, Dv]``,
+    ``lse [N, H]`` fp32 or None; ``counters``: a zeroed int32 buffer of
+    ``>= bs * m_blocks * vsplit`` (default: :func:`split_counters`).
+    """
+    n, h, dv = q_nope.shape
+    dpe = q_pe.shape[-1]
+    bs = req_pool_indices.numel()
+    dev = q_nope.device
+    nv = cfg.vsplit
+    if nv not in (1, 2, 4) or dv % (2 * nv):
+        raise ValueError(f"vsplit must be 1, 2 or 4 and divide Dv/2 (got {nv}, Dv {dv})")
+    nc = 4 if nv == 4 else 2
+    split = num_splits > 1
+    fused = split and cfg.fused
+    if split:
+        pdt = torch.bfloat16 if cfg.part_bf16 else torch.float32
+        part = torch.empty((num_splits, n * h, dv), dtype=pdt, device=dev)
+        part_lse = torch.empty((nv, num_splits, n * h), dtype=torch.float32, device=dev)
+    else:
+        part = part_lse = out
+    cnt = out
+    if fused:
+        need = bs * m_blocks * nv
+        cnt = counters if counters is not None else split_counters(need, dev)
+        if cnt.numel() < need or cnt.dtype != torch.int32:
+            raise ValueError(f"counters must be int32 with >= {need} entries")
+    is_fp8 = kv_flat.element_size() == 1
+    qo = qo_indptr if qo_indptr is not None else kv_lens  # dummy when fixed
+    _mla_vsplit_kernel[(m_blocks * nv, num_splits, bs)](
+        q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo, out,
+        lse if lse is not None else out, part, part_lse, cnt,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        req_to_token.stride(0), out.stride(0), out.stride(1),
+        (n * h * dv) if split else 0, (num_splits * n * h) if split else 0,
+        (n * h) if split else 0, kv_flat.shape[0],
+        h, q_len or 0, num_splits, m_blocks, qk_scale_log2, float(v_scale),
+        DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NV=nv, NC=nc,
+        RAGGED=qo_indptr is not None, SPLIT=split, FUSED=fused, WRITE_LSE=lse is not None,
+        DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split and not fused:
+        combine_splits(part, part_lse[0], out, lse)

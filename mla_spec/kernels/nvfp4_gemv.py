@@ -1,0 +1,269 @@
+"""NVFP4 W4A16 GEMV for decode batch sizes (M <= ~8 tokens): FMA, no MMA, no shared memory.
+
+At M = 1..8 a GEMM is a GEMV: every weight is used M times, so the time is the time to stream
+the weight bytes (0.5625 B per weight) if the decode costs only a few instructions per weight.
+The H200 issues ~33 T thread-instructions/s and its 4.3 TB/s bring ~7.6 T NVFP4 weights/s, so
+the budget is about 4 instructions per weight, multiply-add included.
+
+Layout (x ``[M, K]``, weight uint8 ``[N, K/2]`` read as **int64 words** ``[N, K/16]``: one word
+is one 16-element block, the same index as its e4m3 scale ``[N, K/16]``):
+
+- A program owns ``BN`` weight rows x ``MP`` tokens and a K range (split-K), loops over steps of
+  ``G`` blocks: loads ``[BN, 1, G]`` words (16-byte loads when 2 words sit in a thread) and
+  scales, decodes each word into 16 fp32 values ``E2M1 * 2**-14``, multiplies them with the
+  tokens' x values ``[1, MP, G]`` (16 FMAs per block and token) and adds the block's sum
+  times its scale into an fp32 accumulator ``[BN, MP, G]`` (1 FMA per block and token). The
+  ``2**14`` and ``weight_scale_2`` are applied once at the end.
+- **Decode trick.** The E2M1 nibble ``s e1 e0 m`` placed as fp16 bits ``s << 15 | e1e0m << 9``
+  is exactly ``E2M1 * 2**-14`` for normal and subnormal codes. Nibbles ``j`` and ``j + 4`` of a
+  32-bit word land in the two fp16 lanes with one shift and mask per lane set (``0x0E000E00``
+  magnitude, ``0x80008000`` sign), so a word of 8 weights costs ~15 integer ops and 8
+  ``cvt.f32.f16``: ``_decode16_asm`` (GPU PTX). ``_decode16_pure`` does the same per element in
+  portable Triton (interpreter, fallback).
+- **Split-K without a second launch.** Each split writes its fp32 partial ``[BN, MP]`` to a
+  workspace, then bumps a per-tile counter (``atomic_add``, acq_rel); the last split sums the
+  partials in split order (deterministic), writes the output and resets the counter to 0.
+  No host sync, no memset: CUDA-graph safe. The counters are a cached zeroed buffer per
+  device, so two split-K GEMVs must not run concurrently on different streams.
+
+``nvfp4_gemv`` is the launcher (called by ``nvfp4_gemm``); its twin is ``nvfp4_gemm_ref``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "GEMV_MAX_M", "GEMV_FAST"]
+
+GEMV_FAST = False  # PTX decoder opt-in until benchmarks/sweep_nvfp4.py validates it on a GPU
+GEMV_MAX_M = 8  # above this the MMA kernel of nvfp4_gemm wins (fewer FMAs per weight)
+
+# One int64 word = 16 E2M1 codes (element i in bits 4i..4i+3) -> 16 fp32 E2M1 * 2**-14.
+# Pair (j, j+4) of a 32-bit word: fp16x2 bits = (w << (9-4j)) & 0x0E000E00 | (w << (12-4j)) &
+# 0x80008000, then one cvt.f32.f16 per lane.
+_PAIR = """
+shl.b32 a, {w}, {sm}; and.b32 a, a, 0x0E000E00; {sgn}
+or.b32 p, a, b; mov.b32 {{h0, h1}}, p;
+cvt.f32.f16 ${o0}, h0; cvt.f32.f16 ${o1}, h1;"""
+
+
+def _asm16() -> str:
+    body = ["{", ".reg .b32 w0, w1, a, b, p;", ".reg .b16 h0, h1;", "mov.b64 {w0, w1}, $16;"]
+    for half, w in enumerate(("w0", "w1")):
+        for j in range(4):
+            sm = 9 - 4 * j
+            shift = f"shl.b32 a, {w}, {sm};" if sm > 0 else f"shr.u32 a, {w}, {-sm};"
+            ss = 12 - 4 * j
+            sgn = (f"shl.b32 b, {w}, {ss}; and.b32 b, b, 0x80008000;" if ss
+                   else f"and.b32 b, {w}, 0x80008000;")
+            txt = _PAIR.format(w=w, sm=sm, sgn=sgn, o0=8 * half + j, o1=8 * half + j + 4)
+            body.append(txt.replace(f"shl.b32 a, {w}, {sm};", shift))
+    body.append("}")
+    return "\n".join(body)
+
+
+_ASM16 = tl.constexpr(_asm16())
+
+
+@triton.jit
+def _decode16_asm(wq):
+    """int64 words -> 16 fp32 tensors (element i of each block), E2M1 * 2**-14 (GPU only)."""
+    r = tl.inline_asm_elementwise(
+        _ASM16, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l", [wq],
+        dtype=(tl.int32,) * 16, is_pure=True, pack=1)
+    return (r[0].to(tl.float32, bitcast=True), r[1].to(tl.float32, bitcast=True),
+            r[2].to(tl.float32, bitcast=True), r[3].to(tl.float32, bitcast=True),
+            r[4].to(tl.float32, bitcast=True), r[5].to(tl.float32, bitcast=True),
+            r[6].to(tl.float32, bitcast=True), r[7].to(tl.float32, bitcast=True),
+            r[8].to(tl.float32, bitcast=True), r[9].to(tl.float32, bitcast=True),
+            r[10].to(tl.float32, bitcast=True), r[11].to(tl.float32, bitcast=True),
+            r[12].to(tl.float32, bitcast=True), r[13].to(tl.float32, bitcast=True),
+            r[14].to(tl.float32, bitcast=True), r[15].to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _nib(w32, SHIFT: tl.constexpr):
+    """Nibble at bit SHIFT of int32 words -> fp32 E2M1 * 2**-14 (portable)."""
+    bits = (((w32 >> SHIFT) & 7) << 9) | (((w32 >> (SHIFT + 3)) & 1) << 15)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _decode16_pure(wq):
+    lo = wq.to(tl.int32)
+    hi = (wq >> 32).to(tl.int32)
+    return (_nib(lo, 0), _nib(lo, 4), _nib(lo, 8), _nib(lo, 12), _nib(lo, 16), _nib(lo, 20),
+            _nib(lo, 24), _nib(lo, 28), _nib(hi, 0), _nib(hi, 4), _nib(hi, 8), _nib(hi, 12),
+            _nib(hi, 16), _nib(hi, 20), _nib(hi, 24), _nib(hi, 28))
+
+
+@triton.jit
+def _xl(xs, IDX: tl.constexpr, xmask, MASKED: tl.constexpr):
+    if MASKED:
+        v = tl.load(xs + IDX, mask=xmask, other=0.0)
+    else:
+        v = tl.load(xs + IDX)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def block_dot16(wq, xs, xmask, MASKED: tl.constexpr, FAST: tl.constexpr):
+    """sum_i decode(wq)_i * x[16 g + i] per block: wq int64 ``[..]``, xs pointers to the
+    blocks' first x element (broadcastable to wq); returns fp32 in units of 2**-14."""
+    if FAST:
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = \
+            _decode16_asm(wq)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = \
+            _decode16_pure(wq)
+    p = v0 * _xl(xs, 0, xmask, MASKED)
+    p += v1 * _xl(xs, 1, xmask, MASKED)
+    p += v2 * _xl(xs, 2, xmask, MASKED)
+    p += v3 * _xl(xs, 3, xmask, MASKED)
+    p += v4 * _xl(xs, 4, xmask, MASKED)
+    p += v5 * _xl(xs, 5, xmask, MASKED)
+    p += v6 * _xl(xs, 6, xmask, MASKED)
+    p += v7 * _xl(xs, 7, xmask, MASKED)
+    p += v8 * _xl(xs, 8, xmask, MASKED)
+    p += v9 * _xl(xs, 9, xmask, MASKED)
+    p += v10 * _xl(xs, 10, xmask, MASKED)
+    p += v11 * _xl(xs, 11, xmask, MASKED)
+    p += v12 * _xl(xs, 12, xmask, MASKED)
+    p += v13 * _xl(xs, 13, xmask, MASKED)
+    p += v14 * _xl(xs, 14, xmask, MASKED)
+    p += v15 * _xl(xs, 15, xmask, MASKED)
+    return p
+
+
+@triton.jit
+def _nvfp4_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, KB, SPLIT, stride_xm, stride_wn, stride_sn, stride_om,
+    MP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr, FAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_m = pid_m * MP + tl.arange(0, MP)
+    offs_g = tl.arange(0, G)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped: valid loads, dropped at the store
+    toks = tl.minimum(offs_m, M - 1).to(tl.int64)
+    w3 = w_ptr + rows[:, None, None] * stride_wn + offs_g[None, None, :]
+    s3 = ws_ptr + rows[:, None, None] * stride_sn + offs_g[None, None, :]
+    x3 = x_ptr + toks[None, :, None] * stride_xm + (16 * offs_g)[None, None, :]
+    n_it = tl.cdiv(KB, G)
+    per = tl.cdiv(n_it, SPLIT)
+    it0 = pid_k * per
+    it1 = tl.minimum(it0 + per, n_it)
+    acc = tl.zeros((BN, MP, G), dtype=tl.float32)
+    for it in range(it0, it1):
+        b = it * G
+        if EVEN:
+            wq = tl.load(w3 + b)
+            sc = tl.load(s3 + b).to(tl.float32)
+            p = block_dot16(wq, x3 + b * 16, None, False, FAST)
+        else:
+            ok = (b + offs_g < KB)[None, None, :]
+            wq = tl.load(w3 + b, mask=ok, other=0)
+            sc = tl.load(s3 + b, mask=ok, other=0.0).to(tl.float32)
+            p = block_dot16(wq, x3 + b * 16, ok, True, FAST)
+        acc += p * sc
+    res = tl.sum(acc, axis=2) * (tl.load(ws2_ptr) * 16384.0)  # [BN, MP]
+    omask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    optr = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    if not SPLIT_K:
+        tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=omask)
+    else:
+        pm = offs_m[None, :] * N + offs_n[:, None]
+        tl.store(part_ptr + pid_k * M * N + pm, res, mask=omask)
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT - 1:  # last split of this tile: reduce in split order, reset
+            tot = tl.zeros((BN, MP), dtype=tl.float32)
+            for s in range(0, SPLIT):
+                tot += tl.load(part_ptr + s * M * N + pm, mask=omask, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(optr, tot.to(out_ptr.dtype.element_ty), mask=omask)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """``block_n`` rows and ``groups`` 16-blocks per step, ``split_k`` programs along K,
+    ``num_warps`` / ``num_stages``, and the PTX decoder (``fast_dequant``, GPU only)."""
+
+    block_n: int = 128
+    groups: int = 2
+    split_k: int = 1
+    num_warps: int = 1
+    num_stages: int = 1
+    fast_dequant: bool | None = None  # None: GEMV_FAST
+
+
+_NUM_SMS = 132
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_MAX_TILES = 1 << 14
+
+
+def default_gemv_config(m: int, n: int, k: int) -> GemvConfig:
+    """Heuristic (offline SASS counts, not yet timed on a GPU): 2 words (32 weights) per row
+    and step so x loads are shared by the rows a thread owns (``block_n / (32 * warps)``
+    rows: 4 up to 4 tokens, 2 for 8); split K until ~4 CTAs per SM, >= 4 steps per split."""
+    warps = 2 if n >= 2048 else 1
+    bn = 32 * warps * (4 if mp_for(m) <= 4 else 2)
+    kb = k // 16
+    tiles = triton.cdiv(n, bn) * triton.cdiv(m, mp_for(m))
+    split = 1
+    while tiles * split < 4 * _NUM_SMS and triton.cdiv(kb, 2) >= 8 * split:
+        split *= 2
+    return GemvConfig(block_n=bn, groups=2, split_k=split, num_warps=warps)
+
+
+def mp_for(m: int) -> int:
+    """Token tile of the GEMV: next power of two, at most GEMV_MAX_M."""
+    return min(triton.next_power_of_2(max(m, 1)), GEMV_MAX_M)
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    if tiles > _MAX_TILES:
+        return torch.zeros(tiles, dtype=torch.int32, device=device)
+    buf = _COUNTERS.get(device)
+    if buf is None:
+        buf = _COUNTERS[device] = torch.zeros(_MAX_TILES, dtype=torch.int32, device=device)
+    return buf
+
+
+def nvfp4_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               weight_scale_2: torch.Tensor, out: torch.Tensor, config: GemvConfig,
+               interpret: bool = False) -> torch.Tensor:
+    """``out [M, N] = x2 [M, K] @ dequant(W)^T`` (inputs already validated by ``nvfp4_gemm``;
+    ``x2`` row-major, ``weight [N, K/2]`` with 8-byte aligned rows)."""
+    m, k = x2.shape
+    n = weight.shape[0]
+    kb = k // 16
+    w64 = weight.view(torch.int64) if weight.stride(0) % 8 == 0 and weight.stride(1) == 1 \
+        else weight.contiguous().view(torch.int64)
+    mp = mp_for(m)
+    g = min(config.groups, triton.next_power_of_2(kb))
+    split = max(1, min(config.split_k, triton.cdiv(kb, g)))
+    grid = (triton.cdiv(n, config.block_n), split, triton.cdiv(m, mp))
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device)
+        cnt = _counters(x2.device, grid[0] * grid[2])
+    else:
+        part = cnt = out
+    _nvfp4_gemv_kernel[grid](
+        x2, w64, weight_scale, weight_scale_2, out, part, cnt,
+        m, n, kb, split, x2.stride(0), w64.stride(0), weight_scale.stride(0), out.stride(0),
+        MP=mp, BN=config.block_n, G=g, SPLIT_K=split > 1, EVEN=kb % g == 0,
+        FAST=(GEMV_FAST if config.fast_dequant is None else config.fast_dequant)
+        and not interpret, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    return out

@@ -1,0 +1,174 @@
+"""Fused MoE at decode batch sizes: one GEMV program per (token-expert pair, row block, K split).
+
+With M <= 16 tokens x top-8, nearly every (token, expert) pair has its own expert, so sorting
+pairs by expert (``moe_align``) buys nothing and costs launches. Two launches instead, no
+routing work, no host sync (CUDA-graph safe):
+
+1. **w13 + SiLU-and-multiply.** Grid ``(I / BN, S, P)``: program (n, s, p) reads expert
+   ``e = topk_ids[p]``'s gate rows ``n*BN..`` and the matching up rows (``I + n*BN..``) over the
+   s-th K range, against token ``p // topk``'s x. Split-K partials ``[S, P, 2, I]`` fp32 are
+   reduced by the last program to arrive (per-tile counter, see ``nvfp4_gemv``), which writes
+   ``act[p] = SiLU(gate) * up`` (bf16, fp32 for fp32 x). Pairs with an id outside ``[0, E)``
+   (another EP rank) return at once.
+2. **w2 + routing weights + sum over top-k.** Grid ``(K / BN, topk, M)``: the split index is
+   the top-k slot j: program (n, j, t) computes ``topk_weights[t, j] * (act[t*topk+j] @ W2[e]^T)``
+   for rows ``n*BN..`` (the whole I = K of W2 in one program); the last of the ``topk``
+   programs of a tile sums them in slot order and writes ``out[t]``.
+
+The dot products are ``block_dot16`` of ``nvfp4_gemv`` (16 E2M1 per int64 word, fp32 FMA, block
+scale per 16). Twin: ``fused_moe_ref`` in ``nvfp4_moe``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.kernels.nvfp4_gemv import _counters, block_dot16
+
+__all__ = ["moe_gemv", "MOE_GEMV_MAX_M"]
+
+MOE_GEMV_MAX_M = 16  # tokens; above, the sorted (moe_align) path reads each expert once
+
+
+@triton.jit
+def _moe_gemv_kernel(
+    x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, tw_ptr,
+    N, KB, E, TOPK, R, SPLIT,
+    stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_s2e, stride_s2h, stride_om,
+    GATED: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN: tl.constexpr, FAST: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_r = tl.program_id(2)  # pair (GATED) or token
+    if GATED:
+        pair = pid_r
+        xrow = pair // TOPK
+    else:
+        pair = pid_r * TOPK + pid_s
+        xrow = pair
+    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    valid = (expert >= 0) & (expert < E)
+    if GATED:
+        if not valid:
+            return
+    e64 = tl.where(valid, expert, 0).to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_g = tl.arange(0, G)
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    wrow = w_ptr + e64 * stride_we + rows[:, None] * stride_wn + offs_g[None, :]
+    srow = ws_ptr + e64 * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
+    xb = x_ptr + xrow.to(tl.int64) * stride_xm + (16 * offs_g)[None, :]
+    n_it = tl.cdiv(KB, G)
+    if GATED:
+        per = tl.cdiv(n_it, SPLIT)
+        it0 = pid_s * per
+        it1 = tl.minimum(it0 + per, n_it)
+    else:
+        it0 = 0
+        it1 = tl.where(valid, n_it, 0)
+    acc = tl.zeros((BN, G), dtype=tl.float32)
+    acc_u = tl.zeros((BN, G), dtype=tl.float32)
+    for it in range(it0, it1):
+        b = it * G
+        if EVEN:
+            wq = tl.load(wrow + b)
+            sc = tl.load(srow + b).to(tl.float32)
+            acc += block_dot16(wq, xb + b * 16, None, False, FAST) * sc
+            if GATED:
+                wq = tl.load(wrow + N * stride_wn + b)
+                sc = tl.load(srow + N * stride_sn + b).to(tl.float32)
+                acc_u += block_dot16(wq, xb + b * 16, None, False, FAST) * sc
+        else:
+            ok = (b + offs_g < KB)[None, :]
+            wq = tl.load(wrow + b, mask=ok, other=0)
+            sc = tl.load(srow + b, mask=ok, other=0.0).to(tl.float32)
+            acc += block_dot16(wq, xb + b * 16, ok, True, FAST) * sc
+            if GATED:
+                wq = tl.load(wrow + N * stride_wn + b, mask=ok, other=0)
+                sc = tl.load(srow + N * stride_sn + b, mask=ok, other=0.0).to(tl.float32)
+                acc_u += block_dot16(wq, xb + b * 16, ok, True, FAST) * sc
+    s2 = ws2_ptr + e64 * stride_s2e
+    res = tl.sum(acc, axis=1) * (tl.load(s2) * 16384.0)
+    if GATED:
+        res_u = tl.sum(acc_u, axis=1) * (tl.load(s2 + stride_s2h) * 16384.0)
+        prow = 2 * N
+    else:
+        res = res * tl.load(tw_ptr + pair).to(tl.float32)
+        res_u = res
+        prow = N
+    n_ok = offs_n < N
+    optr = out_ptr + pid_r.to(tl.int64) * stride_om + offs_n
+    if not SPLIT_K:
+        if GATED:
+            res = res / (1.0 + tl.exp(-res)) * res_u
+        tl.store(optr, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        pp = part_ptr + pid_r.to(tl.int64) * prow + offs_n
+        tl.store(pp + pid_s * R * prow, res, mask=n_ok)
+        if GATED:
+            tl.store(pp + pid_s * R * prow + N, res_u, mask=n_ok)
+        tl.debug_barrier()
+        tile = pid_r * tl.num_programs(0) + pid_n
+        done = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+        if done == SPLIT - 1:
+            tot = tl.zeros((BN,), dtype=tl.float32)
+            tot_u = tl.zeros((BN,), dtype=tl.float32)
+            for s in range(0, SPLIT):
+                tot += tl.load(pp + s * R * prow, mask=n_ok, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    tot_u += tl.load(pp + s * R * prow + N, mask=n_ok, other=0.0,
+                                     cache_modifier=".cg")
+            if GATED:
+                tot = tot / (1.0 + tl.exp(-tot)) * tot_u
+            tl.store(optr, tot.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(cnt_ptr + tile, 0)
+
+
+def _w64(w: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[E, N, K/2]`` viewed as int64 words ``[E, N, K/16]`` (one per 16-block)."""
+    return (w if w.is_contiguous() else w.contiguous()).view(torch.int64)
+
+
+def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
+             s13: tuple[torch.Tensor, int, int], s2: tuple[torch.Tensor, int, int],
+             act_dtype: torch.dtype, block_n: int = 128, split13: int | None = None,
+             num_warps: int = 1, fast: bool = True) -> torch.Tensor:
+    """Routed experts without sorting (see the module docstring). ``ids`` / ``tw`` flat
+    ``[M * topk]`` int32 / fp32; ``s13`` / ``s2``: (scale_2, stride per expert, gate/up)."""
+    m, k = x.shape
+    p = ids.numel()
+    topk = p // m
+    e, two_i, _ = w13.weight.shape
+    inter = two_i // 2
+    dev = x.device
+    g = 2
+    out = torch.empty((m, k), dtype=x.dtype, device=dev)
+    act = torch.empty((p, inter), dtype=act_dtype, device=dev)
+    w13w, w2w = _w64(w13.weight), _w64(w2.weight)
+    kb13, kb2 = k // 16, inter // 16
+    bn13 = min(block_n, triton.next_power_of_2(inter))
+    tiles13 = triton.cdiv(inter, bn13)
+    if split13 is None:
+        split13 = 1
+        while tiles13 * p * split13 < 4 * 132 and triton.cdiv(kb13, g) >= 8 * split13:
+            split13 *= 2
+    part13 = torch.empty((split13, p, 2 * inter) if split13 > 1 else (1,), dtype=torch.float32,
+                         device=dev)
+    part2 = torch.empty((topk, m, k) if topk > 1 else (1,), dtype=torch.float32, device=dev)
+    cnt = _counters(dev, max(tiles13 * p, triton.cdiv(k, block_n) * m))
+    _moe_gemv_kernel[(tiles13, split13, p)](
+        x, w13w, w13.weight_scale, s13[0], act, part13, cnt, ids, tw,
+        inter, kb13, e, topk, p, split13, x.stride(0), w13w.stride(0), w13w.stride(1),
+        w13.weight_scale.stride(0), w13.weight_scale.stride(1), s13[1], s13[2], act.stride(0),
+        GATED=True, BN=bn13, G=g, SPLIT_K=split13 > 1, EVEN=kb13 % g == 0, FAST=fast,
+        num_warps=num_warps)
+    _moe_gemv_kernel[(triton.cdiv(k, block_n), topk, m)](
+        act, w2w, w2.weight_scale, s2[0], out, part2, cnt, ids, tw,
+        k, kb2, e, topk, m, topk, act.stride(0), w2w.stride(0), w2w.stride(1),
+        w2.weight_scale.stride(0), w2.weight_scale.stride(1), s2[1], 0, out.stride(0),
+        GATED=False, BN=block_n, G=g, SPLIT_K=topk > 1, EVEN=kb2 % g == 0, FAST=fast,
+        num_warps=num_warps)
+    return out
