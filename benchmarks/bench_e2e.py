@@ -37,7 +37,7 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
                  cuda_graph=None if dev.type == "cuda" else False)
     prompts = build_prompts(heldout_problems(bs), k_shots=2)
     with eng:
-        eng.generate(prompts[:1], max_new_tokens=4)  # warm-up (JIT, graphs)
+        eng.generate(prompts, max_new_tokens=8)  # warm-up at this batch size (JIT, graphs)
         eng.metrics.reset()
         t0 = time.perf_counter()
         res = eng.generate(prompts, max_new_tokens=args.max_new_tokens)

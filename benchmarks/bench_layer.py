@@ -48,13 +48,11 @@ from torch import nn
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import mla_spec.models.nvfp4_compat as nvfp4_compat  # noqa: E402
 from mla_spec import projection as proj  # noqa: E402
 from mla_spec.attention import create_backend  # noqa: E402
 from mla_spec.config import ModelConfig  # noqa: E402
 from mla_spec.forward_batch import ForwardBatch  # noqa: E402
 from mla_spec.forward_mode import ForwardMode  # noqa: E402
-from mla_spec.kernels.nvfp4_gemm import nvfp4_gemm  # noqa: E402
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4  # noqa: E402
 from mla_spec.kv_cache import MLATokenToKVPool  # noqa: E402
 from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer  # noqa: E402
@@ -260,11 +258,6 @@ class _Shims:
     """Process-local patches for a single-GPU run of TP-4 shards (undone on exit).
 
     - ``tp_all_reduce`` -> identity: there is one GPU; the projection estimates the collectives.
-    - ``nvfp4_compat`` without a kernel entry point -> ``nvfp4_gemm`` on CUDA (else every NVFP4
-      linear would dequantize its weight per call).
-    - ``torch.bincount(x, minlength=n)`` on CUDA -> a scatter-add count of length ``n`` (values
-      are < n in ``moe_align``); torch's CUDA bincount reads ``max()`` on the host, which a CUDA
-      graph capture refuses.
     - ``--cpu-smoke``: ``TRITON_INTERPRET=0`` so the torch twins run (the interpreter is slow).
     """
 
@@ -279,20 +272,6 @@ class _Shims:
         for mod in [m for k, m in sys.modules.items() if k.startswith("mla_spec")]:
             if hasattr(mod, "tp_all_reduce"):
                 self._set(mod, "tp_all_reduce", lambda x, size=None: x)
-        if self.device.type == "cuda" and nvfp4_compat._kernel() is None:
-            self._set(nvfp4_compat, "_kernel", lambda: nvfp4_gemm)
-            self.notes.append("nvfp4_compat has no kernel entry point: bench routes NVFP4 "
-                              "linears to kernels.nvfp4_gemm.nvfp4_gemm")
-        if self.device.type == "cuda":
-            orig = torch.bincount
-
-            def bincount(x, weights=None, minlength=0):
-                if x.is_cuda and weights is None and minlength > 0:
-                    out = torch.zeros(minlength, dtype=torch.int64, device=x.device)
-                    return out.scatter_add_(0, x.long(), torch.ones_like(x, dtype=torch.int64))
-                return orig(x, weights=weights, minlength=minlength)
-
-            self._set(torch, "bincount", bincount)
         self.env = os.environ.get("TRITON_INTERPRET")
         if self.smoke:
             os.environ["TRITON_INTERPRET"] = "0"

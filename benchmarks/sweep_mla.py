@@ -1,21 +1,28 @@
 """Sweep the paged MLA kernel's variants on the GPU, check each against the oracle, and time them
-beside FlashInfer at the issue's shapes, in one run (GPU).
+beside the current default and FlashInfer at the issue's shapes, in one run (GPU).
 
-    python benchmarks/sweep_mla.py [--deadline 200] [--quick]
+    python benchmarks/sweep_mla.py [--deadline 150] [--quick] [--variants G,V4w8,...]
+    python benchmarks/sweep_mla.py --sm90-offline [--variants ...]   # no GPU needed
 
-1. *Compile + check* (in parallel, a process pool): every variant (tile / warps / stages / TMA /
-   bf16 partials) x KV dtype x {one split, 5 splits} runs at DeepSeek dims (H 32, q 4, causal,
-   irregular lengths 4..3004, shuffled pages of 64) against ``mla_decode_ref``; the compiled
-   kernels' registers / spills / shared memory are printed. One more worker runs the triton
-   backend (defaults) x every mode x {bf16, fp8} x H {16, 128} against the torch oracle.
-   The Triton disk cache is shared, so the timing phase below reuses these binaries.
+1. *Compile + check* (in parallel, a process pool): every variant of ``PAGED_VARIANTS`` (tile /
+   warps / stages / TMA / bf16 partials / V-split / fused combine) x KV dtype x {one split,
+   5 splits} runs at DeepSeek dims (H 32, q 4, causal, irregular lengths 4..3004, shuffled pages
+   of 64) against ``mla_decode_ref``; the compiled kernels' registers / spills / shared memory
+   are printed. One more worker runs the triton backend (defaults) x every mode x {bf16, fp8} x
+   H {16, 128} against the torch oracle. The Triton disk cache is shared, so the timing phase
+   below reuses these binaries.
 2. *Timing* (main process): the shapes of bench_mla.py (H 32 / 128, q 1 / 4, bf16 / fp8, (bs,
-   ctx) in (1,4k), (32,4k), (128,8k), (64,32k)): FlashInfer and every variant that passed, eager
-   (``do_bench`` median) and, at batch 1, per call inside a replayed CUDA graph rotating over
-   enough KV copies to defeat the L2. Alternative split counts at batch 1 and 32.
-3. Prints the variant matrix, then the comparison table of the best variant vs FlashInfer
-   (last), and writes both to $OUT (``sweep_mla.md`` / ``.json``) when set.
+   ctx) in (1,4k), (32,4k), (128,8k), (64,32k)): FlashInfer, the current default of the shape
+   (``paged_choice``: ``PAGED_DEFAULTS``) and every variant that passed (fused ones at bs <= 32
+   only), eager (``do_bench`` median) and, at batch 1, per call inside a replayed CUDA graph
+   rotating over enough KV copies to defeat the L2. Alternative split counts at batch 1 (the
+   default and the fused / V-split variants) and 32 (the default).
+3. Prints the variant matrix, a suggested ``PAGED_DEFAULTS`` (paste it into
+   ``mla_spec/kernels/mla_decode_tiles.py``), then the comparison table of the best variant vs
+   the default and FlashInfer (last), and writes them to $OUT (``sweep_mla.md`` / ``.json``).
 ``--deadline`` (s since start): after it, rows time only FlashInfer and the default variant.
+``--sm90-offline``: compile every variant for sm_90a with the installed Triton's ptxas (no GPU)
+and print registers / spill bytes / shared memory.
 """
 
 from __future__ import annotations
@@ -34,33 +41,28 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from mla_spec.kernels.mla_decode_paged import PagedConfig  # noqa: E402
+from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS  # noqa: E402
 
 T0 = time.time()
 SM_SCALE = 0.1352338
 DV, DPE, PAGE = 512, 64, 64
-VARIANTS = {  # name -> config (round 2: round 1's winners A C F G + new ones)
-    "A": PagedConfig(64, 64, 8, 2),
-    "C": PagedConfig(64, 64, 8, 2, tma=True),
-    "F": PagedConfig(64, 64, 8, 2, part_bf16=True),
-    "G": PagedConfig(32, 64, 4, 2),
-    "CF": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True),
-    "C16": PagedConfig(64, 64, 16, 2, tma=True),
-    "C16n": PagedConfig(64, 32, 16, 3, tma=True),
-    "GT": PagedConfig(32, 64, 4, 2, tma=True),
-    "GT3": PagedConfig(32, 32, 4, 3, tma=True),
-    "Gb": PagedConfig(32, 64, 4, 2, part_bf16=True),
-    "C3": PagedConfig(64, 64, 8, 3, tma=True),  # fp8 only (smem)
-}
-ONLY = {"C3": ("float8_e4m3fn",)}
+VARIANTS = dict(PAGED_VARIANTS)  # name -> PagedConfig; names are what PAGED_DEFAULTS holds
+# timing priority after the shape's default (rows short of time keep the default + 3 first)
+PRIORITY = ["V4w8", "V2", "G4", "V4", "G2", "G4b", "V2b", "G4x", "V4w8x", "V4x", "V2bx", "C",
+            "CF", "G", "A", "F"]
+SKIP = ("A", "F")  # round-2 twins of C / CF (checked and timed only with --variants)
+BF16_ONLY = ("V4", "V4x")  # fp8 spills 500+ bytes at sm_90 (--sm90-offline)
 SHAPES = [(1, 4096), (32, 4096), (128, 8192), (64, 32768)]
 
 
 def _kernel_infos():
     from mla_spec.kernels import mla_decode_paged as mp_
+    from mla_spec.kernels import mla_decode_vsplit as mv_
 
     infos = {}
-    for dev_cache in mp_._mla_paged_kernel.device_caches.values():
+    caches = [*mp_._mla_paged_kernel.device_caches.values(),
+              *mv_._mla_vsplit_kernel.device_caches.values()]
+    for dev_cache in caches:
         cache = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
         for key, k in dict(cache).items():
             try:
@@ -101,6 +103,25 @@ def check_job(job):
                              num_splits=sp, config=cfg, max_kv=b.max_kv_len, out=out)
             torch.cuda.synchronize()
             errs[sp] = (out.float() - ref).abs().max().item() / scale
+        if cfg.fused:  # CUDA-graph replays reuse the (self-resetting) split counters
+            from mla_spec.kernels.mla_decode_vsplit import split_counters
+
+            out = torch.full_like(sc.q_nope, float("nan"))
+            fn = lambda: mla_decode_paged(  # noqa: E731
+                sc.q_nope, sc.q_pe, flat, r2t, b.req_pool_indices, b.kv_lens, SM_SCALE,
+                page_size=PAGE, k_scale=0.8, v_scale=0.8, q_len=4, num_splits=7, config=cfg,
+                max_kv=b.max_kv_len, out=out)
+            fn()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            for _ in range(3):
+                out.fill_(float("nan"))
+                g.replay()
+            torch.cuda.synchronize()
+            errs["graph7"] = (out.float() - ref).abs().max().item() / scale
+            errs["counters"] = float(split_counters(1, dev).abs().sum().item())
         infos = {k: v for k, v in _kernel_infos().items() if k not in before}
         return dict(name=name, kv=kvd_s, errs=errs, infos=list(infos.values()))
     except Exception as e:  # noqa: BLE001
@@ -153,7 +174,7 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
     from bench_mla import build, fi_wrapper, graph_time
     from triton.testing import do_bench
 
-    from mla_spec.kernels.mla_decode_paged import pick_num_splits_paged
+    from mla_spec.kernels.mla_decode_paged import paged_choice, pick_num_splits_paged
 
     fp8 = kvd == torch.float8_e4m3fn
     kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
@@ -172,26 +193,43 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
     except Exception as e:  # noqa: BLE001
         print(f"   flashinfer FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
     rows = h * q
-    for name in names if full else names[:1]:
+    dcfg, dpin = paged_choice(rows, kvd, dev, PAGE, bs)
+    dname = next((n for n, c in VARIANTS.items() if c == dcfg), None)
+    # m32 tiles only up to 128 rows; the fused merge only at batch <= 2
+    fit = [n for n in sorted(names, key=lambda n: PRIORITY.index(n) if n in PRIORITY else 99)
+           if n != dname and (VARIANTS[n].block_m >= 64 or rows <= 128)
+           and (not VARIANTS[n].fused or bs <= 2)]
+    order = ([dname] if dname in names else []) + fit
+    for name in order if full else order[:4]:
         cfg = VARIANTS[name]
         mb = -(-rows // cfg.block_m)
         heur = pick_num_splits_paged(bs, mb, ctx, cfg.block_n, rows, (DV + DPE) * (1 + (not fp8)),
-                                     132, 2 if cfg.part_bf16 else 4)
+                                     132, 2 if cfg.part_bf16 else 4, vsplit=cfg.vsplit,
+                                     fused=cfg.fused)
+        if name == dname and dpin:
+            heur = dpin
         alts = [heur]
-        if full and name == names[0] and bs in (1, 32):
-            alts += [s for s in ({1: (16, 32, 64, 128), 32: (1, 2, 8)}[bs])
-                     if s != heur and s <= -(-ctx // cfg.block_n)]
+        cand = ()
+        if full and bs == 1 and name == dname:
+            cand = (16, 32, 64, 128)
+        elif full and bs == 1 and cfg.fused:
+            cand = (16, 32)
+        elif full and bs == 32 and name == dname:
+            cand = (1, 2, 8)
+        alts += [s for s in cand if s != heur and s <= -(-ctx // cfg.block_n)]
         for sp in alts:
             tag = f"{name}/sp{sp}"
             try:
                 fn = ours_fn(pool, r2t, rpis[0], kv_lens, qn, qp, q, cfg, sp, ctx)
-                t = do_bench(fn, warmup=5, rep=30) * 1e3
+                t = do_bench(fn, warmup=5, rep=15 if graph else 30) * 1e3
                 ent = {"us": t}
                 if graph:
                     fns = [ours_fn(pool, r2t, rpi, kv_lens, qn, qp, q, cfg, sp, ctx)
                            for rpi in rpis]
                     ent["graph_us"] = graph_time(fns)
                 row["var"][tag] = ent
+                if name == dname and sp == heur:
+                    row["default"] = tag
             except Exception as e:  # noqa: BLE001
                 print(f"   {tag} FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
     key = "graph_us" if graph else "us"
@@ -211,14 +249,17 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
         row["ratio"] = row["fi_us"] / row["ours_us"]
     if "ours_graph_us" in row and "fi_graph_us" in row:
         row["graph_ratio"] = row["fi_graph_us"] / row["ours_graph_us"]
+    if row.get("default") in ok and "best" in row:
+        row["default_us"] = ok[row["default"]][key]
+        row["gain"] = row["default_us"] / ok[row["best"]][key]
     del pool
     torch.cuda.empty_cache()
     return row
 
 
 HEADER = ("| KV | H | q | bs | ctx | ours µs | FI µs | FI/ours | ours GB/s | FI GB/s | ours TF/s | "
-          "FI TF/s | ours graph µs | FI graph µs | graph FI/ours | ours graph GB/s | best |\n"
-          + "|---" * 17 + "|")
+          "FI TF/s | ours graph µs | FI graph µs | graph FI/ours | ours graph GB/s | best | "
+          "default | default µs | best gain |\n" + "|---" * 20 + "|")
 
 
 def fmt(r):
@@ -227,7 +268,62 @@ def fmt(r):
             f"{g('fi_us')} | {g('ratio', '{:.2f}')} | {g('ours_GBs', '{:.0f}')} | "
             f"{g('fi_GBs', '{:.0f}')} | {g('ours_TFs', '{:.0f}')} | {g('fi_TFs', '{:.0f}')} | "
             f"{g('ours_graph_us')} | {g('fi_graph_us')} | {g('graph_ratio', '{:.2f}')} | "
-            f"{g('ours_graph_GBs', '{:.0f}')} | {r.get('best', '-')} |")
+            f"{g('ours_graph_GBs', '{:.0f}')} | {r.get('best', '-')} | {r.get('default', '-')} | "
+            f"{g('default_us')} | {g('gain', '{:.2f}x')} |")
+
+
+def suggest_defaults(rows):
+    """A ``PAGED_DEFAULTS`` literal from the timed rows: per shape class, the variant with the
+    smallest mean (time / row's best time) over the class's rows (its best split count there)."""
+    from mla_spec.kernels.mla_decode_paged import PAGED_DEFAULTS, shape_class
+
+    by_cls = {}
+    for r in rows:
+        kvd = torch.float8_e4m3fn if r["kv"] == "fp8" else torch.bfloat16
+        key = "graph_us" if r["bs"] == 1 else "us"
+        per = {}
+        for tag, v in r["var"].items():
+            if key in v:
+                n = tag.split("/")[0]
+                per[n] = min(per.get(n, float("inf")), v[key])
+        if per:
+            lo = min(per.values())
+            acc = by_cls.setdefault(shape_class(r["H"] * r["q"], kvd, r["bs"]), {})
+            for n, t in per.items():
+                acc.setdefault(n, []).append(t / lo)
+    new = dict(PAGED_DEFAULTS)
+    lines = ["PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {"]
+    for k in sorted(new):
+        cand = {n: sum(v) / len(v) for n, v in by_cls.get(k, {}).items()
+                if len(v) == max(len(x) for x in by_cls[k].values())}
+        note = "not measured: kept"
+        if cand:
+            best = min(cand, key=cand.get)
+            note = f"{best} {cand[best]:.2f}x of best; was {new[k]} {cand.get(new[k], 0):.2f}x"
+            new[k] = best
+        lines.append(f"    {k!r}: {new[k]!r},  # {note}")
+    return "\n".join(lines + ["}"])
+
+
+def sm90_offline(names):
+    """Compile each variant for sm_90a without a GPU and print ptxas' registers / spills."""
+    import triton
+
+    from mla_spec.kernels.mla_decode_sm90 import sm90_resources
+
+    print(f"triton {triton.__version__}; spills = ptxas bytes (store / load)")
+    print("| name | tag | kv | split | regs | spill st/ld B | smem KB |\n" + "|---" * 7 + "|")
+    for name in names:
+        cfg = VARIANTS[name]
+        for fp8 in (False, True):
+            for split in (False, True):
+                try:
+                    r = sm90_resources(cfg, fp8, split, DV, DPE)
+                    print(f"| {name} | {cfg.tag} | {'fp8' if fp8 else 'bf16'} | {int(split)} | "
+                          f"{r['regs']} | {r['spill_st']} / {r['spill_ld']} | "
+                          f"{r['smem'] / 1024:.0f} |", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"| {name} | {cfg.tag} | FAIL {type(e).__name__}: {str(e)[:200]} |")
 
 
 def main():
@@ -235,13 +331,25 @@ def main():
     ap.add_argument("--deadline", type=float, default=200.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workers", type=int, default=14)
+    ap.add_argument("--variants", default="", help="comma-separated names (default: all but "
+                    + ",".join(SKIP) + ")")
+    ap.add_argument("--sm90-offline", action="store_true",
+                    help="compile for sm_90a without a GPU; print registers / spills")
     args = ap.parse_args()
+    names = ([n for n in args.variants.split(",") if n] if args.variants
+             else [n for n in VARIANTS if n not in SKIP])
+    bad = [n for n in names if n not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}: choose from {', '.join(VARIANTS)}")
+    if args.sm90_offline:
+        sm90_offline(names)
+        return
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     import triton
     print("triton", triton.__version__, flush=True)
-    jobs = [(n, k) for k in ("bfloat16", "float8_e4m3fn") for n in VARIANTS
-            if k in ONLY.get(n, (k,))]
+    jobs = [(n, k) for k in ("bfloat16", "float8_e4m3fn") for n in names
+            if k == "bfloat16" or n not in BF16_ONLY or args.variants]
     ctx = mp.get_context("spawn")
     pool = ctx.Pool(min(args.workers, len(jobs) + 1))
     bjob = pool.apply_async(backend_job, (0,))
@@ -272,9 +380,10 @@ def main():
         if "fail" in r:
             print(f"  {r['name']} {cfg.tag} {r['kv']}: FAIL {r['fail']}\n{r['tb']}", flush=True)
             continue
-        good = all(e < 2e-2 for e in r["errs"].values())
-        print(f"  {r['name']} {cfg.tag} {r['kv']}: err sp1 {r['errs'][1]:.2e} sp5 "
-              f"{r['errs'][5]:.2e} {'OK' if good else 'BAD'} kernels "
+        good = all(e < 2e-2 for e in r["errs"].values())  # NaN fails too
+        errs = " ".join(f"{k if isinstance(k, str) else f'sp{k}'} {e:.2e}"
+                        for k, e in r["errs"].items())
+        print(f"  {r['name']} {cfg.tag} {r['kv']}: err {errs} {'OK' if good else 'BAD'} kernels "
               + "; ".join(f"regs {i.get('regs')} spills {i.get('spills')} smem {i.get('smem')}"
                           for i in r["infos"]), flush=True)
         if good:
@@ -305,7 +414,7 @@ def main():
             if not names:
                 continue
             left = args.deadline - (time.time() - T0)
-            full = left > 6.0 * (len(order) - i)
+            full = left > 8.0 * (len(order) - i)
             t0 = time.time()
             try:
                 r = time_row(h, q, bs, c, kvd, dev, names, full)
@@ -318,12 +427,15 @@ def main():
                   f"bs{bs} ctx{c} FI {r.get('fi_graph_us', r.get('fi_us', 0)):.1f} | {var}",
                   flush=True)
     table = HEADER + "\n" + "\n".join(fmt(r) for r in results["rows"])
-    print("\n== best paged variant vs FlashInfer (eager do_bench median; graph at bs 1)")
+    sugg = suggest_defaults(results["rows"])
+    print("\n== suggested PAGED_DEFAULTS (mla_spec/kernels/mla_decode_tiles.py)\n" + sugg)
+    print("\n== best paged variant vs the shape's default and FlashInfer (eager do_bench median; "
+          "graph at bs 1; 'best gain' = default time / best time)")
     print(table, flush=True)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "sweep_mla.md"), "w") as f:
-            f.write(table + "\n")
+            f.write(table + "\n\n```python\n" + sugg + "\n```\n")
         with open(os.path.join(out, "sweep_mla.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
 

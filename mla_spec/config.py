@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -81,7 +82,7 @@ class ModelConfig:
             raise ValueError(f"topk_group {self.topk_group} > n_group {self.n_group}")
 
     @classmethod
-    def from_hf(cls, path_or_dict: str | Path | Mapping[str, Any]) -> "ModelConfig":
+    def from_hf(cls, path_or_dict: str | Path | Mapping[str, Any]) -> ModelConfig:
         """Build from a config.json path, a model folder, or the parsed dict.
 
         Unknown keys are ignored; keys this package needs and that are absent take DeepSeek-V3's
@@ -233,20 +234,27 @@ class SpecConfig:
         return self.algorithm != "NONE"
 
     @classmethod
-    def off(cls) -> "SpecConfig":
+    def off(cls) -> SpecConfig:
         return cls(algorithm="NONE")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism. ``backend``: "auto" (nccl on GPUs, gloo on CPU), "nccl" or "gloo"."""
+    """Tensor parallelism. ``backend``: "auto" (nccl on GPUs, gloo on CPU), "nccl" or "gloo".
+
+    ``timeout_s``: collective timeout; None = ``mla_spec.parallel``'s default per backend (300 s on
+    gloo, where 4 ranks may share 2 cores; 30 s on NCCL). A dead rank is detected by the process
+    watchdog within seconds either way.
+    """
 
     tp_size: int = 1
     backend: str = "auto"
-    timeout_s: float = 30.0
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size {self.tp_size}: must be >= 1")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ValueError(f"backend {self.backend!r}: supported auto, nccl, gloo")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s {self.timeout_s}: must be > 0 (or None for the default)")

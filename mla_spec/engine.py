@@ -10,11 +10,12 @@ The request path (rank 0, in the caller's process)::
       -> one device-to-host copy of the results   new tokens, accept lengths
       -> stop checks, metrics (StepRecord)        eos, stop strings, max_new_tokens
 
-Ranks 1..N-1 are started with :func:`mla_spec.parallel.spawn_workers`; each builds its shard with
-:meth:`ModelRunner.from_checkpoint` and loops on plans from a queue. Their collectives (one
-all-reduce after attention and after the MLP) pair with rank 0's because every rank runs the same
-plan through the same code. A dead rank is seen by the watchdog of ``spawn_workers`` within a
-fraction of a second (and by collective timeouts otherwise) and surfaces as ``RankFailedError``.
+Ranks 1..N-1 (:mod:`mla_spec.tp_worker`, started with :func:`mla_spec.workers.spawn_workers`)
+each build their shard with :meth:`ModelRunner.from_checkpoint` and loop on plans from a queue.
+Their collectives (one all-reduce after attention and after the MLP) pair with rank 0's because
+every rank runs the same plan through the same code. A dead rank is seen by the watchdog of
+``spawn_workers`` within a fraction of a second (and by collective timeouts otherwise) and
+surfaces as ``RankFailedError``.
 
 Greedy sampling only. Speculation is lossless: the tokens equal plain greedy decoding.
 """
@@ -34,6 +35,14 @@ from mla_spec.metrics import EngineMetrics, RequestMetrics, StepRecord
 from mla_spec.model_runner import ModelRunner
 from mla_spec.scheduler import Req, RequestRejectedError, Scheduler, StepPlan
 from mla_spec.spec.eagle import EagleWorker
+from mla_spec.tp_worker import (
+    attach_graphs,
+    broadcast_plan,
+    plan_queues,
+    start_tp_workers,
+    stop_tp_workers,
+)
+from mla_spec.workers import RankFailedError
 
 __all__ = ["Engine", "Result", "RequestRejectedError"]
 
@@ -54,36 +63,6 @@ class Result:
     metrics: RequestMetrics | None = None
 
 
-def _tp_worker(rank: int, world_size: int, queue, runner_kw: dict, spec: SpecConfig) -> None:
-    """Ranks 1..N-1: build this rank's shard, then execute every plan rank 0 sends."""
-    from mla_spec.parallel import rank_device, resolve_backend
-
-    device = runner_kw.pop("device")
-    if device.type == "cpu":
-        torch.set_num_threads(1)  # N CPU ranks share the cores: one thread each
-    graphs = runner_kw.pop("cuda_graph", False)
-    sizes = runner_kw.pop("graph_batch_sizes", None)
-    if device.type == "cuda":
-        device = rank_device(rank, resolve_backend("auto", world_size))
-    runner = ModelRunner.from_checkpoint(**runner_kw, device=device, tp_rank=rank,
-                                         tp_size=world_size, with_draft=spec.enabled)
-    worker = EagleWorker(runner, spec)
-    if graphs:
-        _attach_graphs(runner, worker, {"graph_batch_sizes": sizes})
-    while True:
-        plan = queue.get()
-        worker.execute(plan)
-        runner.timer.collect()
-        if plan.kind == "stop":
-            return
-
-
-def _attach_graphs(runner, worker, kw) -> None:
-    from mla_spec.cuda_graph import CudaGraphRunner
-
-    runner.graphs = CudaGraphRunner.capture(runner, worker, kw.get("graph_batch_sizes"))
-
-
 class Engine:
     """Serve greedy generation requests over the paged KV cache (see the module docstring).
 
@@ -102,7 +81,8 @@ class Engine:
     runner : an already built ``ModelRunner`` (tests with mock models; TP 1 only)
     tokenizer : a ``tokenizers.Tokenizer`` (default: ``model_path/tokenizer.json`` if present)
     stop_token_ids : token ids that end a request (default: the config's eos_token_id)
-    timeout_s : collective timeout of the tensor-parallel group
+    timeout_s : collective timeout of the tensor-parallel group (default
+        :func:`mla_spec.parallel.default_timeout_s`: 300 s on CPU / gloo, 30 s on NCCL)
     """
 
     def __init__(self, model_path: str | Path | None = None, tp_size: int = 1,
@@ -112,7 +92,8 @@ class Engine:
                  max_running: int | None = None, max_prefill_tokens: int = 8192,
                  cuda_graph: bool | None = None, graph_batch_sizes: Sequence[int] | None = None,
                  runner: ModelRunner | None = None, tokenizer=None,
-                 stop_token_ids: Sequence[int] | None = None, timeout_s: float = 30.0) -> None:
+                 stop_token_ids: Sequence[int] | None = None,
+                 timeout_s: float | None = None) -> None:
         self.spec = spec if spec is not None else SpecConfig()
         self.cache = cache if cache is not None else CacheConfig()
         self.tp_size = tp_size
@@ -124,9 +105,13 @@ class Engine:
         if runner is None:
             if model_path is None:
                 raise ValueError("Engine needs model_path (a checkpoint folder) or runner=")
-            runner = self._start(Path(model_path), tp_size, attention_backend, device, dtype,
-                                 num_pages, max_reqs, max_context_len, cuda_graph,
-                                 graph_batch_sizes)
+            try:
+                runner = self._start(Path(model_path), tp_size, attention_backend, device, dtype,
+                                     num_pages, max_reqs, max_context_len, cuda_graph,
+                                     graph_batch_sizes)
+            except BaseException:
+                self.shutdown()  # workers already started must not outlive a failed start
+                raise
         elif tp_size != 1:
             raise ValueError("runner= is for single-rank engines; use model_path for tp_size > 1")
         self.runner = runner
@@ -144,7 +129,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self._requests: dict[int, Req] = {}
         if self._use_graphs(cuda_graph):
-            _attach_graphs(runner, self.worker, {"graph_batch_sizes": graph_batch_sizes})
+            attach_graphs(runner, self.worker, graph_batch_sizes)
 
     # ---- setup -------------------------------------------------------------------------------
     def _use_graphs(self, cuda_graph: bool | None) -> bool:
@@ -163,23 +148,15 @@ class Engine:
         kw = dict(path=path, cache=self.cache, attention_backend=backend, dtype=dtype,
                   num_pages=num_pages, max_reqs=max_reqs, max_context_len=max_context_len)
         if tp_size > 1:
-            import torch.multiprocessing as mp
-
-            from mla_spec.parallel import spawn_workers
-
             if device.type == "cpu":
                 # tp_size CPU ranks share the cores: one thread each (restored at shutdown)
                 self._threads = torch.get_num_threads()
                 torch.set_num_threads(1)
-            ctx = mp.get_context("spawn")
-            self._queues = [ctx.Queue() for _ in range(tp_size - 1)]
-            worker_kw = dict(kw, device=device)
-            if device.type == "cuda" and cuda_graph is not False:
-                worker_kw.update(cuda_graph=True, graph_batch_sizes=graph_batch_sizes)
-            # every worker gets its own queue: start them one by one through a shared list
-            self.workers = spawn_workers(tp_size, _tp_worker_dispatch,
-                                         (self._queues, worker_kw, self.spec),
-                                         timeout_s=self._timeout_s, interrupt_main=False)
+            self._queues = plan_queues(tp_size)  # set first: a failed start still closes them
+            self.workers = start_tp_workers(self._queues, dict(kw, device=device), self.spec,
+                                            cuda_graph=cuda_graph,
+                                            graph_batch_sizes=graph_batch_sizes,
+                                            timeout_s=self._timeout_s)
             device = self.workers.device
         return ModelRunner.from_checkpoint(**kw, device=device, tp_rank=0, tp_size=tp_size,
                                            with_draft=self.spec.enabled)
@@ -245,20 +222,32 @@ class Engine:
 
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> StepRecord | None:
-        """Schedule and run one step (prefill, decode, or one speculative round)."""
-        if self.workers is not None:
-            self.workers.check()
+        """Schedule and run one step (prefill, decode, or one speculative round).
+
+        A dead rank raises :class:`~mla_spec.parallel.RankFailedError` after shutting the engine
+        down (workers joined, queues closed); a shut-down TP engine refuses further steps.
+        """
+        if self.tp_size > 1 and self.workers is None:
+            raise RankFailedError("this tensor-parallel engine is shut down (or a rank failed): "
+                                  "build a new Engine")
+        if self.workers is not None and self.workers.failure is not None:
+            err = RankFailedError(self.workers.failure)
+            self.shutdown()
+            raise err
         plan = self.scheduler.schedule()
         if plan is None:
             return None
         reqs = self._plan_reqs(plan)
         t0 = time.perf_counter()
-        for q in self._queues:
-            q.put(plan)
+        broadcast_plan(self._queues, plan)
         try:
             out = self.worker.execute(plan)
         except RuntimeError as e:
-            self._raise_if_rank_died(e)
+            try:
+                self._raise_if_rank_died(e)
+            except RankFailedError:
+                self.shutdown()
+                raise
             raise
         if out.accept is not None:
             predict, accept = out.predict.tolist(), out.accept.tolist()
@@ -284,39 +273,51 @@ class Engine:
         return [by_row[i] for i in plan.req_pool_indices]
 
     def _append(self, req: Req, toks: list[int]) -> int:
-        """Commit new tokens of ``req``; finish it on eos / stop string / max_new_tokens."""
-        n = 0
-        now = time.perf_counter()
+        """Commit new tokens of ``req``; finish it on eos / stop string / max_new_tokens.
+
+        A speculative round brings up to ``num_draft_tokens`` tokens at once. They are committed
+        as plain decoding would, one at a time: the request ends at the first token that is eos,
+        reaches max_new_tokens, or completes a stop string, and the accepted tokens after it are
+        dropped, so output ids, token counts and tokens/s equal those of spec off.
+        """
+        start = len(req.output_ids)
         if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = now
+            req.metrics.first_token_time = time.perf_counter()
         reason = None
         for t in toks:
             if req.remaining <= 0:
                 break
             req.output_ids.append(int(t))
-            n += 1
             if t in req.stop_token_ids:
                 reason = "eos"
                 break
-        req.metrics.completion_tokens = len(req.output_ids)
         if reason is None and req.remaining <= 0:
             reason = "length"
-        if req.stop or reason is not None:
-            ids = req.output_ids[:-1] if reason == "eos" else req.output_ids
-            req.text = self.decode_text(ids)
-            cut = [req.text.find(s) for s in req.stop if s in req.text]
-            if cut:
-                req.text = req.text[: min(cut)]
-                reason = "stop"
+        n = len(req.output_ids)
+        if req.stop:  # the first new token whose text (as plain decoding saw it) has a stop string
+            text = req.text
+            for end in range(start + 1, n + 1):
+                text = self._text(req, end, reason if end == n else None)
+                cut = _stop_at(text, req.stop)
+                if cut is not None:
+                    del req.output_ids[end:]
+                    text, reason = text[:cut], "stop"
+                    break
+            req.text = text
+        elif reason is not None:
+            req.text = self._text(req, n, reason)
+        req.metrics.completion_tokens = len(req.output_ids)
         if reason is not None:
             self.scheduler.finish(req, reason)
-        return n
+        return len(req.output_ids) - start
+
+    def _text(self, req: Req, end: int, reason: str | None) -> str:
+        """Text of ``output_ids[:end]`` (without the eos token when ``reason == "eos"``)."""
+        return self.decode_text(req.output_ids[: end - 1 if reason == "eos" else end])
 
     def _raise_if_rank_died(self, err: Exception) -> None:
         if self.workers is None:
             return
-        from mla_spec.parallel import RankFailedError
-
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline:
             dead = [r for r, p in enumerate(self.workers.processes, 1) if not p.is_alive()]
@@ -332,16 +333,14 @@ class Engine:
         return self.metrics.avg_accept_length
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers (no-op at TP 1)."""
-        if self.workers is None:
-            return
-        for q in self._queues:
-            q.put(StepPlan("stop"))
-        self.workers.shutdown()
-        self.workers = None
-        for q in self._queues:
-            q.close()
-            q.join_thread()
+        """Stop the tensor-parallel workers and release their queues (no-op at TP 1).
+
+        Safe to call twice and after a failure: queues to dead workers are not flushed (nobody
+        reads them), every queue is closed and its feeder thread joined, so no semaphore or
+        thread outlives the engine.
+        """
+        workers, self.workers = self.workers, None
+        stop_tp_workers(workers, self._queues)
         self._queues = []
         if self._threads is not None:
             torch.set_num_threads(self._threads)
@@ -360,11 +359,6 @@ class Engine:
             pass
 
 
-def _tp_worker_dispatch(rank: int, world_size: int, queues, runner_kw: dict,
-                        spec: SpecConfig) -> None:
-    _tp_worker(rank, world_size, queues[rank - 1], dict(runner_kw), spec)
-
-
 def _load_tokenizer(model_path):
     if model_path is None:
         return None
@@ -380,3 +374,9 @@ def _progress(total: int):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="requests", unit="req")
+
+
+def _stop_at(text: str, stop: Sequence[str]) -> int | None:
+    """Index of the earliest stop string in ``text`` (None when there is none)."""
+    cut = [i for i in (text.find(s) for s in stop) if i >= 0]
+    return min(cut) if cut else None

@@ -29,8 +29,10 @@ The builders (:meth:`ForwardBatch.decode`, ``.extend``, ``.target_verify``, ``.d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -99,7 +101,7 @@ class ForwardBatch:
     def extend_seq_lens_cpu(self) -> list[int]:
         return self.seq_lens_q_cpu
 
-    @property
+    @cached_property
     def extend_prefix_lens(self) -> torch.Tensor:
         return _i32(self.extend_prefix_lens_cpu, self.device)
 
@@ -108,8 +110,10 @@ class ForwardBatch:
         """KV length each request attends over in this step (after its rows are written)."""
         return [p + q for p, q in zip(self.extend_prefix_lens_cpu, self.seq_lens_q_cpu)]
 
-    @property
+    @cached_property
     def kv_lens(self) -> torch.Tensor:
+        """``[bs]`` int32 on the batch's device, built once (no host copy per layer or inside a
+        CUDA-graph capture)."""
         return _i32(self.kv_lens_cpu, self.device)
 
     @property
@@ -129,7 +133,7 @@ class ForwardBatch:
     def sum_seq_lens_q(self) -> int:
         return self.total_q
 
-    def to(self, device) -> "ForwardBatch":
+    def to(self, device) -> ForwardBatch:
         """A copy with every tensor on ``device``."""
         moved = {}
         for name in ("seq_lens", "seq_lens_q", "qo_indptr", "positions", "accept_length",
@@ -153,7 +157,7 @@ class ForwardBatch:
         capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
         req_pool_indices: Sequence[int] | None = None,
         out_cache_loc: torch.Tensor | None = None,
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         device = torch.device(device or "cpu")
         bs = len(q_lens)
         indptr = [0]
@@ -190,7 +194,7 @@ class ForwardBatch:
         )
 
     @classmethod
-    def decode(cls, seq_lens: Sequence[int], **kw) -> "ForwardBatch":
+    def decode(cls, seq_lens: Sequence[int], **kw) -> ForwardBatch:
         """DECODE: one row per request; ``seq_lens`` = KV length including the new token (>= 1)."""
         seq = _check_lens("seq_lens", seq_lens, minimum=1)
         _nonempty("decode", seq)
@@ -199,7 +203,7 @@ class ForwardBatch:
     @classmethod
     def extend(
         cls, prefix_lens: Sequence[int], extend_lens: Sequence[int], *, mixed: bool = False, **kw
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """EXTEND (or MIXED): ``extend_lens[b]`` new rows on top of ``prefix_lens[b]`` cached ones.
 
         ``seq_lens = prefix + extend``. An extend length of 0 is allowed (a request with nothing
@@ -218,7 +222,7 @@ class ForwardBatch:
     @classmethod
     def target_verify(
         cls, seq_lens: Sequence[int], num_draft_tokens: int, **kw
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """TARGET_VERIFY: ``num_draft_tokens`` rows per request.
 
         ``seq_lens`` is the committed prefix, *excluding* the draft rows (SGLang's convention;
@@ -240,7 +244,7 @@ class ForwardBatch:
         accept_lengths: Sequence[int],
         num_draft_tokens: int | None = None,
         **kw,
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """DRAFT_EXTEND (spec v1): ``accept_lengths[b]`` rows per request (ragged).
 
         ``seq_lens`` is the length *after* acceptance, the accepted rows included, so each
@@ -268,7 +272,7 @@ class ForwardBatch:
         num_draft_tokens: int,
         accept_lengths: Sequence[int],
         **kw,
-    ) -> "ForwardBatch":
+    ) -> ForwardBatch:
         """DRAFT_EXTEND_V2 (spec v2): every request has ``num_draft_tokens`` rows (fixed shape).
 
         ``seq_lens`` here is the prefix *before* the verified rows, as the verify step saw it;
@@ -286,7 +290,7 @@ class ForwardBatch:
         )
 
     @classmethod
-    def idle(cls, *, device=None) -> "ForwardBatch":
+    def idle(cls, *, device=None) -> ForwardBatch:
         """IDLE: no requests, no rows. Backends return an empty ``[0, H, 512]``."""
         return cls._build(ForwardMode.IDLE, [], [], [], device=device)
 

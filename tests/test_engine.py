@@ -177,6 +177,39 @@ def test_dead_rank_is_an_error_within_seconds(tiny_ckpt):
         eng.shutdown()
 
 
+def test_tp_shutdown_is_clean(tiny_ckpt):
+    """Workers joined, queues closed: no 'leaked semaphore' warning at exit; a shut-down engine
+    refuses further steps; shutdown twice is harmless."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        from mla_spec.config import CacheConfig, SpecConfig
+        from mla_spec.engine import Engine
+        from mla_spec.parallel import RankFailedError
+
+        if __name__ == "__main__":
+            eng = Engine({str(tiny_ckpt)!r}, tp_size=2, spec=SpecConfig.off(),
+                         attention_backend="torch", cache=CacheConfig(page_size=16),
+                         num_pages=8, max_reqs=4, max_context_len=64)
+            with eng:
+                (r,) = eng.generate([[0, 1, 2]], max_new_tokens=2)
+            eng.shutdown()
+            try:
+                eng.generate([[0, 1]], max_new_tokens=1)
+            except RankFailedError as e:
+                print("refused:", e)
+            print("tokens", len(r.output_ids))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tokens 2" in r.stdout and "refused: this tensor-parallel engine is shut down" in \
+        r.stdout, r.stdout
+    assert "leaked" not in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.gpu
 def test_real_model_on_gpu_graphs_or_a_reason(tiny_ckpt):
     """Triton backend, bf16: tokens equal with and without CUDA graphs; if the model cannot be
@@ -195,3 +228,44 @@ def test_real_model_on_gpu_graphs_or_a_reason(tiny_ckpt):
             assert g.graphs or "synchronizes" in (g.disabled_reason or ""), g.disabled_reason
             print("graphs:", g.disabled_reason or f"{len(g.graphs)} captured")
     assert outs[True] == outs[False]
+
+
+# ---- the embedded model: spec reports the tokens plain decoding reports -------------------------
+def test_spec_counts_stop_where_plain_decoding_stops():
+    """A verify step accepts tokens past the stop string; they are dropped, so output ids, token
+    counts and text equal spec off (the embedded model really writes the stop string)."""
+    from mla_spec.cli import DEMO_MODEL
+    from mla_spec.config import CacheConfig
+    from mla_spec.eval import STOP, build_prompts, heldout_problems
+
+    if not (DEMO_MODEL / "config.json").exists():
+        pytest.skip("the embedded model is not installed")
+    prompts = build_prompts(heldout_problems(4), 2)
+    runs = {}
+    for name, spec in [("off", SpecConfig.off()), ("v1", SpecConfig(version="v1")),
+                       ("v2", SpecConfig(version="v2"))]:
+        eng = Engine(DEMO_MODEL, spec=spec, attention_backend="torch", device="cpu",
+                     cache=CacheConfig(page_size=64), max_reqs=8, max_context_len=512)
+        res = eng.generate(prompts, max_new_tokens=64, stop=list(STOP))
+        runs[name] = ([r.output_ids for r in res], [r.text for r in res],
+                      [r.finished_reason for r in res],
+                      [r.metrics.completion_tokens for r in res], eng.metrics.generated_tokens)
+    ids, _, reasons, counts, total = runs["off"]
+    assert reasons.count("stop") >= 2, reasons  # the stop string ends most requests
+    assert counts == [len(i) for i in ids] and total == sum(counts)
+    assert runs["v1"] == runs["off"]
+    assert runs["v2"] == runs["off"]
+
+
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_spec_stops_at_eos_and_length_like_plain(version):
+    """eos or max_new_tokens inside an accepted chain: nothing after it is kept or counted."""
+    ref = mock_greedy_reference([5, 6, 7], 12)
+    for kw, n in [(dict(stop_token_ids=[ref[5]]), ref.index(ref[5]) + 1), ({}, 6)]:
+        counts = []
+        for spec in (SpecConfig.off(), SpecConfig(version=version)):
+            eng = Engine(runner=build_mock_runner(), spec=spec, **kw)
+            (r,) = eng.generate([[5, 6, 7]], max_new_tokens=6 if not kw else 12)
+            assert r.output_ids == ref[:n]
+            counts.append(eng.metrics.generated_tokens)
+        assert counts == [n, n]

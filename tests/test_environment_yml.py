@@ -1,4 +1,5 @@
-"""environment.yml: every conda spec parses strictly (py-rattler, offline) and agrees with pyproject."""
+"""environment.yml: every conda spec parses strictly (py-rattler, offline) and agrees with
+pyproject."""
 
 import re
 from pathlib import Path
@@ -54,4 +55,5 @@ def test_consistent_with_pyproject():
         floor_env = re.search(r">=([\d.]+)", spec)
         floor_pip = re.search(r">=([\d.]+)", runtime[pip_name])
         if floor_env and floor_pip:
-            assert floor_env.group(1) == floor_pip.group(1), f"{name}: {spec} vs {runtime[pip_name]}"
+            assert floor_env.group(1) == floor_pip.group(1), (
+                f"{name}: {spec} vs {runtime[pip_name]}")

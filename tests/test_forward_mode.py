@@ -1,4 +1,5 @@
-"""Every cell of SGLang's ForwardMode truth table (reference/sglang.md §3), and CaptureHiddenMode."""
+"""Every cell of SGLang's ForwardMode truth table (reference/sglang.md §3), and
+CaptureHiddenMode."""
 
 import pytest
 
@@ -33,7 +34,11 @@ def test_members_in_sglang_order():
     assert [m.value for m in ForwardMode] == list(range(1, 9))
 
 
-@pytest.mark.parametrize("key", list(TABLE), ids=lambda k: k[0] + "".join(f"[{a}]" for a, _ in k[1]))
+def _key_id(k):
+    return k[0] + "".join(f"[{a}]" for a, _ in k[1])
+
+
+@pytest.mark.parametrize("key", list(TABLE), ids=_key_id)
 @pytest.mark.parametrize("col", range(8), ids=[m.name for m in ORDER])
 def test_truth_table_cell(key, col):
     name, kwargs = key

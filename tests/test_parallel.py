@@ -17,7 +17,13 @@ from mla_spec.checkpoint_writer import random_state_dict, save_checkpoint, tiny_
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.loader import load_checkpoint
 from mla_spec.model_api import prefill_forward
-from mla_spec.parallel import RankFailedError, launch, spawn_workers, tp_all_reduce
+from mla_spec.parallel import (
+    RankFailedError,
+    default_timeout_s,
+    launch,
+    spawn_workers,
+    tp_all_reduce,
+)
 
 CFG = tiny_config()
 
@@ -117,8 +123,11 @@ def test_spawn_workers_caller_is_rank0():
     assert not dist.is_initialized() and w.failure is None
 
 
-def test_spawn_workers_dead_worker_detected():
-    w = spawn_workers(2, _worker, (True,), backend="gloo", timeout_s=5, interrupt_main=False)
+@pytest.mark.parametrize("timeout_s", [5, None], ids=["5s", "default"])
+def test_spawn_workers_dead_worker_detected(timeout_s):
+    """Also under the long gloo default (300 s): the dead peer's closed sockets end the wait."""
+    w = spawn_workers(2, _worker, (True,), backend="gloo", timeout_s=timeout_s,
+                      interrupt_main=False)
     try:
         dist.all_reduce(torch.zeros(3))
         t0 = time.monotonic()
@@ -132,6 +141,22 @@ def test_spawn_workers_dead_worker_detected():
             w.check()
     finally:
         w.shutdown()
+
+
+class _DieOnUnpickle:
+    """Kills the worker while its arguments are unpickled: before it joins the rendezvous."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_worker_dying_before_rendezvous_fails_fast():
+    assert default_timeout_s("gloo") >= 300 and default_timeout_s("nccl") == 30
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError, match=r"rank [12] died \(exit code 3\) while starting"):
+        spawn_workers(3, _worker, (_DieOnUnpickle(),), backend="gloo")
+    assert time.monotonic() - t0 < 20  # not the 300 s rendezvous timeout
+    assert not dist.is_initialized()
 
 
 def test_launch_under_torchrun(tmp_path):

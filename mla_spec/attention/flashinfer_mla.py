@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_spec.attention.base import AttnPlan, MLABackend
+from mla_spec.attention.base import AttnPlan, MLABackend, UnsupportedError
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.kv_cache import build_kv_indices
 
@@ -38,11 +38,26 @@ class FlashInferMLABackend(MLABackend):
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
                  fi_backend: str = "auto"):
         super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
+        reason = self.dims_reason(kv_pool.kv_lora_rank, kv_pool.qk_rope_head_dim, kv_pool.dtype)
+        if reason is not None:
+            raise UnsupportedError(f"backend 'flashinfer': {reason}")
         import flashinfer.mla
 
         self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             self._workspace, backend=fi_backend)
+
+    @staticmethod
+    def dims_reason(kv_lora_rank: int, qk_rope_head_dim: int, kv_dtype: torch.dtype) -> str | None:
+        """FlashInfer's fa2/fa3 MLA kernels: ckv a multiple of 128 and kpe of 64; FP8 KV only at
+        DeepSeek's 512 / 64 (the torch and triton backends take any dims)."""
+        if kv_dtype == torch.float8_e4m3fn and (kv_lora_rank, qk_rope_head_dim) != (512, 64):
+            return (f"FP8 KV needs kv_lora_rank 512 and qk_rope_head_dim 64, got "
+                    f"{kv_lora_rank} / {qk_rope_head_dim}")
+        if kv_lora_rank % 128 or qk_rope_head_dim % 64:
+            return (f"needs kv_lora_rank a multiple of 128 and qk_rope_head_dim a multiple of 64, "
+                    f"got {kv_lora_rank} / {qk_rope_head_dim}")
+        return None
 
     @classmethod
     def device_reason(cls, device: torch.device) -> str | None:

@@ -10,7 +10,10 @@ other GPUs, odd page sizes) the *generic* kernel (``mla_decode``: per-token gath
 One kernel call serves every mode: fixed rows per request (DECODE, TARGET_VERIFY,
 DRAFT_EXTEND_V2) go through ``q_len``, ragged ones (v1 DRAFT_EXTEND, EXTEND, MIXED) through
 ``qo_indptr`` with no padding at all. ``plan`` picks the tile config and the number of KV splits
-on the host once per step (no device sync in ``forward``, so it is CUDA-graph safe).
+on the host once per step (no device sync in ``forward``, so it is CUDA-graph safe). The paged
+tile config comes from ``PAGED_DEFAULTS`` (``mla_spec/kernels/mla_decode_tiles.py``: per (KV
+dtype, rows per request, batch) class, the H200 sweep winners; edit it after a sweep), which can
+select the V-split / fused-combine variants of ``mla_decode_vsplit``.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from mla_spec.kernels.mla_decode import MLAKernelConfig, default_config, mla_dec
 from mla_spec.kernels.mla_decode_paged import (
     PagedConfig,
     mla_decode_paged,
-    paged_config,
+    paged_choice,
     paged_supported,
     pick_num_splits_paged,
 )
@@ -74,12 +77,14 @@ class TritonMLABackend(MLABackend):
         pool = self.kv_pool
         rows = (plan.fixed_q or plan.max_q) * self.num_heads
         if self.paged:
-            cfg = self.config or paged_config(rows, pool.dtype, self.device, pool.page_size)
+            cfg, pinned = ((self.config, None) if self.config is not None else
+                           paged_choice(rows, pool.dtype, self.device, pool.page_size, plan.bs))
             m_blocks = -(-rows // cfg.block_m)
-            splits = self.num_splits or pick_num_splits_paged(
+            splits = self.num_splits or pinned or pick_num_splits_paged(
                 plan.bs, m_blocks, plan.max_kv, cfg.block_n, rows,
                 pool.kv_cache_dim * pool.kv_buffer[0].element_size(), self._sms,
-                2 if cfg.part_bf16 else 4, pool.kv_lora_rank)
+                2 if cfg.part_bf16 else 4, pool.kv_lora_rank, vsplit=cfg.vsplit,
+                fused=cfg.fused)
             plan.extra["paged_config"] = cfg
             plan.extra["paged_splits"] = splits
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)

@@ -26,9 +26,10 @@ ints are marked ``do_not_specialize``: one compiled binary per (dtype, H, D, lay
 CUDA graph whose lengths change between replays. With ``out=`` and ``validate=False`` the calls
 allocate nothing and never synchronize with the host.
 
-On CUDA the launcher keeps the compiled kernel and relaunches it directly (keyed by everything
-Triton specializes on, i.e. dtype, strides, pointer alignment), which keeps an eager call at a few
-microseconds. ``compile_count()`` reports how many binaries Triton's JIT cache holds.
+On CUDA the launcher (:mod:`mla_spec.kernels.triton_launch`) keeps the compiled kernel and
+relaunches it directly (keyed by everything Triton specializes on, i.e. dtype, strides, pointer
+alignment), which keeps an eager call at a few microseconds. ``compile_count()`` reports how many
+binaries Triton's JIT cache holds.
 """
 
 from __future__ import annotations
@@ -40,11 +41,8 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-
-try:
-    from triton import knobs as _knobs
-except ImportError:  # pragma: no cover - Triton < 3.4
-    _knobs = None
+from mla_spec.kernels.triton_launch import TritonLauncher as _Launcher
+from mla_spec.kernels.triton_launch import hooks_unset as _hooks_unset  # noqa: F401 - tests
 
 __all__ = ["pad_draft_extend_query", "pad_draft_extend_query_ref", "unpad_draft_extend_output",
            "unpad_draft_extend_output_ref", "compile_count"]
@@ -141,63 +139,8 @@ def _consts(h: int, d: int, elsize: int, src_hd: tuple, dst_hd: tuple, *flags: b
             *flags)
 
 
-class _Launcher:
-    """Launch one ``@triton.jit`` kernel; on CUDA relaunch its compiled binary directly.
-
-    The direct path is keyed by everything Triton specializes on (dtypes, exact strides, pointer
-    alignment mod 16, constexprs), so it never reuses a binary outside the specialization it was
-    compiled for (the hazard SGLang's removed kernel cache had). It falls back to the normal launch
-    when a launch hook is set (profilers) or when a direct call fails once.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.binaries: dict = {}
-        self.direct = True
-        self.interp_keys: set = set()  # specializations launched under the interpreter
-
-    def __call__(self, grid0: int, key: tuple, args: tuple) -> None:
-        kernel = self.binaries.get(key)
-        if kernel is not None and self.direct and _hooks_unset():
-            try:
-                stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-                kernel.run(grid0, 1, 1, stream, kernel.function, kernel.packed_metadata, None,
-                           None, None, *args)
-                return
-            except Exception:  # noqa: BLE001 - an unexpected Triton ABI: use the normal launch
-                self.direct = False
-        if not args[0].is_cuda:  # the interpreter: record what Triton would key on
-            self.interp_keys.add(tuple(
-                (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
-                else (a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool)
-                else a for a in args[:4] + args[5:]))  # args[4] = max_q: not specialized
-            self.fn[(grid0,)](*args, num_warps=_NUM_WARPS)
-            return
-        kernel = self.fn[(grid0,)](*args, num_warps=_NUM_WARPS)
-        if hasattr(kernel, "result"):
-            kernel = kernel.result()
-        if len(self.binaries) > 256:
-            self.binaries.clear()
-        self.binaries[key] = kernel
-
-    def compile_count(self) -> int:
-        caches = getattr(self.fn, "device_caches", None)
-        if caches is None:  # InterpretedFunction: count the specializations it ran
-            return len(self.interp_keys)
-        return sum(len(entry[0]) for entry in caches.values())
-
-
-def _hooks_unset() -> bool:
-    """No launch hook is installed (Triton >= 3.4 keeps them as empty ``HookChain`` objects,
-    older versions as None); the direct path then passes None and skips launch metadata."""
-    if _knobs is None:  # pragma: no cover - Triton without knobs: always the normal launch
-        return False
-    enter, leave = _knobs.runtime.launch_enter_hook, _knobs.runtime.launch_exit_hook
-    return not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave)
-
-
-_PAD = _Launcher(_pad_kernel)
-_UNPAD = _Launcher(_unpad_kernel)
+_PAD = _Launcher(_pad_kernel, unspecialized=(4,))  # args[4] = max_q: do_not_specialize
+_UNPAD = _Launcher(_unpad_kernel, unspecialized=(4,))
 
 
 def compile_count() -> int:
@@ -214,7 +157,7 @@ def _launch(launcher, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, max_q, consts,
     if not src.is_cuda:
         src, dst = _as_bits(src), _as_bits(dst)
     launcher(bs * max_q * consts[3], key, (src, dst, seq_lens_q, cu_seqlens_q, max_q, *ss, *ds,
-                                           *consts))
+                                           *consts), _NUM_WARPS)
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,11 @@ Splits: :func:`pick_num_splits_paged` minimizes a cost model (waves of programs 
 split, plus the partials' write/read), and partials may be bf16 (``part_bf16``: half the
 bytes; adds one bf16 rounding, ``2**-9`` relative, before the fp32 combine).
 Under the CPU interpreter the operands of bf16 / fp32 caches are upcast to fp32 before ``tl.dot``.
+
+Options beyond this kernel (``PagedConfig.vsplit > 1``: sibling CTAs each owning 512 / vsplit
+output columns; ``PagedConfig.fused``: the last split merges, no combine launch) run the kernel
+of ``mla_decode_vsplit``. Tile configs, the per-shape defaults table ``PAGED_DEFAULTS`` and the
+split cost model live in ``mla_decode_tiles`` (re-exported here).
 """
 
 from __future__ import annotations

@@ -258,9 +258,10 @@ def _mla_vsplit_kernel(
                             ls = tl.load(plse + s2 * stride_lse_s + rows, mask=mask_m,
                                          other=float("-inf"), cache_modifier=".cg")
                             w = tl.exp2(ls - m_use)  # 0 for an empty split / masked row
+                            pmask = mask_m[:, None] & (w > 0.0)[:, None]
                             pt = tl.load(Part + s2 * stride_ps + rows[:, None] * DV + col
-                                         + offs_c[None, :], mask=mask_m[:, None] & (w > 0.0)[:, None],
-                                         other=0.0, cache_modifier=".cg").to(tl.float32)
+                                         + offs_c[None, :], mask=pmask, other=0.0,
+                                         cache_modifier=".cg").to(tl.float32)
                             acc += pt * w[:, None]
                         tl.store(obase + col, (acc * rden[:, None]).to(Out.dtype.element_ty),
                                  mask=mask_m[:, None])
@@ -302,6 +303,8 @@ def launch_vsplit(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens
     if nv not in (1, 2, 4) or dv % (2 * nv):
         raise ValueError(f"vsplit must be 1, 2 or 4 and divide Dv/2 (got {nv}, Dv {dv})")
     nc = 4 if nv == 4 else 2
+    if cfg.tma and dv // nc * kv_flat.element_size() < 16:
+        raise ValueError(f"TMA boxes need >= 16 bytes: Dv / {nc} columns are too narrow")
     split = num_splits > 1
     fused = split and cfg.fused
     if split:

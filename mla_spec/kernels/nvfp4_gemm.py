@@ -20,11 +20,15 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
   sync; CUDA-graph safe). Two decoders: ``_decode_pure`` (portable, runs in the interpreter: the
   nibble is placed in fp16 bits, ``E2M1 * 2**-14``, then scaled in fp32) and ``_decode_asm``
   (GPU: PTX that decodes four bytes into eight bf16 with shifts/masks on 32-bit words holding two
-  bf16 each, ``E2M1 * 2**-126``, and one packed ``mul.bf16x2`` by ``s * 2**118``; opt-in through
-  ``NVFP4GemmConfig.fast_dequant`` until checked on hardware, see docs/bench_nvfp4.md).
-- **GEMV regime.** Up to ``GEMV_MAX_M`` tokens ``nvfp4_gemm`` runs ``nvfp4_gemv`` instead
-  (``mla_spec.kernels.nvfp4_gemv``: FMA, 16 weights per int64 word, ~4 instructions per
-  weight); pass a ``GemvConfig`` / ``NVFP4GemmConfig`` as ``config`` to force either kernel.
+  bf16 each, ``E2M1 * 2**-126``, and one packed ``mul.bf16x2`` by ``s * 2**118``; the default
+  (``NVFP4GemmConfig.fast_dequant``) since the H200 check, see docs/bench_nvfp4.md; skipped
+  in the interpreter, below sm_90 and for fp16 / fp32 x).
+- **Kernel and tile choice.** For a (N, K, M bucket) measured by the H200 sweep, the pinned
+  config of ``nvfp4_configs.PINNED_CONFIGS`` (either kernel). Otherwise ``nvfp4_gemv`` up to
+  ``GEMV_MAX_M`` tokens (FMA, 16 weights per int64 word, ~4 instructions per weight) and this
+  MMA kernel above, with ``default_gemm_config``'s heuristic. ``set_gemm_config`` pins an MMA
+  config where the MMA kernel runs; pass a ``GemvConfig`` / ``NVFP4GemmConfig`` as ``config``
+  to force either kernel.
 - **Split-K** for few output tiles (small N at small M): partial sums go to an fp32 workspace
   ``[S, M, N]`` and ``_sum_rows_kernel`` adds them (deterministic, no atomics).
 
@@ -33,18 +37,19 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
 
-from mla_spec.device import triton_interpreting, use_triton
+from mla_spec.device import cuda_capability, triton_interpreting, use_triton
+from mla_spec.kernels.nvfp4_configs import NVFP4GemmConfig, pinned_config
 from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, GemvConfig, default_gemv_config, nvfp4_gemv
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "nvfp4_gemm", "nvfp4_gemm_ref", "default_gemm_config",
-           "set_gemm_config", "block_m_for"]
+           "set_gemm_config", "block_m_for", "auto_config"]
 
 _TWO_118 = tl.constexpr(2.0**118)  # jit code may only read constexpr globals
 
@@ -173,19 +178,6 @@ def _sum_rows_kernel(src_ptr, dst_ptr, R, N, S, stride_sr, stride_ss, stride_dr,
     tl.store(dst_ptr + r * stride_dr + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
-@dataclass(frozen=True)
-class NVFP4GemmConfig:
-    """Tile config: ``block_n`` weight rows and ``block_k`` elements per step, ``split_k``
-    programs along K, warps / pipeline stages, and the packed PTX decoder (GPU only)."""
-
-    block_n: int = 64
-    block_k: int = 256
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 4
-    fast_dequant: bool = False  # PTX decoder: compiles for sm_90, not yet validated on a GPU
-
-
 _CONFIGS: dict[tuple[int, int, int], NVFP4GemmConfig] = {}
 _NUM_SMS = 132
 
@@ -196,21 +188,43 @@ def block_m_for(m: int) -> int:
 
 
 def default_gemm_config(m: int, n: int, k: int) -> NVFP4GemmConfig:
-    """Heuristic: enough programs to cover the SMs about twice, split K when N is small."""
+    """MMA config: ``set_gemm_config``'s pin, else the H200 sweep's pinned MMA config, else a
+    heuristic from its winners: N >= 4096: bn128 bk128 w8 st3 (won at M = 16 and 64 on both
+    dense shapes); smaller N: bn16 / bn32 bk256 w4 st4 (the best measured at N = 1024, M =
+    64). Split K until >= 12 warps per SM (the winners sit at 13.6-17.5, the losers at <= 4.4;
+    the bn16 s8 config at N = 1024 at 15.5), at most 8 and >= 2 K steps per split."""
     hit = _CONFIGS.get((block_m_for(m), n, k))
     if hit is not None:
         return hit
-    bn = 64 if n >= 8192 else 32 if n >= 2048 else 16
+    hit = pinned_config(m, n, k)
+    if isinstance(hit, NVFP4GemmConfig):
+        return hit
+    if n >= 4096:
+        bn, bk, warps, stages = 128, 128, 8, 3
+    else:
+        bn, bk, warps, stages = (32 if n >= 2048 else 16), 256, 4, 4
     tiles = triton.cdiv(n, bn) * triton.cdiv(max(m, 1), block_m_for(m))
-    k_iters = triton.cdiv(k, 256)
+    k_iters = triton.cdiv(k, bk)
     split = 1
-    while tiles * split < 2 * _NUM_SMS and split * 2 <= 8 and k_iters // (split * 2) >= 2:
+    while (tiles * split * warps < 12 * _NUM_SMS and split * 2 <= 8
+           and k_iters // (split * 2) >= 2):
         split *= 2
-    return NVFP4GemmConfig(block_n=bn, split_k=split)
+    return NVFP4GemmConfig(block_n=bn, block_k=bk, split_k=split, num_warps=warps,
+                           num_stages=stages)
+
+
+def auto_config(m: int, n: int, k: int) -> GemvConfig | NVFP4GemmConfig:
+    """What ``nvfp4_gemm`` runs without ``config``: the pinned kernel and tiles for a measured
+    (N, K, M bucket), else the GEMV up to ``GEMV_MAX_M`` tokens and the MMA kernel above."""
+    hit = pinned_config(m, n, k)
+    if isinstance(hit, GemvConfig) or (hit is None and m <= GEMV_MAX_M):
+        return default_gemv_config(m, n, k)
+    return default_gemm_config(m, n, k)
 
 
 def set_gemm_config(m: int, n: int, k: int, config: NVFP4GemmConfig) -> None:
-    """Pin the config used for (M bucket, N, K), e.g. after a tuning sweep."""
+    """Pin the MMA config for (``block_m_for(m)``, N, K), e.g. after a tuning sweep. It applies
+    where ``nvfp4_gemm`` runs the MMA kernel (it does not turn the GEMV regime off)."""
     _CONFIGS[(block_m_for(m), n, k)] = config
 
 
@@ -243,7 +257,8 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     out_dtype : torch.dtype, optional
         default ``x.dtype``.
     config : NVFP4GemmConfig or GemvConfig, optional
-        kernel and tiles; default: ``default_gemv_config`` for M <= ``GEMV_MAX_M``, else
+        kernel and tiles; default ``auto_config(M, N, K)``: the H200-pinned config for a
+        measured shape, else ``default_gemv_config`` for M <= ``GEMV_MAX_M``, else
         ``default_gemm_config``.
 
     Returns
@@ -264,11 +279,10 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if m == 0:
         return out.reshape(*lead, n)
     interp = triton_interpreting()
-    if isinstance(config, GemvConfig) or (config is None and m <= GEMV_MAX_M):
+    cfg = config or auto_config(m, n, k)
+    if isinstance(cfg, GemvConfig):
         w = weight if weight.data_ptr() % 8 == 0 else weight.clone()
-        return nvfp4_gemv(x2, w, weight_scale, weight_scale_2, out,
-                          config or default_gemv_config(m, n, k), interp).reshape(*lead, n)
-    cfg = config or default_gemm_config(m, n, k)
+        return nvfp4_gemv(x2, w, weight_scale, weight_scale_2, out, cfg, interp).reshape(*lead, n)
     bm = block_m_for(m)
     dot_f32 = interp or x.dtype != torch.bfloat16  # fp16 / fp32 x: exact-ish fp32 (tf32) dot
     split = cfg.split_k
@@ -279,12 +293,26 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         x2.stride(0), weight.stride(0), weight_scale.stride(0),
         dst.stride(0) if split > 1 else 0, dst.stride(-2),
         BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT_F32=dot_f32,
-        FAST=cfg.fast_dequant and not interp, EVEN_K=k % cfg.block_k == 0,
+        FAST=cfg.fast_dequant and ptx_decoder_ok(x2.device, interp),
+        EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     if split > 1:
         sum_rows(dst.permute(1, 0, 2), out)
     return out.reshape(*lead, n)
+
+
+def ptx_decoder_ok(device: torch.device, interp: bool) -> bool:
+    """Whether the packed PTX decoder (``mul.rn.bf16x2``: sm_90+) may run on ``device``."""
+    if interp or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else
+                       torch.cuda.current_device()) >= (9, 0)
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return cuda_capability(torch.device("cuda", index)) or (0, 0)
 
 
 def sum_rows(src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -18,29 +18,37 @@ is one 16-element block, the same index as its e4m3 scale ``[N, K/16]``):
   is exactly ``E2M1 * 2**-14`` for normal and subnormal codes. Nibbles ``j`` and ``j + 4`` of a
   32-bit word land in the two fp16 lanes with one shift and mask per lane set (``0x0E000E00``
   magnitude, ``0x80008000`` sign), so a word of 8 weights costs ~15 integer ops and 8
-  ``cvt.f32.f16``: ``_decode16_asm`` (GPU PTX). ``_decode16_pure`` does the same per element in
-  portable Triton (interpreter, fallback).
+  ``cvt.f32.f16``: ``_decode16_asm`` (GPU PTX, the default since the H200 check). The
+  portable ``_decode16_pure`` does the same per element: the interpreter always uses it, a
+  GPU with ``GEMV_FAST = False`` or ``GemvConfig(fast_dequant=False)``.
 - **Split-K without a second launch.** Each split writes its fp32 partial ``[BN, MP]`` to a
   workspace, then bumps a per-tile counter (``atomic_add``, acq_rel); the last split sums the
   partials in split order (deterministic), writes the output and resets the counter to 0.
   No host sync, no memset: CUDA-graph safe. The counters are a cached zeroed buffer per
   device, so two split-K GEMVs must not run concurrently on different streams.
 
+Configs: ``default_gemv_config`` returns the config pinned by the H200 sweep for a measured
+(N, K, M bucket) (``nvfp4_configs.PINNED_CONFIGS``), else a heuristic fitted to those winners.
 ``nvfp4_gemv`` is the launcher (called by ``nvfp4_gemm``); its twin is ``nvfp4_gemm_ref``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from mla_spec.kernels.nvfp4_configs import GemvConfig, pinned_config
+
 __all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "GEMV_MAX_M", "GEMV_FAST"]
 
-GEMV_FAST = False  # PTX decoder opt-in until benchmarks/sweep_nvfp4.py validates it on a GPU
-GEMV_MAX_M = 8  # above this the MMA kernel of nvfp4_gemm wins (fewer FMAs per weight)
+# PTX decoder by default: validated on the H200 (benchmarks/sweep_nvfp4.py, 2026-11-29). Set
+# False (or GemvConfig(fast_dequant=False)) for the portable decoder; never used when interpreting.
+GEMV_FAST = True
+# Auto-dispatch limit: the GEMV beat every MMA variant at M = 4 and lost at M = 16 on the dense
+# shapes (M = 8 not measured); pinned configs (nvfp4_configs) may choose the GEMV up to M = 16.
+# Also the largest token tile of the GEMV (``mp_for``).
+GEMV_MAX_M = 8
 
 # One int64 word = 16 E2M1 codes (element i in bits 4i..4i+3) -> 16 fp32 E2M1 * 2**-14.
 # Pair (j, j+4) of a 32-bit word: fp16x2 bits = (w << (9-4j)) & 0x0E000E00 | (w << (12-4j)) &
@@ -194,29 +202,21 @@ def _nvfp4_gemv_kernel(
             tl.atomic_xchg(cnt_ptr + tile, 0)
 
 
-@dataclass(frozen=True)
-class GemvConfig:
-    """``block_n`` rows and ``groups`` 16-blocks per step, ``split_k`` programs along K,
-    ``num_warps`` / ``num_stages``, and the PTX decoder (``fast_dequant``, GPU only)."""
-
-    block_n: int = 128
-    groups: int = 2
-    split_k: int = 1
-    num_warps: int = 1
-    num_stages: int = 1
-    fast_dequant: bool | None = None  # None: GEMV_FAST
-
-
 _NUM_SMS = 132
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 _MAX_TILES = 1 << 14
 
 
 def default_gemv_config(m: int, n: int, k: int) -> GemvConfig:
-    """Heuristic (offline SASS counts, not yet timed on a GPU): 2 words (32 weights) per row
-    and step so x loads are shared by the rows a thread owns (``block_n / (32 * warps)``
-    rows: 4 up to 4 tokens, 2 for 8); split K until ~4 CTAs per SM, >= 4 steps per split."""
-    warps = 2 if n >= 2048 else 1
+    """The pinned GEMV config for (N, K, M bucket) when the H200 sweep measured one, else the
+    heuristic derived from its winners: 2 words (32 weights) per row and step so x loads are
+    shared by the rows a thread owns (4 rows up to 4 tokens, 2 for 8: ``block_n / (32 *
+    warps)``); 2 warps only for N >= 8192 (gate_up 9216 won with bn256 w2, down 7168 with
+    bn128 w1); split K until ~4 CTAs per SM with >= 4 steps per split (every dense winner)."""
+    hit = pinned_config(m, n, k)
+    if isinstance(hit, GemvConfig):
+        return hit
+    warps = 2 if n >= 8192 else 1
     bn = 32 * warps * (4 if mp_for(m) <= 4 else 2)
     kb = k // 16
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, mp_for(m))

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
 from mla_spec.kernels import nvfp4_gemv
-from mla_spec.kernels.nvfp4_gemm import _decode, block_m_for, sum_rows
+from mla_spec.kernels.nvfp4_gemm import _decode, block_m_for, ptx_decoder_ok, sum_rows
 from mla_spec.kernels.nvfp4_moe_gemv import MOE_GEMV_MAX_M, moe_gemv
 from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4
 
@@ -184,14 +184,17 @@ def _check_moe(x, topk_ids, topk_weights, w13: NVFP4Tensor, w2: NVFP4Tensor) -> 
 
 def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: NVFP4Tensor, w2: NVFP4Tensor, block_n: int = 32,
-                    block_k: int = 256, fast_dequant: bool = False, path: str = "auto",
+                    block_k: int = 256, fast_dequant: bool = True, path: str = "auto",
                     gemv_block_n: int = 128, gemv_split: int | None = None,
                     gemv_warps: int = 1) -> torch.Tensor:
     """Routed experts with NVFP4 weights (see the module docstring for shapes).
 
     ``path``: "gemv" (one program per token-expert pair, ``nvfp4_moe_gemv``), "sorted" (the
-    moe_align slots below), or "auto" (gemv up to ``MOE_GEMV_MAX_M`` tokens). ``block_n`` /
-    ``block_k`` / ``fast_dequant`` tune the sorted path, ``gemv_*`` the gemv path.
+    moe_align slots below), or "auto" (gemv up to ``MOE_GEMV_MAX_M`` tokens: the H200 sweep's
+    winner up to 16 tokens). ``block_n`` / ``block_k`` / ``fast_dequant`` tune the sorted path
+    (``fast_dequant``: the packed PTX decoder, validated on the H200; False = portable; never
+    used in the interpreter or below sm_90), ``gemv_*`` the gemv path (its decoder follows
+    ``nvfp4_gemv.GEMV_FAST``).
 
     Returns ``[M, K]`` in x's dtype. Triton kernels when ``use_triton(x)``, else ``fused_moe_ref``.
     """
@@ -218,7 +221,7 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     sorted_ids, slot_expert = moe_align(topk_ids, e, bm)
     n_slots = slot_expert.numel()
     dot_f32 = interp or x.dtype != torch.bfloat16  # fp16 / fp32 x: exact-ish fp32 (tf32) dot
-    fast = fast_dequant and not interp
+    fast = fast_dequant and ptx_decoder_ok(x.device, interp)
     act = torch.empty((n_slots * bm, inter), dtype=act_dtype, device=x.device)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     tw = topk_weights.reshape(-1).float().contiguous()

@@ -3,7 +3,7 @@ and what each mode hands the attention kernel for one batch."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
@@ -53,8 +53,9 @@ def truth_table_figure() -> go.Figure:
     return fig
 
 
-def spec_loop_steps(num_iterations: int = 2, num_steps: int = 3, version: str = "v2"
-                    ) -> list[tuple[str, ForwardMode, str]]:
+def spec_loop_steps(
+    num_iterations: int = 2, num_steps: int = 3, version: str = "v2"
+) -> list[tuple[str, ForwardMode, str]]:
     """The sequence of forwards of MTP speculative decoding: ``(model, mode, note)`` per step.
 
     Prefill runs the target EXTEND, then the draft (MTP) EXTEND; each iteration then runs
@@ -66,7 +67,8 @@ def spec_loop_steps(num_iterations: int = 2, num_steps: int = 3, version: str = 
     extend = ForwardMode.DRAFT_EXTEND_V2 if version == "v2" else ForwardMode.DRAFT_EXTEND
     rows = f"{ndt} rows, keep row a-1" if version == "v2" else "a rows (ragged)"
     for _ in range(num_iterations):
-        steps += [("draft", ForwardMode.DECODE, f"draft step {k + 2}") for k in range(num_steps - 1)]
+        steps += [("draft", ForwardMode.DECODE, f"draft step {k + 2}")
+                  for k in range(num_steps - 1)]
         steps.append(("target", ForwardMode.TARGET_VERIFY, f"{ndt} rows: verified token + drafts"))
         steps.append(("draft", extend, rows))
     return steps

@@ -17,7 +17,7 @@ from mla_spec.quant.nvfp4 import (
 )
 
 __all__ = ["encode_block", "block_bits_figure", "format_errors", "format_error_figure",
-           "gemm_speed_figure", "weight_distribution", "RECORDED_H200"]
+           "gemm_speed_figure", "weight_distribution", "RECORDED_H200", "RECORDED_H200_MOE"]
 
 
 def encode_block(block: torch.Tensor, weight_scale_2: torch.Tensor | None = None) -> list[dict]:
@@ -82,7 +82,8 @@ def format_error_figure(results: dict[str, dict[str, NVFP4ErrorReport]]) -> go.F
 
 
 def gemm_speed_figure(rows: list[dict]) -> go.Figure:
-    """Per shape, µs vs M for ours and cuBLAS bf16 (rows from bench_nvfp4's table)."""
+    """Per shape, µs vs M for ours, the previous default (rows with ``default_us``) and cuBLAS
+    bf16 (rows from ``RECORDED_H200`` / ``RECORDED_H200_MOE`` or bench_nvfp4's table)."""
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     fig = make_subplots(rows=1, cols=len(shapes), subplot_titles=shapes)
     for j, s in enumerate(shapes, start=1):
@@ -90,6 +91,9 @@ def gemm_speed_figure(rows: list[dict]) -> go.Figure:
         ms = [str(r["m"]) for r in rs]
         fig.add_bar(x=ms, y=[r["ours_us"] for r in rs], name="NVFP4 (ours)",
                     marker_color="#36c", showlegend=j == 1, row=1, col=j)
+        if any("default_us" in r for r in rs):
+            fig.add_bar(x=ms, y=[r.get("default_us") for r in rs], name="previous default",
+                        marker_color="#9bd", showlegend=j == 1, row=1, col=j)
         base = [r.get("bf16_us", r.get("bf16_gemms_us")) for r in rs]
         fig.add_bar(x=ms, y=base, name="cuBLAS bf16", marker_color="#aaa",
                     showlegend=j == 1, row=1, col=j)
@@ -98,39 +102,54 @@ def gemm_speed_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
-# Measured by benchmarks/bench_nvfp4.py on an H200 (2026-11-29, portable decoder, see
-# docs/bench_nvfp4.md): µs per call inside a CUDA graph, weights rotated past L2.
+# Measured by benchmarks/sweep_nvfp4.py on an H200 (2026-11-29, torch 2.11, triton 3.6, PTX
+# decoders; docs/bench_nvfp4.md): µs per call inside a CUDA graph, weights rotated past L2.
+# ours_us: the config now pinned as the default (nvfp4_configs.PINNED_CONFIGS); default_us: the
+# previous heuristic's config (MMA rows with the portable decoder); bf16_us: cuBLAS bf16.
 RECORDED_H200 = [
-    dict(shape='dense_gate_up_tp4', m=1, ours_us=78.79, bf16_us=43.56,
-         dq_mm_us=963.3, speedup_vs_bf16=0.55, speedup_vs_dq_mm=12.2),
-    dict(shape='dense_gate_up_tp4', m=4, ours_us=91.46, bf16_us=43.39,
-         dq_mm_us=962.5, speedup_vs_bf16=0.47, speedup_vs_dq_mm=10.5),
-    dict(shape='dense_gate_up_tp4', m=16, ours_us=97.66, bf16_us=44.46,
-         dq_mm_us=962.8, speedup_vs_bf16=0.46, speedup_vs_dq_mm=9.9),
-    dict(shape='dense_gate_up_tp4', m=64, ours_us=140.38, bf16_us=39.17,
-         dq_mm_us=958.5, speedup_vs_bf16=0.28, speedup_vs_dq_mm=6.8),
-    dict(shape='dense_down_tp4', m=1, ours_us=34.59, bf16_us=23.45,
-         dq_mm_us=502.9, speedup_vs_bf16=0.68, speedup_vs_dq_mm=14.5),
-    dict(shape='dense_down_tp4', m=4, ours_us=38.87, bf16_us=23.51,
-         dq_mm_us=502.5, speedup_vs_bf16=0.6, speedup_vs_dq_mm=12.9),
-    dict(shape='dense_down_tp4', m=16, ours_us=40.99, bf16_us=21.38,
-         dq_mm_us=498.8, speedup_vs_bf16=0.52, speedup_vs_dq_mm=12.2),
-    dict(shape='dense_down_tp4', m=64, ours_us=67.87, bf16_us=21.51,
-         dq_mm_us=499.0, speedup_vs_bf16=0.32, speedup_vs_dq_mm=7.4),
-    dict(shape='expert_w13_tp4', m=1, ours_us=14.57, bf16_us=9.41,
-         dq_mm_us=124.4, speedup_vs_bf16=0.65, speedup_vs_dq_mm=8.5),
-    dict(shape='expert_w13_tp4', m=4, ours_us=16.14, bf16_us=9.43,
-         dq_mm_us=124.1, speedup_vs_bf16=0.58, speedup_vs_dq_mm=7.7),
-    dict(shape='expert_w13_tp4', m=16, ours_us=16.94, bf16_us=8.8,
-         dq_mm_us=124.5, speedup_vs_bf16=0.52, speedup_vs_dq_mm=7.3),
-    dict(shape='expert_w13_tp4', m=64, ours_us=22.47, bf16_us=10.16,
-         dq_mm_us=125.9, speedup_vs_bf16=0.45, speedup_vs_dq_mm=5.6),
-    dict(shape='expert_w2_tp4', m=1, ours_us=8.22, bf16_us=4.79,
-         dq_mm_us=62.9, speedup_vs_bf16=0.58, speedup_vs_dq_mm=7.6),
-    dict(shape='expert_w2_tp4', m=4, ours_us=8.17, bf16_us=4.78,
-         dq_mm_us=62.5, speedup_vs_bf16=0.58, speedup_vs_dq_mm=7.7),
-    dict(shape='expert_w2_tp4', m=16, ours_us=8.55, bf16_us=4.82,
-         dq_mm_us=62.7, speedup_vs_bf16=0.56, speedup_vs_dq_mm=7.3),
-    dict(shape='expert_w2_tp4', m=64, ours_us=12.34, bf16_us=5.13,
-         dq_mm_us=63.8, speedup_vs_bf16=0.42, speedup_vs_dq_mm=5.2),
+    dict(shape='dense_gate_up_tp4', m=1, ours_us=34.61, default_us=34.52,
+         bf16_us=43.52, speedup_vs_bf16=1.26, pinned='gemv bn256 s16 w2 st1'),
+    dict(shape='dense_gate_up_tp4', m=4, ours_us=52.19, default_us=52.25,
+         bf16_us=44.09, speedup_vs_bf16=0.84, pinned='gemv bn256 s16 w2 st3'),
+    dict(shape='dense_gate_up_tp4', m=16, ours_us=89.52, default_us=148.02,
+         bf16_us=44.49, speedup_vs_bf16=0.5, pinned='mma bn128 s4 w8 st3 bk128'),
+    dict(shape='dense_gate_up_tp4', m=64, ours_us=317.98, default_us=531.01,
+         bf16_us=39.44, speedup_vs_bf16=0.12, pinned='mma bn128 s4 w8 st3 bk128'),
+    dict(shape='dense_down_tp4', m=1, ours_us=18.63, default_us=22.6,
+         bf16_us=23.59, speedup_vs_bf16=1.27, pinned='gemv bn128 s16 w1 st1'),
+    dict(shape='dense_down_tp4', m=4, ours_us=28.46, default_us=34.43,
+         bf16_us=23.74, speedup_vs_bf16=0.83, pinned='gemv bn128 s16 w1 st1'),
+    dict(shape='dense_down_tp4', m=16, ours_us=41.96, default_us=79.09,
+         bf16_us=21.63, speedup_vs_bf16=0.52, pinned='mma bn128 s4 w8 st3 bk128'),
+    dict(shape='dense_down_tp4', m=64, ours_us=140.04, default_us=306.07,
+         bf16_us=21.7, speedup_vs_bf16=0.15, pinned='mma bn128 s4 w8 st3 bk128'),
+    dict(shape='expert_w13_tp4', m=1, ours_us=11.28, default_us=11.31,
+         bf16_us=9.42, speedup_vs_bf16=0.83, pinned='gemv bn128 s32 w1 st1'),
+    dict(shape='expert_w13_tp4', m=4, ours_us=21.23, default_us=21.29,
+         bf16_us=9.43, speedup_vs_bf16=0.44, pinned='gemv bn128 s32 w1 st1'),
+    dict(shape='expert_w13_tp4', m=16, ours_us=29.05, default_us=42.87,
+         bf16_us=9.57, speedup_vs_bf16=0.33, pinned='gemv bn64 s32 w1 st1'),
+    dict(shape='expert_w13_tp4', m=64, ours_us=160.02, default_us=160.02,
+         bf16_us=10.15, speedup_vs_bf16=0.06, pinned='mma bn16 s8 w4 st4 bk256 pure'),
+    dict(shape='expert_w2_tp4', m=1, ours_us=6.62, default_us=6.61,
+         bf16_us=4.79, speedup_vs_bf16=0.72, pinned='gemv bn256 s4 w2 st1'),
+    dict(shape='expert_w2_tp4', m=4, ours_us=9.67, default_us=9.64,
+         bf16_us=4.79, speedup_vs_bf16=0.5, pinned='gemv bn256 s4 w2 st1'),
+    dict(shape='expert_w2_tp4', m=16, ours_us=13.88, default_us=15.41,
+         bf16_us=4.82, speedup_vs_bf16=0.35, pinned='gemv bn128 s4 w2 st1'),
+    dict(shape='expert_w2_tp4', m=64, ours_us=38.17, default_us=57.64,
+         bf16_us=5.11, speedup_vs_bf16=0.13, pinned='mma bn64 s1 w4 st4 bk256'),
+]
+
+# Same run: fused MoE, 256 experts, top-8, K 7168, I 512 (TP4), random routing; bf16 = cuBLAS
+# GEMMs of the active experts only (rows pre-gathered). M <= 16: gemv path, M = 64: sorted path.
+RECORDED_H200_MOE = [
+    dict(shape='moe_256e_top8_tp4', m=1, ours_us=58.38, bf16_gemms_us=108.61,
+         speedup_vs_bf16=1.86, active_experts=8.0, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=4, ours_us=207.94, bf16_gemms_us=415.79,
+         speedup_vs_bf16=2.0, active_experts=30.4, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=16, ours_us=1099.68, bf16_gemms_us=1391.55,
+         speedup_vs_bf16=1.27, active_experts=101.6, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=64, ours_us=2902.46, bf16_gemms_us=3072.81,
+         speedup_vs_bf16=1.06, active_experts=223.2, path='sorted'),
 ]

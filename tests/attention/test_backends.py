@@ -37,9 +37,11 @@ BACKENDS = ["torch", "triton", "trtllm",
 @pytest.mark.parametrize("mode", ALL_MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("name", BACKENDS)
 def test_backend_matches_oracle(name, mode, kvd, device):
+    # FlashInfer's kernels only take DeepSeek's dims (see FlashInferMLABackend.dims_reason)
+    dims = dict(kv_lora_rank=512, qk_rope_head_dim=64) if name == "flashinfer" else DIMS
     sc = make_scene(mode, PREFIX, QLENS, num_heads=3, num_draft_tokens=3, kv_dtype=kvd,
                     q_dtype=torch.bfloat16, page_size=32, device=device, k_scale=0.5,
-                    v_scale=0.5, **DIMS)
+                    v_scale=0.5, **dims)
     be = _make(name, sc)
     why = be.supports(mode, kvd)
     if why is not None:
@@ -50,7 +52,7 @@ def test_backend_matches_oracle(name, mode, kvd, device):
     be.plan(sc.batch)
     out = be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
     ref = _make("torch", sc).forward(sc.q_nope, sc.q_pe, 0, sc.batch)
-    assert out.shape == (sc.batch.total_q, 3, 32) and out.dtype == sc.q_nope.dtype
+    assert out.shape == (sc.batch.total_q, 3, dims["kv_lora_rank"]) and out.dtype == sc.q_nope.dtype
     if mode.is_idle():
         return
     assert torch.isfinite(out).all()
@@ -150,3 +152,12 @@ def test_triton_cuda_graph_replay():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def test_flashinfer_dims_reason():
+    from mla_spec.attention.flashinfer_mla import FlashInferMLABackend as FI
+
+    assert FI.dims_reason(512, 64, FP8_DTYPE) is None
+    assert FI.dims_reason(512, 64, torch.bfloat16) is None
+    assert "512" in FI.dims_reason(256, 64, FP8_DTYPE)
+    assert "multiple of 128" in FI.dims_reason(32, 16, torch.bfloat16)

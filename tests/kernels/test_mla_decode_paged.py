@@ -104,3 +104,78 @@ def test_split_cost_model():
     assert pick_num_splits_paged(128, 1, 8192, 64, 32, 1152) == 1
     assert pick_num_splits_paged(32, 1, 4096, 64, 32, 1152) == 4
     assert pick_num_splits_paged(1, 1, 0, 64, 32, 1152) == 1
+
+
+# --- V-split / fused-combine options (mla_decode_vsplit's kernel) ---------------------------
+
+VSPLIT_CASES = [
+    (PagedConfig(16, 8, 4, 1, vsplit=2), 1),
+    (PagedConfig(16, 8, 4, 1, vsplit=4), 3),
+    (PagedConfig(16, 8, 4, 1, vsplit=2, fused=True), 3),
+    (PagedConfig(16, 8, 4, 1, part_bf16=True, fused=True), 2),
+]
+
+
+@pytest.mark.parametrize("kvd", [torch.bfloat16, FP8_DTYPE])
+@pytest.mark.parametrize("cfg,splits", VSPLIT_CASES, ids=lambda c: getattr(c, "tag", c))
+def test_vsplit_fixed_matches_oracle(kvd, cfg, splits, device):
+    sc = _scene(ForwardMode.TARGET_VERIFY, [0, 1, 37], [3, 3, 3], kvd, device,
+                num_draft_tokens=3)
+    o, lse, ref, lse_ref, twin = _run(sc, cfg, splits)
+    tol = 2e-2 if cfg.part_bf16 else 1e-2
+    torch.testing.assert_close(o.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(o.float(), twin.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("cfg,splits,kvd", [
+    (PagedConfig(16, 8, 4, 1, vsplit=4, fused=True), 4, FP8_DTYPE),
+    (PagedConfig(16, 8, 4, 1, tma=True, vsplit=2), 2, FP8_DTYPE),  # 16-byte TMA boxes
+    (PagedConfig(16, 8, 4, 1, tma=True, vsplit=4, fused=True), 3, torch.bfloat16),
+], ids=lambda c: getattr(c, "tag", str(c)))
+def test_vsplit_ragged_with_empty_requests(cfg, splits, kvd, device):
+    # 0-row request, a split with no visible KV (4 splits of a 3-token request)
+    sc = _scene(ForwardMode.EXTEND, [5, 0, 20, 3], [2, 0, 5, 1], kvd, device)
+    o, lse, ref, lse_ref, _ = _run(sc, cfg, splits, ragged=True)
+    torch.testing.assert_close(o.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)
+
+
+def test_fused_combine_resets_its_counters(device):
+    # the counters are left zeroed, so a second launch (a graph replay) reuses them
+    sc = _scene(ForwardMode.DECODE, [9, 30, 17], [1, 1, 1], torch.bfloat16, device)
+    b, pool = sc.batch, sc.pool
+    flat = pool.get_kv(0).view(pool.num_slots, -1)
+    cnt = torch.zeros(16, dtype=torch.int32, device=device)
+    cfg = PagedConfig(16, 8, 4, 1, vsplit=2, fused=True)
+    outs = [mla_decode_paged(sc.q_nope, sc.q_pe, flat, sc.req_pool.req_to_token,
+                             b.req_pool_indices, b.kv_lens, SM, page_size=PAGE, q_len=1,
+                             num_splits=3, config=cfg, counters=cnt) for _ in range(2)]
+    assert int(cnt.abs().sum()) == 0
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="counters"):
+        mla_decode_paged(sc.q_nope, sc.q_pe, flat, sc.req_pool.req_to_token,
+                         b.req_pool_indices, b.kv_lens, SM, page_size=PAGE, q_len=1,
+                         num_splits=3, config=cfg, counters=cnt[:2])
+
+
+def test_defaults_table_and_choice_strings():
+    from mla_spec.kernels.mla_decode_paged import (
+        PAGED_DEFAULTS,
+        PAGED_VARIANTS,
+        paged_choice,
+        parse_choice,
+        shape_class,
+    )
+
+    assert all(parse_choice(v)[0] is PAGED_VARIANTS[v.split("/")[0]]
+               for v in PAGED_DEFAULTS.values())
+    assert parse_choice("G4x/sp16") == (PAGED_VARIANTS["G4x"], 16)
+    with pytest.raises(ValueError, match="unknown paged variant"):
+        parse_choice("nope")
+    assert shape_class(32, torch.bfloat16, 1) == ("bf16", "r32", "b1")
+    assert shape_class(512, FP8_DTYPE, 64) == ("fp8", "big", "big")
+    cpu_cfg, sp = paged_choice(32, torch.bfloat16, torch.device("cpu"), 8, 1)
+    assert sp is None and not cpu_cfg.sibling_kernel
+    # V-split multiplies the programs: fewer splits for the same batch-1 shape
+    assert pick_num_splits_paged(1, 1, 4096, 64, 32, 1152, vsplit=4) < 64

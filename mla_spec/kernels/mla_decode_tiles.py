@@ -1,0 +1,147 @@
+"""Tile configs of the paged MLA kernels, the per-shape defaults table, and the split model.
+
+``PagedConfig`` names one compiled variant of ``mla_decode_paged`` (or, with ``vsplit > 1`` /
+``fused``, of its sibling kernel in ``mla_decode_vsplit``). ``PAGED_VARIANTS`` gives the
+variants the names that ``benchmarks/sweep_mla.py`` prints; ``PAGED_DEFAULTS`` maps a shape
+class ``(kv dtype, rows per request, batch)`` to the winner of the last H200 sweep (edit it
+after a sweep: the sweep's "best" column prints ``NAME/spN`` strings of exactly this form, and
+it prints a suggested table). :func:`pick_num_splits_paged` is the KV-split cost model used
+when no split count is pinned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mla_spec.quant.fp8 import FP8_DTYPE
+
+__all__ = ["PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig", "paged_choice", "paged_config",
+           "parse_choice", "pick_num_splits_paged", "shape_class"]
+
+
+@dataclass(frozen=True)
+class PagedConfig:
+    """Tile config of the paged kernel (``tma``: TMA descriptor loads; ``part_bf16``: bf16
+    split partials; ``vsplit`` in {1, 2, 4}: sibling CTAs per row block, each owning
+    ``Dv / vsplit`` output columns; ``fused``: the last split program merges the partials,
+    no combine launch). ``vsplit > 1`` or ``fused`` runs ``mla_decode_vsplit``'s kernel."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+    tma: bool = False
+    part_bf16: bool = False
+    vsplit: int = 1
+    fused: bool = False
+
+    @property
+    def tag(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+                f"{'T' if self.tma else 'P'}{'b' if self.part_bf16 else 'f'}"
+                f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}")
+
+    @property
+    def sibling_kernel(self) -> bool:
+        """Whether the V-split / fused-combine kernel (``mla_decode_vsplit``) runs."""
+        return self.vsplit > 1 or self.fused
+
+
+# Named tile configs (the sweep's variant names; ``benchmarks/sweep_mla.py`` times them all).
+PAGED_VARIANTS: dict[str, PagedConfig] = {
+    "A": PagedConfig(64, 64, 8, 2),
+    "C": PagedConfig(64, 64, 8, 2, tma=True),
+    "F": PagedConfig(64, 64, 8, 2, part_bf16=True),
+    "G": PagedConfig(32, 64, 4, 2),
+    "CF": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True),
+    # V-split (mla_decode_vsplit): each CTA owns 512 / vsplit output columns
+    "V2": PagedConfig(64, 64, 8, 2, tma=True, vsplit=2),
+    "V2b": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True, vsplit=2),
+    "V4": PagedConfig(64, 64, 4, 2, tma=True, vsplit=4),
+    "V4w8": PagedConfig(64, 64, 8, 2, tma=True, vsplit=4),
+    "G2": PagedConfig(32, 64, 4, 2, vsplit=2),
+    "G4": PagedConfig(32, 64, 4, 2, vsplit=4),
+    "G4b": PagedConfig(32, 64, 4, 2, part_bf16=True, vsplit=4),
+    # fused combine (the last split CTA merges the partials: one launch); vsplit 1 / 2 at m32
+    # spill at sm_90 (ptxas), so not listed
+    "G4x": PagedConfig(32, 64, 4, 2, vsplit=4, fused=True),
+    "V4x": PagedConfig(64, 64, 4, 2, tma=True, vsplit=4, fused=True),
+    "V4w8x": PagedConfig(64, 64, 8, 2, tma=True, vsplit=4, fused=True),
+    "V2bx": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True, vsplit=2, fused=True),
+}
+
+# Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins
+# the split count; omit it to keep the cost model, which adapts to the context length).
+# kv: "bf16" (bf16 / fp16 caches) | "fp8"; rows (= q_len * H per request): "r32" (<= 32) |
+# "r128" (<= 128) | "big"; batch: "b1" (bs <= 2) | "b48" (<= 48) | "big".
+# Values: round-2 defaults (docs/bench_mla.md) until the V-split sweep is measured.
+PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
+    **{("bf16", "r32", bc): "G" for bc in ("b1", "b48", "big")},
+    **{("bf16", rc, bc): "C" for rc in ("r128", "big") for bc in ("b1", "b48", "big")},
+    **{("fp8", rc, bc): "CF" for rc in ("r32", "r128", "big") for bc in ("b1", "b48", "big")},
+    # H200 sweep of 2026-11-29 (docs/benchmarks.md): the only shape classes whose winner changed
+    ("fp8", "r32", "b1"): "G4",  # 14.9 vs 19.3 µs at bs 1, ctx 4k, in a CUDA graph
+    ("bf16", "r128", "b1"): "V2",  # 19.7-19.9 vs 20.3-20.4 µs
+}
+
+
+def shape_class(rows: int, kv_dtype: torch.dtype, bs: int) -> tuple[str, str, str]:
+    """The ``PAGED_DEFAULTS`` key of a shape (``rows`` = q_len * H per request)."""
+    kv = "fp8" if kv_dtype == FP8_DTYPE else "bf16"
+    rc = "r32" if rows <= 32 else "r128" if rows <= 128 else "big"
+    bc = "b1" if bs <= 2 else "b48" if bs <= 48 else "big"
+    return kv, rc, bc
+
+
+def parse_choice(choice: str) -> tuple[PagedConfig, int | None]:
+    """``"NAME"`` or ``"NAME/spN"`` -> (config, pinned split count or None)."""
+    name, _, sp = choice.partition("/sp")
+    if name not in PAGED_VARIANTS:
+        raise ValueError(f"unknown paged variant {name!r}: one of {', '.join(PAGED_VARIANTS)}")
+    return PAGED_VARIANTS[name], (int(sp) if sp else None)
+
+
+def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_size: int = 64,
+                 bs: int = 1) -> tuple[PagedConfig, int | None]:
+    """(config, pinned splits or None) of a shape: ``PAGED_DEFAULTS`` on CUDA when the page
+    size is a multiple of 64, fixed fallbacks otherwise (tiny tiles under the interpreter)."""
+    if device.type != "cuda":
+        return PagedConfig(16, min(8, page_size), 4, 1), None
+    if page_size % 64:
+        return PagedConfig(64, 32, 8, 3, tma=True, part_bf16=kv_dtype == FP8_DTYPE), None
+    return parse_choice(PAGED_DEFAULTS[shape_class(rows, kv_dtype, bs)])
+
+
+def paged_config(rows: int, kv_dtype: torch.dtype, device: torch.device,
+                 page_size: int = 64, bs: int = 1) -> PagedConfig:
+    """Default tile per device / KV dtype / rows per request / batch (``PAGED_DEFAULTS``)."""
+    return paged_choice(rows, kv_dtype, device, page_size, bs)[0]
+
+
+def pick_num_splits_paged(bs: int, m_blocks: int, max_kv: int, block_n: int, rows: int,
+                          kv_row_bytes: int, num_sms: int = 132, part_bytes: int = 4,
+                          dv: int = 512, ctas_per_sm: int = 1, max_splits: int = 128,
+                          fixed_tiles: float = 1.0, vsplit: int = 1, fused: bool = False) -> int:
+    """Splits minimizing ``waves(s) * (tiles/s + fixed + partial cost)`` (in KV-tile units).
+
+    A split's partial ``[rows, dv / vsplit]`` is written once and read once by the combine; a
+    wave is ``num_sms * ctas_per_sm`` programs (``vsplit`` siblings per row block). The
+    separate combine costs one launch, the fused one a serial merge of ``s`` partials in one
+    program. Uniform lengths are assumed (``max_kv`` for all).
+    """
+    tiles = -(-max(int(max_kv), 1) // block_n)
+    tile_bytes = block_n * kv_row_bytes
+    part = 2.0 * min(rows, 64) * dv / vsplit * part_bytes / tile_bytes
+    slots = num_sms * ctas_per_sm
+    best, best_cost = 1, None
+    for s in range(1, min(tiles, max_splits) + 1):
+        progs = max(bs * m_blocks * vsplit, 1) * s
+        waves = -(-progs // slots)
+        cost = waves * (-(-tiles // s) + fixed_tiles + (part if s > 1 else 0.0))
+        if s > 1:  # the combine launch, or the fused merge (reads s partials serially)
+            cost += s * part / 2.0 if fused else 1.0
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best

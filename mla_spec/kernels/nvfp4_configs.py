@@ -1,0 +1,141 @@
+"""Tile configs of the NVFP4 kernels and the configs pinned by the H200 sweep.
+
+``benchmarks/sweep_nvfp4.py`` times GEMV and MMA tile variants for each weight shape (N, K)
+and M = 1, 4, 16, 64 tokens, and names the fastest one like ``"gemv bn256 s16 w2 st1"``.
+``PINNED_CONFIGS`` keeps those names verbatim, keyed by ``(N, K, M bucket)``, so a new sweep is
+applied by pasting its ``best variant`` column; ``parse_variant`` turns a name into a
+``GemvConfig`` (``nvfp4_gemv``: FMA, no MMA) or an ``NVFP4GemmConfig`` (``nvfp4_gemm``: bf16
+MMA after an in-register decode). Both dataclasses live here, so the table needs no kernel
+import; the kernel modules re-export them under their usual names.
+
+Variant grammar (tokens after the kind, any order)::
+
+    gemv bn<block_n> s<split_k> w<num_warps> st<num_stages> [g<groups>] [pure]
+    mma  bn<block_n> s<split_k> w<num_warps> st<num_stages> [bk<block_k>] [pure]
+
+``pure`` selects the portable decoder (default: the PTX decoders, validated on the H200).
+
+M buckets: a measured M stands for the token counts above the previous bucket, up to itself:
+1 -> {1}, 4 -> {2..4}, 8 -> {5..8}, 16 -> {9..16}, 64 -> {17..64}. Bucket 8 and M > 64 have
+no measurement: there the kernels' heuristics decide (``default_gemv_config`` up to
+``GEMV_MAX_M`` tokens, else ``default_gemm_config``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+
+__all__ = ["GemvConfig", "NVFP4GemmConfig", "PINNED_CONFIGS", "M_BUCKETS", "m_bucket",
+           "parse_variant", "variant_name", "pinned_config"]
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """``block_n`` rows and ``groups`` 16-blocks per step, ``split_k`` programs along K,
+    ``num_warps`` / ``num_stages``, and the PTX decoder (``fast_dequant``, GPU only)."""
+
+    block_n: int = 128
+    groups: int = 2
+    split_k: int = 1
+    num_warps: int = 1
+    num_stages: int = 1
+    fast_dequant: bool | None = None  # None: nvfp4_gemv.GEMV_FAST
+
+
+@dataclass(frozen=True)
+class NVFP4GemmConfig:
+    """Tile config: ``block_n`` weight rows and ``block_k`` elements per step, ``split_k``
+    programs along K, warps / pipeline stages, and the packed PTX decoder (sm_90+, never in
+    the interpreter; ``False`` selects the portable decoder)."""
+
+    block_n: int = 64
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    fast_dequant: bool = True
+
+
+M_BUCKETS = (1, 4, 8, 16, 64)
+
+# H200, 2026-11-29, torch 2.11 / triton 3.6, CUDA graph, weights rotated past L2 (µs per call;
+# docs/bench_nvfp4.md). Entries marked "old default" are the previous heuristic's config where
+# it beat every variant the sweep reached before its deadline.
+PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
+    # dense MLP, TP4: gate_up [9216, 7168]
+    (9216, 7168, 1): "gemv bn256 s16 w2 st1",  # 34.6 (cuBLAS bf16 43.5)
+    (9216, 7168, 4): "gemv bn256 s16 w2 st3",  # 52.2 (44.1)
+    (9216, 7168, 16): "mma bn128 s4 w8 st3 bk128",  # 89.5 (44.5); old default 148.0
+    (9216, 7168, 64): "mma bn128 s4 w8 st3 bk128",  # 318.0 (39.4); old default 531.0
+    # dense MLP, TP4: down [7168, 4608]
+    (7168, 4608, 1): "gemv bn128 s16 w1 st1",  # 18.6 (23.6)
+    (7168, 4608, 4): "gemv bn128 s16 w1 st1",  # 28.5 (23.7)
+    (7168, 4608, 16): "mma bn128 s4 w8 st3 bk128",  # 42.0 (21.6); old default 79.1
+    (7168, 4608, 64): "mma bn128 s4 w8 st3 bk128",  # 140.0 (21.7); old default 306.1
+    # one routed expert, TP4: w13 [1024, 7168]
+    (1024, 7168, 1): "gemv bn128 s32 w1 st1",  # 11.3 (9.4)
+    (1024, 7168, 4): "gemv bn128 s32 w1 st1",  # 21.2 (9.4)
+    (1024, 7168, 16): "gemv bn64 s32 w1 st1",  # 29.1 (9.6); old default (MMA) 42.9
+    (1024, 7168, 64): "mma bn16 s8 w4 st4 bk256 pure",  # old default 160.0 (10.2); bn64: 328
+    # one routed expert, TP4: w2 [7168, 512]
+    (7168, 512, 1): "gemv bn256 s4 w2 st1",  # 6.6 (4.8)
+    (7168, 512, 4): "gemv bn256 s4 w2 st1",  # 9.7 (4.8)
+    (7168, 512, 16): "gemv bn128 s4 w2 st1",  # 13.9 (4.8); old default (MMA) 15.4
+    (7168, 512, 64): "mma bn64 s1 w4 st4 bk256",  # 38.2 (5.1); old default 57.6
+}
+
+_FIELDS = {"bn": "block_n", "bk": "block_k", "st": "num_stages", "s": "split_k",
+           "w": "num_warps", "g": "groups"}
+_POW2 = ("block_n", "block_k", "groups", "num_warps")
+
+
+def m_bucket(m: int) -> int | None:
+    """Smallest bucket of ``M_BUCKETS`` holding ``m`` tokens, None above the last."""
+    for b in M_BUCKETS:
+        if m <= b:
+            return b
+    return None
+
+
+@cache
+def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig:
+    """``"gemv bn256 s16 w2 st1"`` -> ``GemvConfig``, ``"mma bn128 s4 w8 st3 bk128"`` ->
+    ``NVFP4GemmConfig`` (grammar in the module docstring); ValueError on anything else."""
+    kind, *tokens = name.split() or [""]
+    if kind not in ("gemv", "mma"):
+        raise ValueError(f"variant {name!r} must start with 'gemv' or 'mma'")
+    kw: dict[str, int | bool] = {}
+    for tok in tokens:
+        hit = re.fullmatch(r"(bn|bk|st|s|w|g)(\d+)", tok)
+        if tok == "pure":
+            kw["fast_dequant"] = False
+        elif hit is None or (hit[1] == "bk" and kind == "gemv") or (hit[1] == "g"
+                                                                   and kind == "mma"):
+            raise ValueError(f"unsupported token {tok!r} in {kind} variant {name!r}")
+        else:
+            kw[_FIELDS[hit[1]]] = int(hit[2])
+    for field, v in kw.items():
+        if field != "fast_dequant" and (v < 1 or (field in _POW2 and v & (v - 1))):
+            raise ValueError(f"{field} = {v} in {name!r}: must be >= 1"
+                             + (" and a power of two" if field in _POW2 else ""))
+    return GemvConfig(**kw) if kind == "gemv" else NVFP4GemmConfig(**kw)
+
+
+def variant_name(cfg: GemvConfig | NVFP4GemmConfig) -> str:
+    """Inverse of ``parse_variant`` (the sweep's naming)."""
+    gemv = isinstance(cfg, GemvConfig)
+    name = (f"{'gemv' if gemv else 'mma'} bn{cfg.block_n} s{cfg.split_k} w{cfg.num_warps} "
+            f"st{cfg.num_stages}")
+    if gemv and cfg.groups != 2:
+        name += f" g{cfg.groups}"
+    if not gemv:
+        name += f" bk{cfg.block_k}"
+    return name + (" pure" if cfg.fast_dequant is False else "")
+
+
+def pinned_config(m: int, n: int, k: int) -> GemvConfig | NVFP4GemmConfig | None:
+    """The pinned config for ``m`` tokens x weight ``[N, K]``, or None when not measured."""
+    name = PINNED_CONFIGS.get((n, k, m_bucket(m)))
+    return None if name is None else parse_variant(name)

@@ -1,0 +1,383 @@
+"""Process management for tensor parallelism: start the ranks, watch them, fail fast.
+
+Why a module of its own: the collectives of :mod:`mla_spec.parallel` only work once every rank
+is a live process in one group, and the hard part of that is not the group but the processes:
+starting them, handing results back, and noticing at once when one dies, instead of leaving the
+others blocked in a collective until its timeout (``mla_spec.parallel.default_timeout_s``).
+
+Two ways to start ranks:
+
+- :func:`launch` runs ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes
+  (``torch.multiprocessing`` spawn, a free TCP port on 127.0.0.1, NCCL when every rank gets a
+  GPU, gloo otherwise) and returns each rank's result (tensors moved to CPU, through a queue). A
+  watchdog polls the children: a rank that dies or raises ends the whole run with a
+  :class:`RankFailedError` naming it within about a second. A rank that dies closes its sockets,
+  so its peers' collectives fail at once too; the long gloo timeout does not slow this down.
+  Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` in the environment) it runs
+  ``fn`` in place on the current rank and all-gathers the results.
+- :func:`spawn_workers` starts ranks ``1..N-1`` as processes and makes the *calling* process
+  rank 0, so a notebook or the :class:`~mla_spec.engine.Engine` drives rank 0 in-process. Each
+  worker says it is up through a pipe before its rendezvous, and rank 0 joins the rendezvous
+  (uninterruptible C++) only once all have: one that dies while starting is an error at once,
+  not after the timeout. A :class:`Workers` watchdog thread then polls the children.
+
+Workers leave with ``os._exit`` (never blocking in process-group teardown) after running the
+multiprocessing finalizers, so semaphores they created (tqdm's lock, queues) are released.
+Everything here is re-exported by :mod:`mla_spec.parallel`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import queue as queue_mod
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from mla_spec.parallel import default_timeout_s, init_distributed, rank_device, resolve_backend
+
+__all__ = ["launch", "spawn_workers", "Workers", "RankFailedError"]
+
+log = logging.getLogger(__name__)
+
+
+class RankFailedError(RuntimeError):
+    """A rank died, raised, or the run timed out (the message names the rank)."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# launch: all ranks in child processes
+# ---------------------------------------------------------------------------------------------
+def _pack(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(_to_cpu(obj), buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _exit_now(code: int) -> None:
+    """Leave this child process at once, without waiting for peers in process-group teardown
+    (a slow or dead peer must not hang us). The multiprocessing finalizers run first, as at a
+    normal exit, so semaphores created here (tqdm's lock, queues) are unlinked instead of being
+    reported as leaked by the resource tracker at shutdown."""
+    import multiprocessing.util as mp_util
+
+    try:
+        mp_util._exit_function()  # what multiprocessing runs after a process target returns
+    finally:
+        os._exit(code)
+
+
+def _child(rank, world_size, backend, init_method, timeout_s, fn, args, results) -> None:
+    code = 0
+    if backend == "gloo":  # CPU ranks share the cores: avoid oversubscribing them (as torchrun)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    try:
+        init_distributed(
+            rank, world_size, backend=backend, init_method=init_method, timeout_s=timeout_s
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", _pack(out)))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        code = 1
+    results.close()
+    results.join_thread()  # flush the queue before leaving
+    _exit_now(code)
+
+
+def _running_under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    backend: str = "auto",
+    args: Sequence[Any] = (),
+    timeout_s: float | None = None,
+    run_timeout_s: float | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return ``[result_0, ...]``.
+
+    ``fn`` must be picklable (a module-level function). Results come back through a queue
+    (tensors moved to CPU). Raises :class:`RankFailedError` naming the rank as soon as one dies or
+    raises (the others are terminated), or when ``run_timeout_s`` passes. ``timeout_s``: the
+    collective timeout (default ``default_timeout_s(backend)``).
+    Under ``torchrun`` runs ``fn`` on this rank only and all-gathers the results.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size {world_size}: must be >= 1")
+    if _running_under_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise ValueError(
+                f"world_size {world_size} but torchrun started {os.environ['WORLD_SIZE']} ranks"
+            )
+        owns_group = not dist.is_initialized()
+        init_distributed(backend=backend, timeout_s=timeout_s)
+        out = fn(dist.get_rank(), world_size, *args)
+        gathered: list[Any] = [None] * world_size
+        dist.all_gather_object(gathered, _to_cpu(out))
+        if owns_group:  # as in spawn mode, the group lives for the duration of fn only
+            dist.barrier()
+            dist.destroy_process_group()
+        return gathered
+    backend = resolve_backend(backend, world_size)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(r, world_size, backend, init_method, timeout_s, fn, tuple(args), results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world_size, run_timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+        results.close()
+        results.join_thread()
+
+
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def _failure_message(procs, out, errors) -> str:
+    """Root cause first: ranks that died without a word, then errors not caused by a lost peer."""
+    dead = [
+        f"rank {r} died (exit code {p.exitcode})"
+        for r, p in enumerate(procs)
+        if r not in out and r not in errors and not p.is_alive() and p.exitcode not in (0, None)
+    ]
+    ranked = sorted(errors.items(), key=lambda kv: (any(s in kv[1] for s in _PEER_LOST), kv[0]))
+    raised = [f"rank {r} raised {msg}" for r, msg in ranked]
+    return "; then ".join(dead + raised[:1]) + (
+        f" ({len(raised) - 1} more ranks failed after it)" if len(raised) > 1 else "")
+
+
+def _collect(procs, results, world_size: int, run_timeout_s: float | None) -> list[Any]:
+    out: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = None if run_timeout_s is None else time.monotonic() + run_timeout_s
+    while len(out) < world_size:
+        try:
+            rank, status, payload = results.get(timeout=0.2)
+        except queue_mod.Empty:
+            gone = [r for r, p in enumerate(procs)
+                    if r not in out and r not in errors and not p.is_alive()]
+            if gone:
+                time.sleep(0.3)  # a result or error queued just before exit may still arrive
+                _drain(results, out, errors)
+                if any(r not in out and r not in errors for r in gone):
+                    raise RankFailedError(_failure_message(procs, out, errors)) from None
+            if deadline is not None and time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(out))
+                raise RankFailedError(
+                    f"ranks {missing} still running after run_timeout_s"
+                ) from None
+            continue
+        if status == "error":
+            errors[rank] = payload
+            time.sleep(0.3)  # let the other ranks' reports (and deaths) land
+            _drain(results, out, errors)
+            raise RankFailedError(_failure_message(procs, out, errors))
+        out[rank] = _unpack(payload)
+    return [out[r] for r in range(world_size)]
+
+
+def _drain(results, out, errors) -> None:
+    while True:
+        try:
+            rank, status, payload = results.get_nowait()
+        except queue_mod.Empty:
+            return
+        if status == "error":
+            errors[rank] = payload
+        else:
+            out[rank] = _unpack(payload)
+
+
+# ---------------------------------------------------------------------------------------------
+# spawn_workers: the caller is rank 0
+# ---------------------------------------------------------------------------------------------
+def _worker_main(rank, world_size, backend, init_method, timeout_s, worker_fn, args,
+                 started) -> None:
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    started.send(rank)  # up: rank 0 may start its (uninterruptible) rendezvous
+    started.close()
+    code = 0
+    try:
+        init_distributed(rank, world_size, backend=backend, init_method=init_method,
+                         timeout_s=timeout_s)
+        worker_fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - rank 0's watchdog sees the exit code
+        traceback.print_exc()
+        code = 1
+    _exit_now(code)
+
+
+@dataclass
+class Workers:
+    """Ranks ``1..N-1`` running in child processes; the caller is rank 0.
+
+    A watchdog thread polls the children every 0.2 s. When one dies with a non-zero exit code
+    it records :attr:`failure`, logs it, and (``interrupt_main``) raises ``KeyboardInterrupt`` in
+    the main thread so rank 0 stops instead of waiting for a collective that cannot complete.
+    Call :meth:`check` at safe points to turn a failure into :class:`RankFailedError`.
+    """
+
+    world_size: int
+    backend: str
+    device: torch.device
+    processes: list = field(default_factory=list)
+    failure: str | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise RankFailedError(self.failure)
+
+    def _watch(self, interrupt_main: bool) -> None:
+        import _thread
+
+        while not self._stop.wait(0.2):
+            for r, p in enumerate(self.processes, start=1):
+                if not p.is_alive() and p.exitcode not in (0, None):
+                    self.failure = f"rank {r} died (exit code {p.exitcode})"
+                    log.error("%s; stopping rank 0", self.failure)
+                    if interrupt_main:
+                        _thread.interrupt_main()
+                    return
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the watchdog, join the workers for up to ``timeout_s`` in all (then terminate
+        the stragglers), destroy the group."""
+        self._stop.set()
+        deadline = time.monotonic() + timeout_s
+        for p in self.processes:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+        for p in self.processes:
+            p.join(timeout=1)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn_workers(
+    world_size: int,
+    worker_fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    *,
+    backend: str = "auto",
+    timeout_s: float | None = None,
+    interrupt_main: bool = True,
+) -> Workers:
+    """Start ``worker_fn(rank, world_size, *args)`` on ranks 1..N-1; make this process rank 0.
+
+    Returns a :class:`Workers` handle (``.device`` is rank 0's device). Rank 0's process group is
+    initialized on return; call ``workers.shutdown()`` when done.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size {world_size}: must be >= 1")
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process; shut it down first")
+    backend = resolve_backend(backend, world_size)
+    init_method = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    workers = Workers(world_size, backend, rank_device(0, backend))
+    started = []  # read ends: a worker sends one message once it is up, before its rendezvous
+    try:
+        for r in range(1, world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_worker_main,
+                args=(r, world_size, backend, init_method, timeout_s, worker_fn, tuple(args),
+                      send),
+                daemon=True,
+            )
+            p.start()
+            send.close()  # the child holds the write end: EOF here once it exits
+            workers.processes.append(p)
+            started.append(recv)
+        _wait_started(workers.processes, started, default_timeout_s(backend)
+                      if timeout_s is None else timeout_s)
+        init_distributed(0, world_size, backend=backend, init_method=init_method,
+                         timeout_s=timeout_s)
+    except BaseException:
+        workers.shutdown(timeout_s=0.0)  # the others wait in the rendezvous: terminate them
+        raise
+    finally:
+        for c in started:
+            c.close()
+    threading.Thread(target=workers._watch, args=(interrupt_main,), daemon=True).start()
+    return workers
+
+
+def _wait_started(procs: list, started: list, timeout_s: float) -> None:
+    """Wait until every worker is up (imports and arguments unpickled); raise
+    :class:`RankFailedError` as soon as one dies first.
+
+    Rank 0's rendezvous blocks in C++ and cannot be interrupted, so it starts only once every
+    worker is about to join it: a worker that dies while starting is an error within a fraction
+    of a second instead of after the rendezvous timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    waiting = dict(enumerate(started, start=1))
+    while waiting:
+        for r, conn in list(waiting.items()):
+            try:
+                if conn.poll(0.05):
+                    conn.recv()
+                    del waiting[r]
+                    continue
+            except (EOFError, OSError):
+                pass  # it exited before saying it was up
+            else:
+                if procs[r - 1].is_alive():
+                    continue
+            procs[r - 1].join(timeout=1)
+            raise RankFailedError(f"rank {r} died (exit code {procs[r - 1].exitcode}) while "
+                                  "starting, before joining the process group")
+        if waiting and time.monotonic() > deadline:
+            raise RankFailedError(f"ranks {sorted(waiting)} not up after {timeout_s:.0f} s")
