@@ -49,7 +49,7 @@ from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, GemvConfig, default_gemv_con
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "nvfp4_gemm", "nvfp4_gemm_ref", "default_gemm_config",
-           "set_gemm_config", "block_m_for", "auto_config"]
+           "set_gemm_config", "block_m_for", "auto_config", "ptx_decoder_ok"]
 
 _TWO_118 = tl.constexpr(2.0**118)  # jit code may only read constexpr globals
 
