@@ -76,7 +76,7 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
 # the split count; omit it to keep the cost model, which adapts to the context length).
 # kv: "bf16" (bf16 / fp16 caches) | "fp8"; rows (= q_len * H per request): "r32" (<= 32) |
 # "r128" (<= 128) | "big"; batch: "b1" (bs <= 2) | "b48" (<= 48) | "big".
-# Values: round-2 defaults (docs/bench_mla.md) until the V-split sweep is measured.
+# Values: winners of the H200 sweeps (docs/bench_mla.md, v2 and v3).
 PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     **{("bf16", "r32", bc): "G" for bc in ("b1", "b48", "big")},
     **{("bf16", rc, bc): "C" for rc in ("r128", "big") for bc in ("b1", "b48", "big")},

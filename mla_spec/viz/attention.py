@@ -88,17 +88,16 @@ def bytes_per_token_bars(per_dtype: Mapping[str, int], title="KV bytes per token
     return fig
 
 
-def read_bench_table(path) -> list[dict]:
-    """Rows of the markdown timing table in ``docs/bench_mla.md`` (keys = header cells)."""
+def read_bench_table(path=None) -> list[dict]:
+    """Rows of the recorded H200 MLA timing table (keys = the header cells of
+    ``docs/bench_mla.md``'s v3 table: "ours µs", "FI µs", "ours graph µs", ...).
+
+    ``path`` None reads the copy shipped in the package (``mla_spec/data/bench_mla_h200.json``),
+    so the notebooks work from an installed package too.
+    """
+    import json
     from pathlib import Path
 
-    lines = [ln for ln in Path(path).read_text().splitlines() if ln.startswith("| ")]
-    head = next(i for i, ln in enumerate(lines) if "ours µs" in ln)
-    keys = [c.strip() for c in lines[head].strip("|").split("|")]
-    rows = []
-    for ln in lines[head + 1:]:
-        cells = [c.strip() for c in ln.strip("|").split("|")]
-        if len(cells) != len(keys) or set(cells[0]) <= {"-"}:
-            continue
-        rows.append(dict(zip(keys, cells)))
-    return rows
+    if path is None:
+        path = Path(__file__).resolve().parents[1] / "data" / "bench_mla_h200.json"
+    return json.loads(Path(path).read_text())["rows"]
