@@ -187,6 +187,18 @@ def graph_time(fns, reps=20):
     return sorted(times)[len(times) // 2]
 
 
+def add_rates(row, bs, q, h, ctx, kv_bytes):
+    """Add to ``row`` GB/s (KV read once) and TF/s of each of its times (``ours_us``, ``fi_us``,
+    ``ours_graph_us``, ``fi_graph_us``) and ``ratio`` = FlashInfer / ours (eager)."""
+    flops = 2.0 * bs * q * h * ctx * (DV + DPE + DV)
+    for k in ("ours_us", "fi_us", "ours_graph_us", "fi_graph_us"):
+        if k in row:
+            row[k.replace("_us", "_GBs")] = kv_bytes / row[k] / 1e3
+            row[k.replace("_us", "_TFs")] = flops / row[k] / 1e6
+    if "ours_us" in row and "fi_us" in row:
+        row["ratio"] = row["fi_us"] / row["ours_us"]
+
+
 def ours_fn(pool, r2t, rpi, kv_lens, qn, qp, q, cfg, splits, fp8_dot, ctx):
     flat = pool.kv_buffer[0].view(-1, DV + DPE)
     return lambda: mla_decode(qn, qp, flat, r2t, rpi, kv_lens, SM_SCALE, q_len=q,
@@ -242,13 +254,7 @@ def measure(h, q, bs, ctx, kvd, dev, cands, graph=False, fi=True, splits_list=(N
             row["fi_graph_us"] = graph_time([(lambda r=r: r(qn, qp)) for _, r in ws])
         except Exception as e:
             print(f"   flashinfer graph FAIL {type(e).__name__}: {str(e)[:300]}")
-    flops = 2.0 * bs * q * h * ctx * (DV + DPE + DV)
-    for k in ("ours_us", "fi_us", "ours_graph_us", "fi_graph_us"):
-        if k in row:
-            row[k.replace("_us", "_GBs")] = kv_bytes / row[k] / 1e3
-            row[k.replace("_us", "_TFs")] = flops / row[k] / 1e6
-    if "ours_us" in row and "fi_us" in row:
-        row["ratio"] = row["fi_us"] / row["ours_us"]
+    add_rates(row, bs, q, h, ctx, kv_bytes)
     del pool
     torch.cuda.empty_cache()
     return row

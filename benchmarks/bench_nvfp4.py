@@ -36,7 +36,7 @@ SPLITS = [1, 2, 4, 8]
 DEV = "cuda"
 
 
-def graph_us(calls) -> float:
+def graph_us(calls, warmup=5, rep=25) -> float:
     """Median µs per call of ``calls`` (zero-arg callables) replayed in one CUDA graph."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -49,8 +49,7 @@ def graph_us(calls) -> float:
     with torch.cuda.graph(g):
         for c in calls:
             c()
-    ms = triton.testing.do_bench(g.replay, warmup=5, rep=25)
-    return ms * 1e3 / len(calls)
+    return triton.testing.do_bench(g.replay, warmup=warmup, rep=rep) * 1e3 / len(calls)
 
 
 def rand_nvfp4(n, k, count):
@@ -61,6 +60,49 @@ def rand_nvfp4(n, k, count):
         s = (torch.rand(n, k // 16, device=DEV) + 0.5).to(torch.float8_e4m3fn)
         out.append((w, s, torch.tensor(1e-3, device=DEV)))
     return out
+
+
+def stack_nvfp4(qs):
+    """One ``[E, ...]`` NVFP4Tensor (MoE expert weights) from E quantized weights."""
+    return NVFP4Tensor(*(torch.stack([getattr(q, f) for q in qs])
+                         for f in ("weight", "weight_scale", "weight_scale_2")))
+
+
+def moe_weights(e, k, inter):
+    """Random NVFP4 expert weights ``w13 [e, 2I, K]``, ``w2 [e, K, I]`` and bf16 ones of the same
+    shapes (``b13``, ``b2``) for the cuBLAS baseline."""
+    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device=DEV)
+    sc = lambda *s: (torch.rand(*s, device=DEV) + 0.5).to(torch.float8_e4m3fn)
+    w13 = NVFP4Tensor(u8(e, 2 * inter, k // 2), sc(e, 2 * inter, k // 16),
+                      torch.full((e,), 1e-3, device=DEV))
+    w2 = NVFP4Tensor(u8(e, k, inter // 2), sc(e, k, inter // 16), torch.full((e,), 1e-3,
+                                                                            device=DEV))
+    b13 = torch.randn(e, 2 * inter, k, device=DEV, dtype=torch.bfloat16) * 0.01
+    b2 = torch.randn(e, k, inter, device=DEV, dtype=torch.bfloat16) * 0.01
+    return w13, w2, b13, b2
+
+
+def moe_inputs(m, k, e, topk, n_sets):
+    """``n_sets`` rotations of (x ``[m, K]`` bf16, topk_ids ``[m, topk]``, weights)."""
+    xs = [torch.randn(m, k, device=DEV, dtype=torch.bfloat16) for _ in range(n_sets)]
+    ids = [torch.rand(m, e, device=DEV).topk(topk).indices for _ in range(n_sets)]
+    tws = [torch.rand(m, topk, device=DEV) for _ in range(n_sets)]
+    return xs, ids, tws
+
+
+def moe_bf16_us(xs, ids, b13, b2, inter, timer=graph_us):
+    """The bf16 baseline of a MoE layer: µs per input set of cuBLAS GEMMs of the active experts
+    only (x rows pre-gathered, no routing work), and the mean number of active experts."""
+    calls = []
+    for i in range(len(xs)):
+        for ex in torch.unique(ids[i]).tolist():
+            tok = (ids[i] == ex).any(1).nonzero().flatten()
+            xe = xs[i][tok].contiguous()
+            act = torch.randn(len(tok), inter, device=DEV, dtype=torch.bfloat16)
+            calls.append(lambda xe=xe, ex=ex: torch.matmul(xe, b13[ex].t()))
+            calls.append(lambda a=act, ex=ex: torch.matmul(a, b2[ex].t()))
+    us = timer(calls) * len(calls) / len(xs)
+    return us, sum(len(torch.unique(t)) for t in ids) / len(xs)
 
 
 def check_correctness() -> bool:
@@ -87,11 +129,9 @@ def check_correctness() -> bool:
                 if fast and not ok:
                     fast_ok = False
     e, k, inter = 16, 7168, 512
-    w13 = [quantize_nvfp4(torch.randn(2 * inter, k, device=DEV) * 0.02) for _ in range(e)]
-    w2 = [quantize_nvfp4(torch.randn(k, inter, device=DEV) * 0.02) for _ in range(e)]
-    st = lambda qs: NVFP4Tensor(*(torch.stack([getattr(q, f) for q in qs])
-                                  for f in ("weight", "weight_scale", "weight_scale_2")))
-    w13, w2 = st(w13), st(w2)
+    w13 = stack_nvfp4([quantize_nvfp4(torch.randn(2 * inter, k, device=DEV) * 0.02)
+                       for _ in range(e)])
+    w2 = stack_nvfp4([quantize_nvfp4(torch.randn(k, inter, device=DEV) * 0.02) for _ in range(e)])
     for m in (1, 5, 64):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         ids = torch.rand(m, e, device=DEV).topk(8).indices
@@ -170,21 +210,10 @@ def bench_dense(fast_ok, quick):
 
 def bench_moe(fast_ok, quick):
     e, k, inter, topk = 256, 7168, 512, 8
-    w13 = NVFP4Tensor(torch.randint(0, 256, (e, 2 * inter, k // 2), dtype=torch.uint8,
-                                    device=DEV),
-                      (torch.rand(e, 2 * inter, k // 16, device=DEV) + 0.5).to(
-                          torch.float8_e4m3fn), torch.full((e,), 1e-3, device=DEV))
-    w2 = NVFP4Tensor(torch.randint(0, 256, (e, k, inter // 2), dtype=torch.uint8, device=DEV),
-                     (torch.rand(e, k, inter // 16, device=DEV) + 0.5).to(torch.float8_e4m3fn),
-                     torch.full((e,), 1e-3, device=DEV))
-    b13 = torch.randn(e, 2 * inter, k, device=DEV, dtype=torch.bfloat16) * 0.01
-    b2 = torch.randn(e, k, inter, device=DEV, dtype=torch.bfloat16) * 0.01
+    w13, w2, b13, b2 = moe_weights(e, k, inter)
     rows = []
     for m in MS[:2] if quick else MS:
-        n_sets = 8
-        xs = [torch.randn(m, k, device=DEV, dtype=torch.bfloat16) for _ in range(n_sets)]
-        ids = [torch.rand(m, e, device=DEV).topk(topk).indices for _ in range(n_sets)]
-        tws = [torch.rand(m, topk, device=DEV) for _ in range(n_sets)]
+        xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
         best = (float("inf"), 0)
         for bn in (16, 32, 64):
             us = graph_us([lambda x=x, t=t, w=w, b=bn: fused_moe_nvfp4(x, t, w, w13, w2, block_n=b,
@@ -192,16 +221,7 @@ def bench_moe(fast_ok, quick):
                            for x, t, w in zip(xs, ids, tws)])
             best = min(best, (us, bn))
         align = graph_us([lambda t=t: moe_align(t, e, 16) for t in ids])
-        calls = []
-        for i in range(n_sets):
-            for ex in torch.unique(ids[i]).tolist():
-                tok = (ids[i] == ex).any(1).nonzero().flatten()
-                xe = xs[i][tok].contiguous()
-                act = torch.randn(len(tok), inter, device=DEV, dtype=torch.bfloat16)
-                calls.append(lambda xe=xe, ex=ex: torch.matmul(xe, b13[ex].t()))
-                calls.append(lambda a=act, ex=ex: torch.matmul(a, b2[ex].t()))
-        bf16 = graph_us(calls) * len(calls) / n_sets
-        active = sum(len(torch.unique(t)) for t in ids) / n_sets
+        bf16, active = moe_bf16_us(xs, ids, b13, b2, inter)
         rows.append(dict(shape="moe_256e_top8_tp4", m=m, active_experts=round(active, 1),
                          ours_us=round(best[0], 2), block_n=best[1], align_us=round(align, 2),
                          bf16_gemms_us=round(bf16, 2), speedup_vs_bf16=round(bf16 / best[0], 2),

@@ -37,25 +37,19 @@ GRAPH_CALLS = 20
 
 # ---- the SGLang-style peer (per (row, 64-head tile, 64-dim tile) program, masked) --------------
 @triton.jit
-def _sgl_style_pad(q_ptr, padded_ptr, seq_lens_ptr, cu_ptr, batch_size, max_q, num_heads,
-                   head_dim, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    b = row // max_q
-    s = row % max_q
-    if b < batch_size:
-        if s < tl.load(seq_lens_ptr + b):
-            h = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-            d = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
-            mask = (h[:, None] < num_heads) & (d[None, :] < head_dim)
-            tile = h[:, None] * head_dim + d[None, :]
-            src_row = (tl.load(cu_ptr + b) + s).to(tl.int64) * num_heads * head_dim
-            x = tl.load(q_ptr + src_row + tile, mask=mask)
-            tl.store(padded_ptr + row.to(tl.int64) * num_heads * head_dim + tile, x, mask=mask)
+def _row_start(cu_ptr, b, s, row, num_heads, head_dim, PACKED: tl.constexpr):
+    """First element of row ``s`` of request ``b``: packed (``cu[b] + s``) or padded (``row``)."""
+    if PACKED:
+        start = (tl.load(cu_ptr + b) + s).to(tl.int64) * num_heads * head_dim
+    else:
+        start = row.to(tl.int64) * num_heads * head_dim
+    return start
 
 
 @triton.jit
-def _sgl_style_unpad(raw_ptr, out_ptr, seq_lens_ptr, cu_ptr, batch_size, max_q, num_heads,
-                     head_dim, BLOCK: tl.constexpr):
+def _sgl_style_copy(src_ptr, dst_ptr, seq_lens_ptr, cu_ptr, batch_size, max_q, num_heads,
+                    head_dim, BLOCK: tl.constexpr, UNPAD: tl.constexpr):
+    # pad: packed row -> padded row b * max_q + s; UNPAD: the other way round
     row = tl.program_id(0)
     b = row // max_q
     s = row % max_q
@@ -65,21 +59,22 @@ def _sgl_style_unpad(raw_ptr, out_ptr, seq_lens_ptr, cu_ptr, batch_size, max_q, 
             d = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
             mask = (h[:, None] < num_heads) & (d[None, :] < head_dim)
             tile = h[:, None] * head_dim + d[None, :]
-            x = tl.load(raw_ptr + row.to(tl.int64) * num_heads * head_dim + tile, mask=mask)
-            dst_row = (tl.load(cu_ptr + b) + s).to(tl.int64) * num_heads * head_dim
-            tl.store(out_ptr + dst_row + tile, x, mask=mask)
+            src_row = _row_start(cu_ptr, b, s, row, num_heads, head_dim, not UNPAD)
+            x = tl.load(src_ptr + src_row + tile, mask=mask)
+            dst_row = _row_start(cu_ptr, b, s, row, num_heads, head_dim, UNPAD)
+            tl.store(dst_ptr + dst_row + tile, x, mask=mask)
 
 
 def sgl_style_pad(q, seq, cu, padded):
     bs, m, h, d = padded.shape
-    _sgl_style_pad[(bs * m, triton.cdiv(h, 64), triton.cdiv(d, 64))](
-        q, padded, seq, cu, bs, m, h, d, BLOCK=64)
+    _sgl_style_copy[(bs * m, triton.cdiv(h, 64), triton.cdiv(d, 64))](
+        q, padded, seq, cu, bs, m, h, d, BLOCK=64, UNPAD=False)
 
 
 def sgl_style_unpad(raw, seq, cu, out):
     bs, m, h, d = raw.shape
-    _sgl_style_unpad[(bs * m, triton.cdiv(h, 64), triton.cdiv(d, 64))](
-        raw, out, seq, cu, bs, m, h, d, BLOCK=64)
+    _sgl_style_copy[(bs * m, triton.cdiv(h, 64), triton.cdiv(d, 64))](
+        raw, out, seq, cu, bs, m, h, d, BLOCK=64, UNPAD=True)
 
 
 # ---- the torch peer ------------------------------------------------------------------------------

@@ -171,7 +171,7 @@ def ours_fn(pool, r2t, rpi, kv_lens, qn, qp, q, cfg, splits, ctx):
 def time_row(h, q, bs, ctx, kvd, dev, names, full):
     import math
 
-    from bench_mla import build, fi_wrapper, graph_time
+    from bench_mla import add_rates, build, fi_wrapper, graph_time
     from triton.testing import do_bench
 
     from mla_spec.kernels.mla_decode_paged import paged_choice, pick_num_splits_paged
@@ -240,13 +240,7 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
         row["ours_us"] = ok[best]["us"]
         if graph:
             row["ours_graph_us"] = ok[best]["graph_us"]
-    flops = 2.0 * bs * q * h * ctx * (DV + DPE + DV)
-    for k in ("ours_us", "fi_us", "ours_graph_us", "fi_graph_us"):
-        if k in row:
-            row[k.replace("_us", "_GBs")] = kv_bytes / row[k] / 1e3
-            row[k.replace("_us", "_TFs")] = flops / row[k] / 1e6
-    if "ours_us" in row and "fi_us" in row:
-        row["ratio"] = row["fi_us"] / row["ours_us"]
+    add_rates(row, bs, q, h, ctx, kv_bytes)
     if "ours_graph_us" in row and "fi_graph_us" in row:
         row["graph_ratio"] = row["fi_graph_us"] / row["ours_graph_us"]
     if row.get("default") in ok and "best" in row:

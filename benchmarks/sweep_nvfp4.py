@@ -20,6 +20,7 @@ import os
 import sys
 import time
 
+import bench_nvfp4 as bench  # the sibling script (this directory is sys.path[0])
 import torch
 import triton
 
@@ -27,7 +28,7 @@ import mla_spec.kernels.nvfp4_gemv as gemv_mod
 from mla_spec.kernels.nvfp4_gemm import NVFP4GemmConfig, nvfp4_gemm, nvfp4_gemm_ref
 from mla_spec.kernels.nvfp4_gemv import GemvConfig, default_gemv_config
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref
-from mla_spec.quant.nvfp4 import NVFP4Tensor, quantize_nvfp4
+from mla_spec.quant.nvfp4 import quantize_nvfp4
 
 SHAPES = {"dense_gate_up_tp4": (9216, 7168), "dense_down_tp4": (7168, 4608),
           "expert_w13_tp4": (1024, 7168), "expert_w2_tp4": (7168, 512)}
@@ -41,28 +42,12 @@ MMA_TILES = [(64, 256, 4, 4), (128, 128, 3, 8)]  # bn, bk, stages, warps
 
 
 def graph_us(calls) -> float:
-    """Median µs per call of ``calls`` replayed in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    return triton.testing.do_bench(g.replay, warmup=3, rep=15) * 1e3 / len(calls)
+    """Median µs per call of ``calls`` replayed in one CUDA graph (shorter runs than bench)."""
+    return bench.graph_us(calls, warmup=3, rep=15)
 
 
 def rel_err(y, ref) -> float:
     return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-
-
-def stack(qs):
-    return NVFP4Tensor(*(torch.stack([getattr(q, f) for q in qs])
-                         for f in ("weight", "weight_scale", "weight_scale_2")))
 
 
 def check() -> dict:
@@ -96,8 +81,10 @@ def check() -> dict:
                 ok["mma_fast"] &= err < 1e-3
                 print(f"check mma-fast {n}x{k} m={m}: {err:.1e}")
     e, k, inter = 16, 7168, 512
-    w13 = stack([quantize_nvfp4(torch.randn(2 * inter, k, device=DEV) * 0.02) for _ in range(e)])
-    w2 = stack([quantize_nvfp4(torch.randn(k, inter, device=DEV) * 0.02) for _ in range(e)])
+    w13 = bench.stack_nvfp4([quantize_nvfp4(torch.randn(2 * inter, k, device=DEV) * 0.02)
+                             for _ in range(e)])
+    w2 = bench.stack_nvfp4([quantize_nvfp4(torch.randn(k, inter, device=DEV) * 0.02)
+                            for _ in range(e)])
     for m in (1, 5, 20):
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         ids = torch.rand(m, e, device=DEV).topk(8).indices
@@ -114,12 +101,6 @@ def check() -> dict:
             print(f"check moe {path} m={m}: {err:.1e}")
     print("checks:", ok)
     return ok
-
-
-def rand_sets(n, k, count):
-    return [(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=DEV),
-             (torch.rand(n, k // 16, device=DEV) + 0.5).to(torch.float8_e4m3fn),
-             torch.tensor(1e-3, device=DEV)) for _ in range(count)]
 
 
 def gemv_configs(m, n, k, fast):
@@ -163,7 +144,7 @@ def time_variants(m, n, k, sets, ok):
 def bench_dense(ok, quick):
     rows = []
     for name, (n, k) in SHAPES.items():
-        sets = rand_sets(n, k, max(2, int(ROTATE // (n * k * 0.5625)) + 1))
+        sets = bench.rand_nvfp4(n, k, max(2, int(ROTATE // (n * k * 0.5625)) + 1))
         wbf = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
                for _ in range(max(2, int(ROTATE // (n * k * 2)) + 1))]
         for m in MS[:2] if quick else MS:
@@ -185,20 +166,10 @@ def bench_dense(ok, quick):
 
 def bench_moe(ok, quick):
     e, k, inter, topk = 256, 7168, 512, 8
-    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8, device=DEV)  # noqa: E731
-    sc = lambda *s: (torch.rand(*s, device=DEV) + 0.5).to(torch.float8_e4m3fn)  # noqa: E731
-    w13 = NVFP4Tensor(u8(e, 2 * inter, k // 2), sc(e, 2 * inter, k // 16),
-                      torch.full((e,), 1e-3, device=DEV))
-    w2 = NVFP4Tensor(u8(e, k, inter // 2), sc(e, k, inter // 16), torch.full((e,), 1e-3,
-                                                                            device=DEV))
-    b13 = torch.randn(e, 2 * inter, k, device=DEV, dtype=torch.bfloat16) * 0.01
-    b2 = torch.randn(e, k, inter, device=DEV, dtype=torch.bfloat16) * 0.01
+    w13, w2, b13, b2 = bench.moe_weights(e, k, inter)
     rows = []
     for m in MS[:2] if quick else MS:
-        n_sets = 8
-        xs = [torch.randn(m, k, device=DEV, dtype=torch.bfloat16) for _ in range(n_sets)]
-        ids = [torch.rand(m, e, device=DEV).topk(topk).indices for _ in range(n_sets)]
-        tws = [torch.rand(m, topk, device=DEV) for _ in range(n_sets)]
+        xs, ids, tws = bench.moe_inputs(m, k, e, topk, n_sets=8)
         variants = []
         if ok["moe_gemv"] and m <= 16:
             variants += [dict(path="gemv", gemv_block_n=bn, gemv_warps=w)
@@ -216,16 +187,7 @@ def bench_moe(ok, quick):
                 continue
             res.append((us, " ".join(f"{a}={b}" for a, b in kw.items())))
         res.sort()
-        calls = []
-        for i in range(n_sets):
-            for ex in torch.unique(ids[i]).tolist():
-                tok = (ids[i] == ex).any(1).nonzero().flatten()
-                xe = xs[i][tok].contiguous()
-                act = torch.randn(len(tok), inter, device=DEV, dtype=torch.bfloat16)
-                calls.append(lambda xe=xe, ex=ex: torch.matmul(xe, b13[ex].t()))
-                calls.append(lambda a=act, ex=ex: torch.matmul(a, b2[ex].t()))
-        bf16 = graph_us(calls) * len(calls) / n_sets
-        active = sum(len(torch.unique(t)) for t in ids) / n_sets
+        bf16, active = bench.moe_bf16_us(xs, ids, b13, b2, inter, timer=graph_us)
         us, best = res[0] if res else (float("nan"), "none")
         rows.append(dict(shape="moe_256e_top8_tp4", m=m, active_experts=round(active, 1),
                          ours_us=round(us, 2), best=best, bf16_gemms_us=round(bf16, 2),

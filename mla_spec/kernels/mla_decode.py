@@ -44,6 +44,7 @@ import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
 from mla_spec.kernels.mla_decode_combine import combine_splits
+from mla_spec.kernels.mla_decode_common import block_rows, request_rows, split_window
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
 from mla_spec.quant.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 
@@ -75,21 +76,10 @@ def _mla_fwd_kernel(
     b = tl.program_id(0)
     pid_m = tl.program_id(1)
     sid = tl.program_id(2)
-    if RAGGED:
-        qo_start = tl.load(QO + b)
-        q_len = tl.load(QO + b + 1) - qo_start
-    else:
-        qo_start = b * q_len_fixed
-        q_len = q_len_fixed
-    kv_len = tl.load(KVL + b)
-    n_rows = q_len * H
-    m0 = pid_m * BLOCK_M
+    qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
+                                                       BLOCK_M, RAGGED)
     if m0 < n_rows:
-        req = tl.load(RPI + b).to(tl.int64)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < n_rows
-        tok = (qo_start + offs_m // H).to(tl.int64)
-        head = (offs_m % H).to(tl.int64)
+        req, offs_m, mask_m, tok, head = block_rows(RPI, b, m0, n_rows, qo_start, H, BLOCK_M)
         offs_d = tl.arange(0, DV)
         offs_p = tl.arange(0, DPE)
         qn = tl.load(Qn + tok[:, None] * stride_qn_t + head[:, None] * stride_qn_h
@@ -102,13 +92,8 @@ def _mla_fwd_kernel(
         row_scale = tl.zeros([BLOCK_M], dtype=tl.float32) + qk_scale_log2
         if FP8_DOT:
             row_scale = row_scale * tl.load(QS + tok * H + head, mask=mask_m, other=1.0)
-        # causal bound per row, and the KV range of this split
-        bound = kv_len - q_len + offs_m // H + 1  # [M]: row sees j < bound
-        last_row = tl.minimum(m0 + BLOCK_M, n_rows) - 1
-        hi_rows = kv_len - q_len + last_row // H + 1
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = sid * chunk
-        hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
+        bound, lo, hi = split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
+                                     BLOCK_M, BLOCK_N)  # row sees j < bound; split [lo, hi)
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

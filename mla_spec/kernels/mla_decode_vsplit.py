@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels.mla_decode_combine import combine_splits
+from mla_spec.kernels.mla_decode_common import block_rows, request_rows, split_window
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
 
 __all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
@@ -88,21 +89,10 @@ def _mla_vsplit_kernel(
     pid_m = pid0 // NV
     sid = tl.program_id(1)
     b = tl.program_id(2)
-    if RAGGED:
-        qo_start = tl.load(QO + b)
-        q_len = tl.load(QO + b + 1) - qo_start
-    else:
-        qo_start = b * q_len_fixed
-        q_len = q_len_fixed
-    kv_len = tl.load(KVL + b)
-    n_rows = q_len * H
-    m0 = pid_m * BLOCK_M
+    qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
+                                                       BLOCK_M, RAGGED)
     if m0 < n_rows:
-        req = tl.load(RPI + b).to(tl.int64)
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        mask_m = offs_m < n_rows
-        tok = (qo_start + offs_m // H).to(tl.int64)
-        head = (offs_m % H).to(tl.int64)
+        req, offs_m, mask_m, tok, head = block_rows(RPI, b, m0, n_rows, qo_start, H, BLOCK_M)
         offs_c = tl.arange(0, DC)
         offs_p = tl.arange(0, DPE)
         # column offsets of the chunks, own chunk(s) first
@@ -139,12 +129,8 @@ def _mla_vsplit_kernel(
             qa, qb, qp = qa.to(tl.float32), qb.to(tl.float32), qp.to(tl.float32)
             if NC == 4:
                 qc, qd = qc.to(tl.float32), qd.to(tl.float32)
-        bound = kv_len - q_len + offs_m // H + 1  # [M]: row sees j < bound
-        last_row = tl.minimum(m0 + BLOCK_M, n_rows) - 1
-        hi_rows = kv_len - q_len + last_row // H + 1
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = sid * chunk
-        hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
+        bound, lo, hi = split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
+                                     BLOCK_M, BLOCK_N)  # row sees j < bound; split [lo, hi)
         if TMA:
             dsc_v = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
                                               block_shape=[BLOCK_N, DC])
