@@ -39,7 +39,8 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, tp: int, spec: str, kv: str
                    help="tokens per verify (topk 1: num_steps + 1, the default)")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.add_argument("--page-size", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens to generate per prompt, >= 1 (generate: 64; demo: the eval's)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run every forward eagerly")
 
 
@@ -77,6 +78,19 @@ def _spec_config(args, ap):
         return SpecConfig(num_steps=args.num_steps, num_draft_tokens=ndt, version=args.spec)
     except ValueError as e:
         ap.error(f"--num-steps {args.num_steps} --num-draft-tokens {ndt}: {e}")
+
+
+def _check_numbers(args, ap) -> None:
+    """Refuse counts and stop strings that cannot mean anything (before anything starts)."""
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        ap.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if getattr(args, "num_questions", 1) < 1:
+        ap.error(f"--num-questions {args.num_questions}: must be >= 1")
+    if getattr(args, "k_shots", 0) < 0:
+        ap.error(f"--k-shots {args.k_shots}: must be >= 0")
+    if any(s == "" for s in getattr(args, "stop", None) or ()):
+        ap.error("--stop '': an empty stop string would end every prompt at once; "
+                 "give non-empty stop strings")
 
 
 def _device(args, ap) -> torch.device:
@@ -186,8 +200,7 @@ def format_demo_report(rep: dict) -> str:
 def _demo(args, ap) -> int:
     from mla_spec.eval import heldout_problems, run_eval
 
-    if args.num_questions < 1:
-        ap.error(f"--num-questions {args.num_questions}: must be >= 1")
+    _check_numbers(args, ap)
     spec = _spec_config(args, ap)
     tmp = None
     model = Path(args.model) if args.model else DEMO_MODEL
@@ -210,13 +223,15 @@ def _demo(args, ap) -> int:
 
 
 def _generate(args, ap) -> int:
+    _check_numbers(args, ap)
     spec = _spec_config(args, ap)
     model = Path(args.model)
     dev = _check(args, ap, model, spec)
     with _engine(args, model, spec, dev) as engine:
         if engine.tokenizer is None:
             ap.error(f"--model {model}: no tokenizer.json there, so text prompts cannot be encoded")
-        res = engine.generate(args.prompt, args.max_new_tokens or 64, args.stop)
+        max_new = 64 if args.max_new_tokens is None else args.max_new_tokens
+        res = engine.generate(args.prompt, max_new, args.stop)
         summary = engine.metrics.summary()
     if args.json:
         print(json.dumps({"results": [{"text": r.text, "output_ids": r.output_ids,

@@ -105,15 +105,23 @@ class Engine:
         if runner is None:
             if model_path is None:
                 raise ValueError("Engine needs model_path (a checkpoint folder) or runner=")
-            try:
+        elif tp_size != 1:
+            raise ValueError("runner= is for single-rank engines; use model_path for tp_size > 1")
+        try:
+            if runner is None:
                 runner = self._start(Path(model_path), tp_size, attention_backend, device, dtype,
                                      num_pages, max_reqs, max_context_len, cuda_graph,
                                      graph_batch_sizes)
-            except BaseException:
-                self.shutdown()  # workers already started must not outlive a failed start
-                raise
-        elif tp_size != 1:
-            raise ValueError("runner= is for single-rank engines; use model_path for tp_size > 1")
+            self._setup(runner, max_running, max_prefill_tokens, tokenizer, model_path,
+                        stop_token_ids, cuda_graph, graph_batch_sizes)
+        except BaseException:
+            # workers already started must not outlive a failed start (nor wait for the GC)
+            self.shutdown()
+            raise
+
+    # ---- setup -------------------------------------------------------------------------------
+    def _setup(self, runner, max_running, max_prefill_tokens, tokenizer, model_path,
+               stop_token_ids, cuda_graph, graph_batch_sizes) -> None:
         self.runner = runner
         self.worker = EagleWorker(runner, self.spec)
         self.page_size = runner.page_size
@@ -131,7 +139,6 @@ class Engine:
         if self._use_graphs(cuda_graph):
             attach_graphs(runner, self.worker, graph_batch_sizes)
 
-    # ---- setup -------------------------------------------------------------------------------
     def _use_graphs(self, cuda_graph: bool | None) -> bool:
         on_gpu = self.runner.device.type == "cuda"
         if cuda_graph and not on_gpu:
@@ -177,7 +184,13 @@ class Engine:
 
     def add_request(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
                     stop: Sequence[str] | None = None) -> Req:
-        """Queue one request; raises :class:`RequestRejectedError` if it can never fit."""
+        """Queue one request; raises :class:`RequestRejectedError` if it can never fit.
+
+        An empty stop string would end every request at its first token: ValueError.
+        """
+        if stop is not None and any(s == "" for s in stop):
+            raise ValueError(f"stop = {list(stop)!r}: an empty stop string matches at once; "
+                             "stop strings must be non-empty")
         req = self.scheduler.add(self.encode(prompt), max_new_tokens, stop=tuple(stop or ()),
                                  stop_token_ids=self.stop_token_ids)
         self._requests[req.rid] = req

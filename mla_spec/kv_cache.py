@@ -251,6 +251,8 @@ class MLATokenToKVPool:
         ``ckv`` ``[N, kv_lora_rank]`` and ``kpe`` ``[N, qk_rope_head_dim]`` (a singleton head
         axis is accepted). Triton kernel on GPU / interpreter, torch twin otherwise.
         """
+        if not 0 <= layer_id < self.num_layers:
+            raise ValueError(f"layer_id {layer_id}: the pool has layers 0..{self.num_layers - 1}")
         if loc.numel() and (ckv.shape[-1] != self.kv_lora_rank
                             or kpe.shape[-1] != self.qk_rope_head_dim):
             raise ValueError(

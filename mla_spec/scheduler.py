@@ -135,6 +135,8 @@ class Scheduler:
         """Raise :class:`RequestRejectedError` if the request can never be served."""
         if prompt_len < 1:
             raise RequestRejectedError("a request needs at least one prompt token")
+        if max_new_tokens < 0:
+            raise RequestRejectedError(f"max_new_tokens {max_new_tokens}: must be >= 0")
         need = prompt_len + max_new_tokens + self.step_rows
         if need > self.max_context_len:
             raise RequestRejectedError(

@@ -68,3 +68,15 @@ def test_memory_plan(capsys):
     plan = json.loads(capsys.readouterr().out)
     assert plan["tp"] == 4 and plan["max_tokens"] > 0
     assert "must divide" in _err(capsys, ["memory-plan", "--tp", "3"])
+
+
+def test_counts_and_stop_strings_are_checked_before_starting(capsys, demo_ckpt):
+    """--max-new-tokens 0 used to run 64 tokens (``0 or 64``), --k-shots -1 ended in a
+    traceback after the engine started, and --stop '' stopped every prompt at its first token."""
+    m = str(demo_ckpt)
+    gen = ["generate", "--model", m, "--prompt", "x"]
+    assert "--max-new-tokens 0: must be >= 1" in _err(capsys, [*gen, "--max-new-tokens", "0"])
+    assert "--max-new-tokens -3: must be >= 1" in _err(capsys, ["demo", "--model", m,
+                                                                "--max-new-tokens", "-3"])
+    assert "--k-shots -1: must be >= 0" in _err(capsys, ["demo", "--model", m, "--k-shots", "-1"])
+    assert "empty stop string" in _err(capsys, [*gen, "--stop", "Q", "--stop", ""])

@@ -269,3 +269,28 @@ def test_spec_stops_at_eos_and_length_like_plain(version):
             assert r.output_ids == ref[:n]
             counts.append(eng.metrics.generated_tokens)
         assert counts == [n, n]
+
+
+def test_failed_tp_start_leaves_no_worker_running(tiny_ckpt):
+    """A setting refused after the workers started (num_pages=1: the scheduler needs a scratch
+    page) raises at once and stops the workers; they must not wait on their queue for the GC."""
+    import multiprocessing as mp
+
+    before = {p.pid for p in mp.active_children()}
+    try:
+        Engine(tiny_ckpt, tp_size=2, spec=SpecConfig.off(), attention_backend="torch",
+               num_pages=1, max_reqs=4, max_context_len=64)
+    except ValueError as e:  # checked while the traceback (and the half-built engine) lives
+        assert "num_pages" in str(e)
+        assert [p for p in mp.active_children() if p.pid not in before] == []
+    else:
+        pytest.fail("num_pages=1 was accepted")
+
+
+def test_empty_stop_string_and_negative_max_new_tokens_are_refused():
+    eng = Engine(runner=build_mock_runner(), spec=SpecConfig.off())
+    with pytest.raises(ValueError, match="empty stop string matches at once"):
+        eng.add_request([1, 2, 3], max_new_tokens=4, stop=["w1", ""])
+    with pytest.raises(RequestRejectedError, match="max_new_tokens -1: must be >= 0"):
+        eng.add_request([1, 2, 3], max_new_tokens=-1)
+    assert not eng.scheduler.has_work

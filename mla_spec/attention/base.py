@@ -69,6 +69,29 @@ def _req_to_token_tensor(req_to_token) -> torch.Tensor:
     return t
 
 
+_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``a`` and ``b`` name one device (``cuda`` without an index matches any ``cuda:i``)."""
+    a, b = torch.device(a), torch.device(b)
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _check_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, pool) -> None:
+    """Dtype / device / layer checks of ``forward`` (host metadata only, no device sync)."""
+    if q_nope.dtype not in _Q_DTYPES or q_pe.dtype != q_nope.dtype:
+        names = ", ".join(str(d).replace("torch.", "") for d in _Q_DTYPES)
+        raise ValueError(f"q_nope {q_nope.dtype} / q_pe {q_pe.dtype}: queries must share one "
+                         f"dtype among {names}")
+    for nm, t in (("q_nope", q_nope), ("q_pe", q_pe)):
+        if not same_device(t.device, pool.device):
+            raise ValueError(f"{nm} is on {t.device} but the KV cache is on {pool.device}: "
+                             "queries must be on the cache's device")
+    if not 0 <= layer_id < pool.num_layers:
+        raise ValueError(f"layer_id {layer_id}: the KV pool has layers 0..{pool.num_layers - 1}")
+
+
 class MLABackend(ABC):
     """Base class: subclasses set ``name``, implement ``_forward`` and maybe ``_plan_extra``."""
 
@@ -168,6 +191,7 @@ class MLABackend(ABC):
             res = q_nope.new_zeros((0, H, dv))
             return res if out is None else out[:0]
         n = batch.total_q
+        _check_queries(q_nope, q_pe, layer_id, self.kv_pool)
         exp_pe = (n, H, self.kv_pool.qk_rope_head_dim)
         if tuple(q_nope.shape) != (n, H, dv) or tuple(q_pe.shape) != exp_pe:
             raise ValueError(

@@ -124,10 +124,13 @@ class TRTLLMMLABackend(MLABackend):
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [N, H, 576]
+        # trtllm-gen takes q in the KV dtype
         if pool.is_fp8:
-            q = quantize_fp8(q, self.q_scale)  # trtllm-gen takes q in the KV dtype
+            q = quantize_fp8(q, self.q_scale)
         elif self.q_scale != 1.0:
             raise ValueError("q_scale applies to FP8 queries only")
+        else:
+            q = q.to(pool.dtype)
         ragged = plan.fixed_q is None
         if ragged:
             from mla_spec.kernels.draft_extend_pad import pad_draft_extend_query

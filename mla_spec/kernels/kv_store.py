@@ -49,10 +49,28 @@ def _store_kv_kernel(
         tl.store(row + D_CKV + op, p.to(buf_ptr.dtype.element_ty), mask=mp)
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def _check(buf: torch.Tensor, loc: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor):
     if buf.dim() != 2 or buf.stride(1) != 1:
         raise ValueError(f"buf must be a [num_slots, D] view, unit last stride; got {buf.shape}")
     n = loc.numel()
+    for nm, t in (("loc", loc), ("ckv", ckv), ("kpe", kpe)):
+        if not _same_device(t.device, buf.device):
+            raise ValueError(f"{nm} is on {t.device}, the cache on {buf.device}: use one device")
+    if n and loc.is_floating_point():  # (an empty IDLE loc may be a float tensor)
+        raise ValueError(f"loc must be an integer tensor of slots, got {loc.dtype}")
+    for nm, t in (("ckv", ckv), ("kpe", kpe)):
+        rows = t.numel() // t.shape[-1] if t.dim() and t.shape[-1] else t.numel()
+        if t.dim() == 0 or rows != n:
+            raise ValueError(f"{nm} {tuple(t.shape)} has {rows} rows; loc has {n} (one row per "
+                             f"slot: [N, D] or [N, 1, D])")
+    if n and not buf.is_cuda:  # a host-side range check is free here (no device sync)
+        top, slots = int(loc.max()), buf.shape[0]
+        if top >= slots:
+            raise ValueError(f"loc has slot {top}; the cache has slots 0..{slots - 1}")
     ckv2 = ckv.reshape(n, -1) if ckv.numel() else ckv.reshape(0, buf.shape[1] - kpe.shape[-1])
     kpe2 = kpe.reshape(n, -1) if kpe.numel() else kpe.reshape(0, kpe.shape[-1])
     if ckv2.shape[1] + kpe2.shape[1] != buf.shape[1]:

@@ -44,7 +44,12 @@ import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
 from mla_spec.kernels.mla_decode_combine import combine_splits
-from mla_spec.kernels.mla_decode_common import block_rows, request_rows, split_window
+from mla_spec.kernels.mla_decode_common import (
+    block_rows,
+    check_mla_inputs,
+    request_rows,
+    split_window,
+)
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
 from mla_spec.quant.fp8 import FP8_DTYPE, FP8_E4M3_MAX
 
@@ -221,6 +226,7 @@ def mla_decode(
     if q_nope.dim() == 4:
         q_len = q_nope.shape[1] if q_len is None else q_len
         q_nope, q_pe = q_nope.flatten(0, 1), q_pe.flatten(0, 1)
+    check_mla_inputs(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr)
     n, h, dv = q_nope.shape
     dpe = q_pe.shape[-1]
     bs = req_pool_indices.numel()

@@ -26,10 +26,54 @@ through as ``tl.constexpr``.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_rows", "request_rows", "split_window"]
+__all__ = ["block_rows", "request_rows", "split_window", "check_mla_inputs"]
+
+Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_mla_inputs(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
+                     qo_indptr=None) -> None:
+    """Host-side checks shared by the MLA decode launchers (shapes, dtypes, devices; no sync).
+
+    Raises ValueError saying what is supported.
+    """
+    if q_nope.dim() != 3 or q_pe.dim() != 3 or q_pe.shape[:2] != q_nope.shape[:2]:
+        raise ValueError(f"q_nope {tuple(q_nope.shape)} / q_pe {tuple(q_pe.shape)}: expected "
+                         "[N, H, Dv] / [N, H, Dpe] with the same N and H")
+    if q_nope.dtype not in Q_DTYPES or q_pe.dtype != q_nope.dtype:
+        raise ValueError(f"q_nope {q_nope.dtype} / q_pe {q_pe.dtype}: queries must share one "
+                         f"dtype among {_names(Q_DTYPES)}")
+    if kv_flat.dim() != 2 or kv_flat.dtype not in KV_DTYPES:
+        raise ValueError(f"kv_flat {tuple(kv_flat.shape)} {kv_flat.dtype}: expected "
+                         f"[num_slots, Dv + Dpe] in one of {_names(KV_DTYPES)}")
+    if req_to_token.dim() != 2 or req_to_token.is_floating_point():
+        raise ValueError(f"req_to_token must be an integer [max_reqs, max_ctx] table, got "
+                         f"{tuple(req_to_token.shape)} {req_to_token.dtype}")
+    bs = req_pool_indices.numel()
+    if kv_lens.numel() != bs:
+        raise ValueError(f"kv_lens has {kv_lens.numel()} entries; req_pool_indices has bs = {bs}")
+    if qo_indptr is not None and qo_indptr.numel() != bs + 1:
+        raise ValueError(f"qo_indptr has {qo_indptr.numel()} entries; expected bs + 1 = {bs + 1}")
+    dev = q_nope.device
+    named = (("q_pe", q_pe), ("kv_flat", kv_flat), ("req_to_token", req_to_token),
+             ("req_pool_indices", req_pool_indices), ("kv_lens", kv_lens),
+             ("qo_indptr", qo_indptr))
+    for nm, t in named:
+        if t is not None and not (t.device.type == dev.type and t.device.index == dev.index):
+            raise ValueError(f"{nm} is on {t.device}, q_nope on {dev}: all inputs must be on "
+                             "one device")
+    if bs and not kv_lens.is_cuda and int(kv_lens.max()) > req_to_token.shape[1]:
+        raise ValueError(f"kv_lens max {int(kv_lens.max())} > req_to_token width "
+                         f"{req_to_token.shape[1]} (max_context_len)")
 
 
 @triton.jit

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from mla_spec.device import triton_interpreting
 from mla_spec.kernels.mla_decode_combine import combine_splits
-from mla_spec.kernels.mla_decode_common import block_rows, request_rows
+from mla_spec.kernels.mla_decode_common import block_rows, check_mla_inputs, request_rows
 from mla_spec.kernels.mla_decode_tiles import (
     PAGED_DEFAULTS,
     PAGED_VARIANTS,
@@ -254,6 +254,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
     -------
     ``[N, H, Dv]`` in q_nope's dtype (and the natural-log ``lse [N, H]`` fp32 if asked).
     """
+    check_mla_inputs(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr)
     n, h, dv = q_nope.shape
     dpe = q_pe.shape[-1]
     bs = req_pool_indices.numel()

@@ -179,6 +179,12 @@ def _check_moe(x, topk_ids, topk_weights, w13: NVFP4Tensor, w2: NVFP4Tensor) -> 
                          f"{tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
     if topk_ids.is_floating_point():
         raise ValueError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
+    for nm, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights),
+                  ("w13.weight", w13.weight), ("w2.weight", w2.weight)):
+        if t.device != x.device:
+            raise ValueError(f"{nm} is on {t.device}, x on {x.device}: use one device")
     return e, inter
 
 

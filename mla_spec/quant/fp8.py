@@ -49,6 +49,21 @@ def _check_scale(scale: float | torch.Tensor) -> None:
         raise ValueError(f"fp8 scale {scale!r}: must be positive and finite")
 
 
+def _scale_for(x: torch.Tensor, scale: float | torch.Tensor) -> float | torch.Tensor:
+    """``scale`` as fp32 on ``x``'s device; a tensor scale must broadcast to ``x`` unchanged."""
+    if not isinstance(scale, torch.Tensor):
+        return scale
+    try:
+        shape = torch.broadcast_shapes(x.shape, scale.shape)
+    except RuntimeError:
+        shape = None
+    if shape != x.shape:
+        raise ValueError(f"fp8 scale of shape {tuple(scale.shape)} does not broadcast to x "
+                         f"{tuple(x.shape)}: use a scalar (per tensor) or a per-row shape such "
+                         f"as {(*x.shape[:-1], 1)}")
+    return scale.to(device=x.device, dtype=torch.float32)
+
+
 def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Saturating e4m3 quantization ``sat(x / scale)`` (RTNE), same shape as ``x``.
 
@@ -62,8 +77,7 @@ def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Te
     Tensor of ``torch.float8_e4m3fn``, shape of ``x``.
     """
     _check_scale(scale)
-    if isinstance(scale, torch.Tensor):
-        scale = scale.to(device=x.device, dtype=torch.float32)
+    scale = _scale_for(x, scale)
     y = x.to(torch.float32) / scale
     return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
 
@@ -74,8 +88,7 @@ def dequantize_fp8(
     """``x8 * scale`` computed in fp32, returned in ``dtype`` (shape of ``x8``)."""
     if x8.dtype != FP8_DTYPE:
         raise ValueError(f"dequantize_fp8 expects {FP8_DTYPE}, got {x8.dtype}")
-    if isinstance(scale, torch.Tensor):
-        scale = scale.to(device=x8.device, dtype=torch.float32)
+    scale = _scale_for(x8, scale)
     return (x8.to(torch.float32) * scale).to(dtype)
 
 

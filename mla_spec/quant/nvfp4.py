@@ -231,8 +231,13 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: torch.Tensor | None = None,
     w32 = w.float()
     ws2 = global_scale(w32.abs().amax()) if weight_scale_2 is None else weight_scale_2.float()
     ws2 = ws2.to(w.device)
-    scale = nvfp4_block_scales(w32, ws2)
-    scaled = w32.unflatten(-1, (-1, BLOCK_SIZE)) / (scale.float() * ws2).unsqueeze(-1)
+    validate_nvfp4(torch.zeros((*w.shape[:-1], w.shape[-1] // 2), dtype=torch.uint8,
+                               device="meta"),
+                   torch.zeros((*w.shape[:-1], w.shape[-1] // BLOCK_SIZE),
+                               dtype=torch.float8_e4m3fn, device="meta"), ws2, "quantize_nvfp4")
+    ws2_rows = _expand_scale_2(ws2, w.shape)  # [] or [..., N, 1]: per expert (gate / up) scales
+    scale = nvfp4_block_scales(w32, ws2_rows)
+    scaled = w32.unflatten(-1, (-1, BLOCK_SIZE)) / (scale.float() * ws2_rows).unsqueeze(-1)
     codes = cast_to_e2m1(scaled.flatten(-2))
     inp = None if input_amax is None else input_scale_from_amax(input_amax).to(w.device)
     return NVFP4Tensor(pack_fp4(codes), scale, ws2.reshape(ws2.shape), inp)

@@ -161,3 +161,38 @@ def test_flashinfer_dims_reason():
     assert FI.dims_reason(512, 64, torch.bfloat16) is None
     assert "512" in FI.dims_reason(256, 64, FP8_DTYPE)
     assert "multiple of 128" in FI.dims_reason(32, 16, torch.bfloat16)
+
+
+@pytest.mark.parametrize("name", ["torch", "triton", "trtllm"])
+def test_forward_rejects_bad_query_dtype_device_and_layer(name):
+    # regression: int / mixed-dtype queries, queries on another device than the cache and an
+    # out-of-range layer used to run (or fail deep inside) instead of a ValueError
+    sc = make_scene(ForwardMode.DECODE, [5, 9], [1, 1], num_heads=2, page_size=32,
+                    q_dtype=torch.bfloat16, kv_dtype=torch.bfloat16, **DIMS)
+    be = _make(name, sc)
+    qn, qp = sc.q_nope, sc.q_pe
+    with pytest.raises(ValueError, match="queries must share one dtype"):
+        be.forward(qn.to(torch.int32), qp.to(torch.int32), 0, sc.batch)
+    with pytest.raises(ValueError, match="queries must share one dtype"):
+        be.forward(qn.half(), qp, 0, sc.batch)
+    with pytest.raises(ValueError, match="cache's device"):
+        be.forward(qn.to("meta"), qp.to("meta"), 0, sc.batch)
+    with pytest.raises(ValueError, match="layers 0..0"):
+        be.forward(qn, qp, 1, sc.batch)
+
+
+def test_trtllm_query_in_kv_dtype():
+    # regression: with a bf16 cache, fp16 / fp32 queries reached the kernel uncast, but
+    # trtllm-gen needs the query in the KV dtype
+    sc = make_scene(ForwardMode.DECODE, [5, 9], [1, 1], num_heads=2, page_size=32,
+                    q_dtype=torch.float32, kv_dtype=torch.bfloat16, **DIMS)
+    seen = []
+
+    def kernel(**kw):
+        seen.append((kw["query"].dtype, kw["kv_cache"].dtype))
+        return reference_trtllm_kernel(**kw)
+
+    be = create_backend("trtllm", num_heads=2, softmax_scale=SM, kv_pool=sc.pool,
+                        req_to_token=sc.req_pool, kernel=kernel)
+    out = be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.float32

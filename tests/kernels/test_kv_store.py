@@ -34,3 +34,22 @@ def test_kernel_matches_twin(dtype, n, device):
 def test_width_mismatch():
     with pytest.raises(ValueError, match="cache row width"):
         store_kv(torch.zeros(4, 10), torch.tensor([0]), torch.ones(1, 4), torch.ones(1, 4))
+
+
+def test_bad_rows_slots_and_devices():
+    # regression: a slot past the cache was written out of bounds under the interpreter, a
+    # row-count mismatch was reported as a width mismatch, and a layer past the pool was an
+    # IndexError
+    from mla_spec.kv_cache import MLATokenToKVPool
+
+    buf = torch.zeros(8, 24 + 8)
+    ckv, kpe = torch.randn(2, 24), torch.randn(2, 8)
+    with pytest.raises(ValueError, match="slots 0..7"):
+        store_kv(buf, torch.tensor([0, 8]), ckv, kpe)
+    with pytest.raises(ValueError, match="has 2 rows; loc has 3"):
+        store_kv(buf, torch.tensor([0, 1, 2]), ckv, kpe)
+    with pytest.raises(ValueError, match="one device"):
+        store_kv(buf, torch.tensor([0, 1]), ckv.to("meta"), kpe)
+    pool = MLATokenToKVPool(1, 2, 4, torch.bfloat16, kv_lora_rank=24, qk_rope_head_dim=8)
+    with pytest.raises(ValueError, match="layers 0..0"):
+        pool.store(1, torch.tensor([0, 1]), ckv, kpe)

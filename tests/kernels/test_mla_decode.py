@@ -122,3 +122,32 @@ def test_split_heuristic():
     assert pick_num_splits(1, 1, 65536, 64) == 64  # capped
     assert pick_num_splits(512, 2, 8192, 64) == 1
     assert pick_num_splits(1, 1, 0, 64) == 1
+
+
+def test_bad_inputs_are_value_errors():
+    # regression: int / mixed query dtypes, an int8 cache, kv_lens / qo_indptr of the wrong
+    # length, q_pe with other rows or heads, a kv_len past req_to_token and inputs on two
+    # devices ran (reading out of bounds) or failed with TypeError / RuntimeError
+    from mla_spec.kernels.mla_decode_paged import mla_decode_paged
+
+    sc = _scene(ForwardMode.DECODE, [4, 9], [1, 1], torch.bfloat16, "cpu")
+    b, flat, _, _ = _args(sc)
+    r2t, rpi, kvl = sc.req_pool.req_to_token, b.req_pool_indices, b.kv_lens
+    qn, qp = sc.q_nope.to(torch.bfloat16), sc.q_pe.to(torch.bfloat16)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32)
+    cases = [
+        ("share one dtype", (qn.int(), qp.int(), flat, r2t, rpi, kvl), {}),
+        ("share one dtype", (qn.float(), qp, flat, r2t, rpi, kvl), {}),
+        ("float8_e4m3fn", (qn, qp, flat.view(torch.int16), r2t, rpi, kvl), {}),
+        ("kv_lens has 3", (qn, qp, flat, r2t, rpi, i32([4, 9, 1])), {}),
+        ("qo_indptr has 2", (qn, qp, flat, r2t, rpi, kvl), {"qo_indptr": i32([0, 2])}),
+        ("same N and H", (qn, qp[:1], flat, r2t, rpi, kvl), {}),
+        ("same N and H", (qn, qp[:, :1], flat, r2t, rpi, kvl), {}),
+        ("max_context_len", (qn, qp, flat, r2t, rpi, i32([4, r2t.shape[1] + 1])), {}),
+        ("one device", (qn, qp, flat.to("meta"), r2t, rpi, kvl), {}),
+    ]
+    for fn, extra in ((mla_decode, {}), (mla_decode_paged, {"page_size": 32})):
+        for match, args, kw in cases:
+            kw = {"q_len": 1, **kw} if "qo_indptr" not in kw else kw
+            with pytest.raises(ValueError, match=match):
+                fn(*args, SM, **kw, **extra)

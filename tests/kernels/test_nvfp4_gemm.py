@@ -171,3 +171,18 @@ def test_gpu_fast_and_pure_decoders_agree_and_graph_capture():
     g.replay()
     torch.testing.assert_close(out.float(), nvfp4_gemm_ref(x, *args).float(), rtol=2e-2,
                                atol=2e-2)
+
+
+def test_fused_moe_rejects_bad_x_dtype_and_devices():
+    # regression: integer / fp8 activations ran and returned that dtype; routing on another
+    # device failed deep inside torch
+    from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
+    from mla_spec.quant.nvfp4 import quantize_nvfp4
+
+    w13, w2 = quantize_nvfp4(torch.randn(3, 32, 32)), quantize_nvfp4(torch.randn(3, 32, 16))
+    x, ids, tw = torch.randn(2, 32), torch.tensor([[0, 2], [1, -1]]), torch.rand(2, 2)
+    for bad in (x.int(), x.to(torch.float8_e4m3fn)):
+        with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+            fused_moe_nvfp4(bad, ids, tw, w13, w2)
+    with pytest.raises(ValueError, match="one device"):
+        fused_moe_nvfp4(x, ids.to("meta"), tw, w13, w2)

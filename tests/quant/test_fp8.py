@@ -58,3 +58,20 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="expects"):
         dequantize_fp8(torch.ones(2))
     assert quantize_fp8(torch.ones(2, dtype=torch.bfloat16)).dtype == FP8_DTYPE
+
+
+def test_scale_shape_mismatch_is_value_error():
+    # regression: a tensor scale that does not broadcast to x raised a bare RuntimeError, and
+    # one that broadcast *up* (e.g. [4, 1] for x [1, 3]) silently changed the output shape
+    from mla_spec.quant.fp8 import dequantize_fp8, quantize_fp8
+
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        quantize_fp8(x, torch.ones(5))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        quantize_fp8(x[:1, :3], torch.ones(4, 1))
+    x8 = quantize_fp8(x, torch.full((3, 1), 0.5))  # per-row scale is fine
+    with pytest.raises(ValueError, match="does not broadcast"):
+        dequantize_fp8(x8, torch.ones(2, 1))
+    torch.testing.assert_close(dequantize_fp8(x8, torch.full((3, 1), 0.5)), x, rtol=2**-4,
+                               atol=1e-3)

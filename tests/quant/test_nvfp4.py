@@ -158,3 +158,22 @@ def test_linear_module_names_forward_and_cache():
         NVFP4Linear(20, 4)
     with pytest.raises(ValueError, match=r"\[..., 48\]"):
         lin(torch.randn(2, 32))
+
+
+def test_per_expert_global_scale_quantizes_each_expert_with_its_own():
+    # regression: a [E] weight_scale_2 was broadcast against the K/16 axis (a RuntimeError, or
+    # silently wrong block scales when E == K/16)
+    from mla_spec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(2, 8, 32, generator=g) * torch.tensor([1.0, 50.0])[:, None, None]  # E == K/16
+    ws2 = torch.stack([quantize_nvfp4(w[e]).weight_scale_2 for e in range(2)]).reshape(2)
+    q = quantize_nvfp4(w, weight_scale_2=ws2)
+    for e in range(2):
+        qe = quantize_nvfp4(w[e])
+        assert torch.equal(q.weight[e], qe.weight)
+        assert torch.equal(q.weight_scale[e].view(torch.uint8), qe.weight_scale.view(torch.uint8))
+    back = dequantize_nvfp4(q.weight, q.weight_scale, q.weight_scale_2)
+    assert ((back - w).norm() / w.norm()) < 0.15
+    with pytest.raises(ValueError, match="weight_scale_2 must have shape"):
+        quantize_nvfp4(w, weight_scale_2=torch.ones(3))
