@@ -255,12 +255,15 @@ class Engine:
         broadcast_plan(self._queues, plan)
         try:
             out = self.worker.execute(plan)
-        except RuntimeError as e:
-            try:
-                self._raise_if_rank_died(e)
-            except RankFailedError:
+        except Exception as e:
+            if isinstance(e, RuntimeError):
+                try:
+                    self._raise_if_rank_died(e)
+                except RankFailedError:
+                    self.shutdown()
+                    raise
+            if self.tp_size > 1:  # the other ranks ran the same plan: they are mid-step too
                 self.shutdown()
-                raise
             raise
         if out.accept is not None:
             predict, accept = out.predict.tolist(), out.accept.tolist()

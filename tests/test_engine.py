@@ -7,6 +7,7 @@ import pytest
 from mla_spec.config import SpecConfig
 from mla_spec.engine import Engine, RequestRejectedError
 from mla_spec.kv_cache import KVCacheFullError
+from mla_spec.parallel import RankFailedError
 from mla_spec.scheduler import Scheduler
 from mla_spec.spec.mock import build_mock_runner, mock_greedy_reference
 
@@ -294,3 +295,25 @@ def test_empty_stop_string_and_negative_max_new_tokens_are_refused():
     with pytest.raises(RequestRejectedError, match="max_new_tokens -1: must be >= 0"):
         eng.add_request([1, 2, 3], max_new_tokens=-1)
     assert not eng.scheduler.has_work
+
+
+def test_any_error_in_a_tp_step_stops_the_workers(tiny_ckpt, monkeypatch):
+    """An exception on rank 0 mid-step (not only a dead rank) shuts the TP engine down: the other
+    ranks ran the same plan and would otherwise wait in a collective until the timeout."""
+    import multiprocessing as mp
+
+    before = {p.pid for p in mp.active_children()}
+    eng = Engine(tiny_ckpt, tp_size=2, spec=SpecConfig.off(), attention_backend="torch",
+                 max_reqs=4, max_context_len=64)
+
+    def boom(plan):
+        raise ValueError("planted failure on rank 0")
+
+    monkeypatch.setattr(eng.worker, "execute", boom)
+    eng.add_request([1, 2, 3], max_new_tokens=2)
+    with pytest.raises(ValueError, match="planted failure"):
+        eng.step()
+    assert eng.workers is None
+    assert [p for p in mp.active_children() if p.pid not in before] == []
+    with pytest.raises(RankFailedError, match="shut down"):
+        eng.step()

@@ -5,8 +5,9 @@ from ``req_to_token`` and calls ``wrapper.plan(qo_indptr, ..., causal=True)``; F
 mask is aligned to the end of each request's KV, like ours, so every mode maps onto one ragged
 call. The cache is passed as two strided views of the pages: ``ckv [pages, page, 512]`` and
 ``kpe [pages, page, 64]``. FP8 KV is passed with ``ckv_scale = kpe_scale = 1.0`` and our scales
-are applied around the call (queries times ``k_scale``, output times ``v_scale``), which is exact
-for the score and does not depend on FlashInfer's scale conventions. FlashInfer is imported
+are applied around the call (queries times ``k_scale``, output times ``v_scale``): the same score
+up to one bf16 rounding of the scaled queries (none when ``k_scale`` is 1 or a power of two), and
+independent of FlashInfer's own scale conventions. FlashInfer is imported
 lazily: ``import mla_spec`` works without it.
 """
 
