@@ -25,6 +25,7 @@ from mla_spec.cli import DEMO_MODEL, random_demo_checkpoint
 from mla_spec.config import CacheConfig, SpecConfig
 from mla_spec.engine import Engine
 from mla_spec.eval import build_prompts, heldout_problems
+from mla_spec.kernels.compile_stats import kernel_binaries, new_compiles
 
 
 def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
@@ -39,14 +40,17 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
     with eng:
         eng.generate(prompts, max_new_tokens=8)  # warm-up at this batch size (JIT, graphs)
         eng.metrics.reset()
+        before = kernel_binaries()
         t0 = time.perf_counter()
         res = eng.generate(prompts, max_new_tokens=args.max_new_tokens)
         wall = time.perf_counter() - t0
+        grew = new_compiles(before)
     n = sum(len(r.output_ids) for r in res)
     graphs = eng.runner.graphs
     return {"spec": spec.version if spec.enabled else "off", "bs": bs, "tokens": n,
             "seconds": wall, "tokens_per_s": n / wall, "avg_accept": eng.avg_accept_length,
             "graphs": None if graphs is None else (graphs.disabled_reason or "on"),
+            "new_compiles": sum(grew.values()), "compiled": sorted(grew),
             "outputs": [r.output_ids for r in res]}
 
 
@@ -68,11 +72,13 @@ def main() -> None:
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         for spec in (SpecConfig.off(), SpecConfig(version="v1"), SpecConfig(version="v2")):
             rows.append(run(model, spec, bs, args))
-            print(f"done: spec {rows[-1]['spec']} bs {bs}: {rows[-1]['tokens_per_s']:.1f} tok/s",
+            r = rows[-1]
+            print(f"done: spec {r['spec']} bs {bs}: {r['tokens_per_s']:.1f} tok/s, "
+                  f"{r['new_compiles']} Triton compiles in the timed run {r['compiled']}",
                   flush=True)
     base = {r["bs"]: r for r in rows if r["spec"] == "off"}
     head = ("| device | tp | bs | spec | tokens | s | tok/s | avg accept | vs off | same tokens "
-            "| graphs |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            "| graphs | compiles |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         b = base[r["bs"]]
@@ -81,7 +87,7 @@ def main() -> None:
             f"| {args.device} | {args.tp} | {r['bs']} | {r['spec']} | {r['tokens']} | "
             f"{r['seconds']:.2f} | {r['tokens_per_s']:.1f} | {acc} | "
             f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x | {r['outputs'] == b['outputs']} | "
-            f"{r['graphs']} |")
+            f"{r['graphs']} | {r['new_compiles']} |")
     table = "\n".join(lines)
     print(f"model: {model}\n{table}")
     out = os.environ.get("OUT")

@@ -3,7 +3,9 @@
 # nvcc, no internet). Run from the repo root with the FlashInfer wheels in .whl/ (see
 # ../shared/tools/flashinfer-wheels.sh). Each step is time-boxed so the whole call ends inside its
 # lease; results land in $RES (a tarball in $OUT when set) and a summary is printed last.
-#   bash benchmarks/run_h200.sh [total_budget_s]
+#   bash benchmarks/run_h200.sh                      # every step
+#   STEPS="gpu_tests bench_layer" bash benchmarks/run_h200.sh   # a subset, in this order
+# Step limits can be raised per step: LIMIT_bench_layer=240.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=${RES:-/tmp/mla_spec_results}; mkdir -p "$RES"
@@ -17,8 +19,11 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)" | tee -a "$RES/device.txt"
+STEPS=${STEPS:-"sweep_mla sweep_nvfp4 gpu_tests bench_pad bench_layer bench_e2e demo_tp1"}
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  local var="LIMIT_$name"; secs=${!var:-$secs}
   local t0=$(date +%s)
   echo "=== $name (limit ${secs}s)"
   OUT=$RES timeout "$secs" "$@" > "$RES/$name.log" 2>&1
@@ -30,7 +35,8 @@ step() {  # step NAME SECONDS CMD...
 step sweep_mla   95 python3 benchmarks/sweep_mla.py --deadline 75
 step sweep_nvfp4 90 env SWEEP_DEADLINE_S=60 python3 benchmarks/sweep_nvfp4.py
 step gpu_tests   85 python3 -m pytest -m gpu tests -q -p no:cacheprovider
-step bench_layer 55 python3 benchmarks/bench_layer.py --quick --budget-s 30
+step bench_pad   60 python3 benchmarks/bench_pad.py --quick
+step bench_layer 55 python3 benchmarks/bench_layer.py ${BENCH_LAYER_ARGS:---quick --budget-s 30}
 step bench_e2e   30 python3 benchmarks/bench_e2e.py --device cuda --batch-sizes 1,32 --max-new-tokens 32
 step demo_tp1    25 python3 -m mla_spec.cli demo --tp 1 --json
 echo "total $(( $(date +%s) - start ))s" | tee -a "$RES/summary.txt"

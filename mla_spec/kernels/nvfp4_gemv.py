@@ -147,7 +147,7 @@ def block_dot16(wq, xs, xmask, MASKED: tl.constexpr, FAST: tl.constexpr):
     return p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the token count follows the batch
 def _nvfp4_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, KB, SPLIT, stride_xm, stride_wn, stride_sn, stride_om,

@@ -35,7 +35,7 @@ __all__ = ["moe_gemv", "MOE_GEMV_MAX_M"]
 MOE_GEMV_MAX_M = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # token x top-k rows follow the batch
 def _moe_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, tw_ptr,
     N, KB, E, TOPK, R, SPLIT,

@@ -1,0 +1,35 @@
+"""Recompile guards: batch-dependent integers of the serving kernels stay unspecialized."""
+
+from __future__ import annotations
+
+import pytest
+
+from mla_spec.kernels import mla_decode, mla_decode_paged, nvfp4_gemv, nvfp4_moe_gemv
+from mla_spec.kernels.compile_stats import kernel_binaries, new_compiles
+
+
+def _unspecialized(kernel) -> set[str]:
+    """``do_not_specialize`` of a JITFunction, or of an InterpretedFunction (kept in kwargs)."""
+    dns = getattr(kernel, "do_not_specialize", None)
+    if dns is None:
+        dns = getattr(kernel, "kwargs", {}).get("do_not_specialize", ())
+    return {kernel.arg_names[i] if isinstance(i, int) else i for i in dns}
+
+
+@pytest.mark.parametrize("kernel, names", [
+    (mla_decode._mla_fwd_kernel, {"H", "q_len_fixed", "num_splits", "stride_ps", "stride_lse_s"}),
+    (mla_decode_paged._mla_paged_kernel, {"H", "q_len_fixed", "num_splits"}),
+    (nvfp4_gemv._nvfp4_gemv_kernel, {"M"}),
+    (nvfp4_moe_gemv._moe_gemv_kernel, {"R"}),
+])
+def test_batch_dependent_ints_are_not_specialized(kernel, names):
+    missing = names - _unspecialized(kernel)
+    assert not missing, f"{kernel.fn.__name__}: {sorted(missing)} would recompile per batch"
+
+
+def test_kernel_binaries_lists_the_kernels():
+    counts = kernel_binaries()
+    assert "mla_spec.kernels.mla_decode._mla_fwd_kernel" in counts
+    assert all(isinstance(n, int) and n >= 0 for n in counts.values())
+    assert new_compiles(counts, counts) == {}
+    assert new_compiles({"a": 1}, {"a": 3, "b": 0}) == {"a": 2}
