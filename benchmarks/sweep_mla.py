@@ -48,20 +48,24 @@ SM_SCALE = 0.1352338
 DV, DPE, PAGE = 512, 64, 64
 VARIANTS = dict(PAGED_VARIANTS)  # name -> PagedConfig; names are what PAGED_DEFAULTS holds
 # timing priority after the shape's default (rows short of time keep the default + 3 first)
-PRIORITY = ["V4w8", "V2", "G4", "V4", "G2", "G4b", "V2b", "G4x", "V4w8x", "V4x", "V2bx", "C",
+PRIORITY = ["S32", "S32T", "S16", "S64", "S64T", "S32b", "S32n128",
+            "V4w8", "V2", "G4", "V4", "G2", "G4b", "V2b", "G4x", "V4w8x", "V4x", "V2bx", "C",
             "CF", "G", "A", "F"]
 SKIP = ("A", "F")  # round-2 twins of C / CF (checked and timed only with --variants)
-BF16_ONLY = ("V4", "V4x")  # fp8 spills 500+ bytes at sm_90 (--sm90-offline)
-SHAPES = [(1, 4096), (32, 4096), (128, 8192), (64, 32768)]
+# fp8 spills 500+ bytes at sm_90 (--sm90-offline); S32w4 / S64: 1.2-1.6 KB
+BF16_ONLY = ("V4", "V4x", "S32w4", "S64")
+SHAPES = [(1, 4096), (1, 32768), (32, 4096), (128, 8192), (64, 32768)]
 
 
 def _kernel_infos():
     from mla_spec.kernels import mla_decode_paged as mp_
+    from mla_spec.kernels import mla_decode_swapab as ms_
     from mla_spec.kernels import mla_decode_vsplit as mv_
 
     infos = {}
     caches = [*mp_._mla_paged_kernel.device_caches.values(),
-              *mv_._mla_vsplit_kernel.device_caches.values()]
+              *mv_._mla_vsplit_kernel.device_caches.values(),
+              *ms_._mla_swapab_kernel.device_caches.values()]
     for dev_cache in caches:
         cache = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
         for key, k in dict(cache).items():

@@ -38,10 +38,11 @@ split, plus the partials' write/read), and partials may be bf16 (``part_bf16``: 
 bytes; adds one bf16 rounding, ``2**-9`` relative, before the fp32 combine).
 Under the CPU interpreter the operands of bf16 / fp32 caches are upcast to fp32 before ``tl.dot``.
 
-Options beyond this kernel (``PagedConfig.vsplit > 1``: sibling CTAs each owning 512 / vsplit
-output columns; ``PagedConfig.fused``: the last split merges, no combine launch) run the kernel
-of ``mla_decode_vsplit``. Tile configs, the per-shape defaults table ``PAGED_DEFAULTS`` and the
-split cost model live in ``mla_decode_tiles`` (re-exported here).
+Options beyond this kernel: ``PagedConfig.swap`` (the KV tile on the MMA's M side, for few
+query rows) runs ``mla_decode_swapab``'s kernel; ``PagedConfig.vsplit > 1`` (sibling CTAs each
+owning 512 / vsplit output columns) and ``PagedConfig.fused`` (the last split merges, no combine
+launch) run the kernel of ``mla_decode_vsplit``. Tile configs, the per-shape defaults table
+``PAGED_DEFAULTS`` and the split cost model live in ``mla_decode_tiles`` (re-exported here).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import triton.language as tl
 from mla_spec.device import triton_interpreting
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import block_rows, check_mla_inputs, request_rows
+from mla_spec.kernels.mla_decode_swapab import launch_swapab
 from mla_spec.kernels.mla_decode_tiles import (
     PAGED_DEFAULTS,
     PAGED_VARIANTS,
@@ -296,6 +298,12 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         raise ValueError(f"queries {q_nope.dtype} must match the {kv_flat.dtype} cache")
     if cfg.tma and not interp:
         _ensure_allocator()
+    if cfg.swap:
+        launch_swapab(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
+                      out, lse, float(sm_scale) * float(k_scale) * _LOG2E, v_scale, q_len=q_len,
+                      m_blocks=m_blocks, num_splits=num_splits, cfg=cfg, interp=interp,
+                      is_fp8=is_fp8)
+        return (out, lse) if return_lse else out
     if cfg.sibling_kernel:
         launch_vsplit(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
                       out, lse, float(sm_scale) * float(k_scale) * _LOG2E, v_scale, q_len=q_len,

@@ -53,9 +53,11 @@ def sm90_resources(cfg, fp8: bool, split: bool, dv: int = 512, dpe: int = 64) ->
     from triton.compiler import ASTSource
 
     from mla_spec.kernels.mla_decode_paged import _mla_paged_kernel
+    from mla_spec.kernels.mla_decode_swapab import _mla_swapab_kernel
     from mla_spec.kernels.mla_decode_vsplit import _mla_vsplit_kernel
 
-    kern = _mla_vsplit_kernel if cfg.sibling_kernel else _mla_paged_kernel
+    kern = (_mla_swapab_kernel if cfg.swap else _mla_vsplit_kernel if cfg.sibling_kernel
+            else _mla_paged_kernel)
     const = dict(DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, RAGGED=False,
                  SPLIT=split, WRITE_LSE=False, DOT_F32=False, F16=fp8, TMA=cfg.tma)
     if cfg.sibling_kernel:

@@ -26,7 +26,9 @@ class PagedConfig:
     """Tile config of the paged kernel (``tma``: TMA descriptor loads; ``part_bf16``: bf16
     split partials; ``vsplit`` in {1, 2, 4}: sibling CTAs per row block, each owning
     ``Dv / vsplit`` output columns; ``fused``: the last split program merges the partials,
-    no combine launch). ``vsplit > 1`` or ``fused`` runs ``mla_decode_vsplit``'s kernel."""
+    no combine launch; ``swap``: the KV tile on the MMA's M side and the query rows on its N
+    side, ``mla_decode_swapab``). ``vsplit > 1`` or ``fused`` runs ``mla_decode_vsplit``'s
+    kernel."""
 
     block_m: int = 64
     block_n: int = 64
@@ -36,12 +38,18 @@ class PagedConfig:
     part_bf16: bool = False
     vsplit: int = 1
     fused: bool = False
+    swap: bool = False
+
+    def __post_init__(self) -> None:
+        if self.swap and (self.vsplit > 1 or self.fused):
+            raise ValueError("swap excludes vsplit / fused (different kernels)")
 
     @property
     def tag(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
                 f"{'T' if self.tma else 'P'}{'b' if self.part_bf16 else 'f'}"
-                f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}")
+                f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
+                f"{'S' if self.swap else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -70,6 +78,15 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "V4x": PagedConfig(64, 64, 4, 2, tma=True, vsplit=4, fused=True),
     "V4w8x": PagedConfig(64, 64, 8, 2, tma=True, vsplit=4, fused=True),
     "V2bx": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True, vsplit=2, fused=True),
+    # swap AB (mla_decode_swapab): KV tile = MMA M (64 per warpgroup), query rows = MMA N
+    "S16": PagedConfig(16, 64, 4, 2, swap=True),
+    "S32": PagedConfig(32, 64, 8, 2, swap=True),
+    "S32T": PagedConfig(32, 64, 8, 2, tma=True, swap=True),
+    "S32b": PagedConfig(32, 64, 8, 2, part_bf16=True, swap=True),
+    "S32w4": PagedConfig(32, 64, 4, 2, swap=True),
+    "S64": PagedConfig(64, 64, 8, 2, swap=True),
+    "S64T": PagedConfig(64, 64, 8, 2, tma=True, swap=True),
+    "S32n128": PagedConfig(32, 128, 8, 2, swap=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins

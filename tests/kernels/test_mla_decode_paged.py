@@ -179,3 +179,39 @@ def test_defaults_table_and_choice_strings():
     assert sp is None and not cpu_cfg.sibling_kernel
     # V-split multiplies the programs: fewer splits for the same batch-1 shape
     assert pick_num_splits_paged(1, 1, 4096, 64, 32, 1152, vsplit=4) < 64
+
+
+# --- swap AB (mla_decode_swapab's kernel: KV tile on the MMA's M side) -----------------------
+
+SWAP_CASES = [
+    (PagedConfig(16, 8, 4, 1, swap=True), 1),
+    (PagedConfig(16, 8, 4, 1, tma=True, swap=True), 3),
+    (PagedConfig(16, 8, 4, 1, part_bf16=True, swap=True), 2),
+]
+
+
+@pytest.mark.parametrize("kvd", [torch.bfloat16, FP8_DTYPE])
+@pytest.mark.parametrize("cfg,splits", SWAP_CASES, ids=lambda c: getattr(c, "tag", c))
+def test_swapab_fixed_matches_oracle(kvd, cfg, splits, device):
+    sc = _scene(ForwardMode.TARGET_VERIFY, [0, 1, 37], [3, 3, 3], kvd, device,
+                num_draft_tokens=3)
+    o, lse, ref, lse_ref, twin = _run(sc, cfg, splits)
+    tol = 2e-2 if cfg.part_bf16 else 1e-2
+    torch.testing.assert_close(o.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(o.float(), twin.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("kvd,splits", [(torch.bfloat16, 4), (FP8_DTYPE, 1)])
+def test_swapab_ragged_with_empty_requests(kvd, splits, device):
+    # 0-row request, splits with no visible KV, a 5-row request over 2 row blocks of 3 heads
+    sc = _scene(ForwardMode.EXTEND, [5, 0, 20, 3], [2, 0, 5, 1], kvd, device)
+    o, lse, ref, lse_ref, _ = _run(sc, PagedConfig(16, 8, 4, 1, swap=True), splits, ragged=True)
+    torch.testing.assert_close(o.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)
+
+
+def test_swap_excludes_vsplit():
+    with pytest.raises(ValueError, match="swap excludes"):
+        PagedConfig(32, 64, 8, 2, vsplit=2, swap=True)
+    assert PagedConfig(32, 64, 8, 2, swap=True).tag.endswith("S")

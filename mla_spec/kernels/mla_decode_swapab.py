@@ -1,0 +1,185 @@
+"""Swapped-operand ("swap AB") paged MLA kernel: the KV tile on the MMA's M side.
+
+Same result as ``mla_decode_paged`` (and ``mla_decode_ref``); chosen by ``PagedConfig.swap``.
+
+Why. DeepSeek-V3 at TP 4 decodes with H = 32 heads per rank, so a request has 32 query rows
+(q 1) or 128 (q 4). The paged kernel puts those rows on the MMA's M side: Hopper's wgmma needs
+M = 64 per warpgroup, so 32 rows waste half of every MMA, and the ``[rows, 512]`` fp32 output
+accumulator plus the query operand held in registers push every variant to 255 registers with
+spills. Here the roles are swapped::
+
+    S^T = K @ Q^T        [BLOCK_N keys, BLOCK_M rows]   (K: A operand, M = BLOCK_N = 64)
+    P^T = exp2(S^T * scale - m[None, :])                (softmax over axis 0: the keys)
+    O^T += K[:, :Dv]^T @ P^T  [Dv, BLOCK_M]             (two [Dv/2, BLOCK_M] halves)
+
+The query rows are the MMA's N side (16, 32 or 64: any multiple of 8 is a valid wgmma N), the
+queries stay in shared memory as the B operand, and the output accumulator is
+``Dv x BLOCK_M`` fp32 = 64 registers per thread at 32 rows and 8 warps (the paged kernel: 128).
+The KV tile is read once per program like the paged kernel (one ``req_to_token`` read per
+``BLOCK_N``-row tile that lies in one page; TMA boxes or pointer loads). The FP8 path converts
+e4m3 -> fp16 (exact) and pre-scales queries by a power of two, exactly as the paged kernel
+does (same error bound). Splits write the same partials (log2-domain LSE) and use the same
+combine.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mla_spec.kernels.mla_decode_combine import combine_splits
+from mla_spec.kernels.mla_decode_common import block_rows, request_rows, split_window
+
+__all__ = ["launch_swapab"]
+
+
+@triton.jit(do_not_specialize=["H", "q_len_fixed", "num_splits", "stride_r2t", "num_slots"])
+def _mla_swapab_kernel(
+    Qn, Qp, KV, R2T, RPI, KVL, QO, Out, Lse,
+    stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_r2t,
+    stride_o_t, stride_o_h, stride_ps, stride_lse_s, num_slots,
+    H, q_len_fixed, num_splits, qk_scale_log2, v_scale,
+    DV: tl.constexpr, DPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    RAGGED: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr, F16: tl.constexpr, TMA: tl.constexpr,
+):
+    DH: tl.constexpr = DV // 2
+    DK: tl.constexpr = DV + DPE
+    pid_m = tl.program_id(0)
+    sid = tl.program_id(1)
+    b = tl.program_id(2)
+    qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
+                                                       BLOCK_M, RAGGED)
+    if m0 < n_rows:
+        req, offs_m, mask_m, tok, head = block_rows(RPI, b, m0, n_rows, qo_start, H, BLOCK_M)
+        offs_h = tl.arange(0, DH)
+        offs_p = tl.arange(0, DPE)
+        qrow = Qn + tok[None, :] * stride_qn_t + head[None, :] * stride_qn_h
+        # queries loaded transposed: [D, BLOCK_M], the B operand of S^T = K @ Q^T
+        q0 = tl.load(qrow + offs_h[:, None], mask=mask_m[None, :], other=0.0)
+        q1 = tl.load(qrow + DH + offs_h[:, None], mask=mask_m[None, :], other=0.0)
+        qp = tl.load(Qp + tok[None, :] * stride_qp_t + head[None, :] * stride_qp_h
+                     + offs_p[:, None], mask=mask_m[None, :], other=0.0)
+        row_scale = qk_scale_log2
+        if F16:
+            # exact power-of-two pre-scale so that max|q| lands in [2**13, 2**14]
+            q0f, q1f, qpf = q0.to(tl.float32), q1.to(tl.float32), qp.to(tl.float32)
+            amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0f), 1), 0),
+                                         tl.max(tl.max(tl.abs(q1f), 1), 0)),
+                              tl.max(tl.max(tl.abs(qpf), 1), 0))
+            e = tl.where(amax > 0, 14 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0)
+            e = tl.minimum(tl.maximum(e, -100.0), 100.0).to(tl.int32)
+            pw = ((e + 127) << 23).to(tl.float32, bitcast=True)
+            ipw = ((127 - e) << 23).to(tl.float32, bitcast=True)
+            q0 = (q0f * pw).to(tl.float16)
+            q1 = (q1f * pw).to(tl.float16)
+            qp = (qpf * pw).to(tl.float16)
+            row_scale = row_scale * ipw
+        elif DOT_F32:
+            q0, q1, qp = q0.to(tl.float32), q1.to(tl.float32), qp.to(tl.float32)
+        bound, lo, hi = split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
+                                     BLOCK_M, BLOCK_N)
+        if TMA:
+            dsc_v = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
+                                              block_shape=[BLOCK_N, DH])
+            dsc_p = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
+                                              block_shape=[BLOCK_N, DPE])
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc0 = tl.zeros([DH, BLOCK_M], dtype=tl.float32)
+        acc1 = tl.zeros([DH, BLOCK_M], dtype=tl.float32)
+        r2t_row = R2T + req * stride_r2t
+        offs_r = tl.arange(0, BLOCK_N)
+        for start in range(lo, hi, BLOCK_N):
+            slot0 = tl.load(r2t_row + start)  # first slot of this tile: rows are contiguous
+            if TMA:
+                k0 = dsc_v.load([slot0, 0])
+                k1 = dsc_v.load([slot0, DH])
+                kp = dsc_p.load([slot0, DV])
+            else:
+                kptr = KV + (slot0.to(tl.int64) + offs_r)[:, None] * DK
+                mask_r = (start + offs_r) < hi
+                k0 = tl.load(kptr + offs_h[None, :], mask=mask_r[:, None], other=0.0)
+                k1 = tl.load(kptr + DH + offs_h[None, :], mask=mask_r[:, None], other=0.0)
+                kp = tl.load(kptr + DV + offs_p[None, :], mask=mask_r[:, None], other=0.0)
+            if F16:
+                k0, k1, kp = k0.to(tl.float16), k1.to(tl.float16), kp.to(tl.float16)
+            elif DOT_F32:
+                k0, k1, kp = k0.to(tl.float32), k1.to(tl.float32), kp.to(tl.float32)
+            if DOT_F32:
+                s = tl.dot(k0, q0, input_precision="ieee")
+                s = tl.dot(k1, q1, s, input_precision="ieee")
+                s = tl.dot(kp, qp, s, input_precision="ieee")
+            else:
+                s = tl.dot(k0, q0)
+                s = tl.dot(k1, q1, s)
+                s = tl.dot(kp, qp, s)
+            s = s * row_scale  # [BLOCK_N, BLOCK_M]
+            offs_n = start + offs_r
+            vis = (offs_n[:, None] < bound[None, :]) & (offs_n[:, None] < hi)
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc0 = acc0 * alpha[None, :]
+            acc1 = acc1 * alpha[None, :]
+            if DOT_F32:
+                acc0 = tl.dot(tl.trans(k0), p, acc0, input_precision="ieee")
+                acc1 = tl.dot(tl.trans(k1), p, acc1, input_precision="ieee")
+            else:
+                pc = p.to(k0.dtype)
+                acc0 = tl.dot(tl.trans(k0), pc, acc0)
+                acc1 = tl.dot(tl.trans(k1), pc, acc1)
+            m_i = m_new
+
+        has = l_i > 0.0
+        inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
+        o0 = acc0 * inv[None, :]
+        o1 = acc1 * inv[None, :]
+        lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        rows = tok * H + head
+        if SPLIT:
+            optr = Out + sid * stride_ps + rows[None, :] * DV + offs_h[:, None]
+            tl.store(optr, o0.to(Out.dtype.element_ty), mask=mask_m[None, :])
+            tl.store(optr + DH, o1.to(Out.dtype.element_ty), mask=mask_m[None, :])
+            tl.store(Lse + sid * stride_lse_s + rows, lse2, mask=mask_m)
+        else:
+            optr = Out + tok[None, :] * stride_o_t + head[None, :] * stride_o_h + offs_h[:, None]
+            tl.store(optr, o0.to(Out.dtype.element_ty), mask=mask_m[None, :])
+            tl.store(optr + DH, o1.to(Out.dtype.element_ty), mask=mask_m[None, :])
+            if WRITE_LSE:
+                tl.store(Lse + rows, lse2 * 0.6931471805599453, mask=mask_m)
+
+
+def launch_swapab(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
+                  out, lse, qk_scale_log2: float, v_scale: float, *, q_len, m_blocks: int,
+                  num_splits: int, cfg, interp: bool, is_fp8: bool) -> None:
+    """Launch the swapped kernel (inputs already checked by ``mla_decode_paged``), then the
+    split combine. Writes ``out`` ``[N, H, Dv]`` (and ``lse`` ``[N, H]`` when not None)."""
+    import torch
+
+    n, h, dv = q_nope.shape
+    split = num_splits > 1
+    if split:
+        pdt = torch.bfloat16 if cfg.part_bf16 else torch.float32
+        part = torch.empty((num_splits, n * h, dv), dtype=pdt, device=q_nope.device)
+        part_lse = torch.empty((num_splits, n * h), dtype=torch.float32, device=q_nope.device)
+        o_arg, l_arg = part, part_lse
+    else:
+        o_arg, l_arg = out, (lse if lse is not None else out)
+    qo = qo_indptr if qo_indptr is not None else kv_lens  # dummy when fixed
+    _mla_swapab_kernel[(m_blocks, num_splits, req_pool_indices.numel())](
+        q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo, o_arg, l_arg,
+        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        req_to_token.stride(0), out.stride(0), out.stride(1),
+        (n * h * dv) if split else 0, (n * h) if split else 0, kv_flat.shape[0],
+        h, q_len or 0, num_splits, qk_scale_log2, float(v_scale),
+        DV=dv, DPE=q_pe.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=lse is not None,
+        DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split:
+        combine_splits(part, part_lse, out, lse)
