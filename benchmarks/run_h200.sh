@@ -32,7 +32,7 @@ step() {  # step NAME SECONDS CMD...
   tail -n 40 "$RES/$name.log"
   if [ -n "${OUT:-}" ]; then tar czf "$OUT/results.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"; fi
 }
-step sweep_mla   95 python3 benchmarks/sweep_mla.py --deadline 75
+step sweep_mla   95 python3 benchmarks/sweep_mla.py ${SWEEP_MLA_ARGS:---deadline 75}
 step sweep_nvfp4 90 env SWEEP_DEADLINE_S=60 python3 benchmarks/sweep_nvfp4.py
 step gpu_tests   85 python3 -m pytest -m gpu tests -q -p no:cacheprovider
 step bench_pad   60 python3 benchmarks/bench_pad.py --quick
