@@ -23,6 +23,7 @@ import torch
 from mla_spec.attention.base import AttnPlan, MLABackend
 from mla_spec.device import triton_interpreting
 from mla_spec.forward_batch import ForwardBatch
+from mla_spec.forward_mode import ForwardMode
 from mla_spec.kernels.mla_decode import MLAKernelConfig, default_config, mla_decode, pick_num_splits
 from mla_spec.kernels.mla_decode_paged import (
     PagedConfig,
@@ -76,9 +77,15 @@ class TritonMLABackend(MLABackend):
     def _plan_extra(self, plan: AttnPlan, batch: ForwardBatch) -> None:
         pool = self.kv_pool
         rows = (plan.fixed_q or plan.max_q) * self.num_heads
+        # ragged draft extend (v1): pick the tile by the most rows a request can have, not by
+        # this step's longest accept, so that the variant (a compiled binary) stays the same
+        # from step to step (eager steps would otherwise compile mid-run)
+        ndt = batch.num_draft_tokens if batch.forward_mode == ForwardMode.DRAFT_EXTEND else None
+        rows_cfg = max(rows, (ndt or 0) * self.num_heads)
         if self.paged:
             cfg, pinned = ((self.config, None) if self.config is not None else
-                           paged_choice(rows, pool.dtype, self.device, pool.page_size, plan.bs))
+                           paged_choice(rows_cfg, pool.dtype, self.device, pool.page_size,
+                                        plan.bs))
             m_blocks = -(-rows // cfg.block_m)
             splits = self.num_splits or pinned or pick_num_splits_paged(
                 plan.bs, m_blocks, plan.max_kv, cfg.block_n, rows,

@@ -22,25 +22,35 @@ from mla_spec.device import use_triton
 __all__ = ["combine_splits", "combine_splits_ref"]
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+# One binary for every split count: the splits are walked in fixed blocks of S_BLOCK (a
+# next_power_of_2(num_splits) block would compile anew each time the split count crosses a power
+# of two, e.g. as contexts grow in an eager serving loop).
+@triton.jit(do_not_specialize=["num_splits", "H"])
 def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
                     stride_o_t, stride_o_h,
-                    DV: tl.constexpr, BLOCK_D: tl.constexpr, S_PAD: tl.constexpr,
+                    DV: tl.constexpr, BLOCK_D: tl.constexpr, S_BLOCK: tl.constexpr,
                     WRITE_LSE: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_s = tl.arange(0, S_PAD)
-    mask_s = offs_s < num_splits
-    ls = tl.load(PLse + offs_s * stride_ls + r, mask=mask_s, other=float("-inf"))
-    m = tl.max(ls, 0)
+    offs_s = tl.arange(0, S_BLOCK)
+    m = tl.max(tl.full([S_BLOCK], float("-inf"), dtype=tl.float32), 0)
+    for s0 in range(0, num_splits, S_BLOCK):
+        ls = tl.load(PLse + (s0 + offs_s) * stride_ls + r, mask=s0 + offs_s < num_splits,
+                     other=float("-inf"))
+        m = tl.maximum(m, tl.max(ls, 0))
     m_use = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(ls - m_use)  # [S_PAD], 0 for empty / absent splits
-    den = tl.sum(w, 0)
-    part = tl.load(Part + offs_s[:, None] * stride_ps + r * DV + offs[None, :],
-                   mask=mask_s[:, None], other=0.0).to(tl.float32)
-    part = tl.where(w[:, None] > 0.0, part, 0.0)  # an empty split's partial is never NaN-read
-    acc = tl.sum(part * w[:, None], 0)
+    den = tl.sum(tl.zeros([S_BLOCK], dtype=tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, S_BLOCK):
+        mask_s = s0 + offs_s < num_splits
+        ls = tl.load(PLse + (s0 + offs_s) * stride_ls + r, mask=mask_s, other=float("-inf"))
+        w = tl.exp2(ls - m_use)  # [S_BLOCK], 0 for empty / absent splits
+        den += tl.sum(w, 0)
+        part = tl.load(Part + (s0 + offs_s)[:, None] * stride_ps + r * DV + offs[None, :],
+                       mask=mask_s[:, None], other=0.0).to(tl.float32)
+        part = tl.where(w[:, None] > 0.0, part, 0.0)  # an empty split's partial is never read
+        acc += tl.sum(part * w[:, None], 0)
     has = den > 0.0
     res = tl.where(has, acc / tl.where(has, den, 1.0), 0.0)
     t = r // H
@@ -68,13 +78,11 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         return
     if rows == 0:
         return
-    s_pad = max(2, triton.next_power_of_2(s))
-    # keep the [S_PAD, BLOCK_D] tile around 8k elements (32 registers / thread at 4 warps)
-    block_d = max(16, min(dv, 8192 // s_pad)) if part.is_cuda else dv
+    block_d = min(dv, 128) if part.is_cuda else dv
     _combine_kernel[(rows, dv // block_d)](
         part, part_lse, out, lse if lse is not None else part_lse, s, h,
         part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
-        DV=dv, BLOCK_D=block_d, S_PAD=s_pad, WRITE_LSE=lse is not None, num_warps=4,
+        DV=dv, BLOCK_D=block_d, S_BLOCK=16, WRITE_LSE=lse is not None, num_warps=4,
     )
 
 

@@ -196,3 +196,23 @@ def test_trtllm_query_in_kv_dtype():
                         req_to_token=sc.req_pool, kernel=kernel)
     out = be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
     assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.float32
+
+
+def test_ragged_draft_extend_tile_choice_is_stable(monkeypatch):
+    # v1 draft extend runs eagerly with 1..num_draft_tokens rows per request: the tile (a
+    # compiled binary) is chosen from the bound, not from this step's longest accept
+    import mla_spec.attention.triton_mla as tm
+    from mla_spec.kernels.mla_decode_paged import PagedConfig
+
+    seen = []
+
+    def record(rows, *a, **k):
+        seen.append(rows)
+        return PagedConfig(16, 8, 4, 1), None
+
+    monkeypatch.setattr(tm, "paged_choice", record)
+    for qlens in ([1, 1], [2, 1], [3, 3]):
+        sc = make_scene(ForwardMode.DRAFT_EXTEND, [5, 9], qlens, num_heads=3, num_draft_tokens=3,
+                        page_size=8, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, **DIMS)
+        _make("triton", sc).plan(sc.batch)
+    assert seen == [9, 9, 9]  # num_draft_tokens 3 x 3 heads

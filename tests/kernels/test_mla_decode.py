@@ -103,11 +103,12 @@ def test_out_path_and_validation(device):
                    b.kv_lens, SM, q_len=1)
 
 
-def test_combine_kernel_matches_twin(device):
-    part = torch.randn(3, 10, 32, device=device)
-    lse = torch.randn(3, 10, device=device) * 3
+@pytest.mark.parametrize("splits", [1, 3, 17, 40])  # 17, 40: several blocks of 16 splits
+def test_combine_kernel_matches_twin(splits, device):
+    part = torch.randn(splits, 10, 32, device=device)
+    lse = torch.randn(splits, 10, device=device) * 3
     lse[:, 4] = float("-inf")  # a row no split saw
-    lse[1, 5] = float("-inf")
+    lse[splits // 2, 5] = float("-inf")
     a, b = torch.empty(5, 2, 32, device=device), torch.empty(5, 2, 32, device=device)
     la, lb = torch.empty(5, 2, device=device), torch.empty(5, 2, device=device)
     combine_splits(part, lse, a, la)
