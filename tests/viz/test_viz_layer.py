@@ -1,0 +1,62 @@
+"""The recorded bench_layer results (issue 9) load and chart as notebook 07 shows them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mla_spec.viz.layer import (
+    layer_rows,
+    layer_vs_batch_figure,
+    load_layer_results,
+    piece_times,
+    pieces_figure,
+    projection_figure,
+)
+
+
+@pytest.fixture(scope="module")
+def res():
+    return load_layer_results()
+
+
+def test_recorded_grid_is_complete(res):
+    # 3 ctx x 4 bs x (2 target + 2 mtp modes) whole layers, all captured in graphs
+    assert len(layer_rows(res, part="layer")) == 24 and len(layer_rows(res, part="mtp")) == 24
+    assert {r["bs"] for r in res["rows"]} == {1, 8, 32, 128}
+    assert {r["ctx"] for r in res["rows"]} == {None, 1024, 8192, 32768}
+    assert all(r["ours_us"] > 0 and r["base_us"] > 0 for r in res["rows"])
+
+
+def test_piece_times_match_the_recorded_table(res):
+    t = piece_times(res, mode="DECODE", bs=1, ctx=1024)
+    assert t["layer"] == {"ours": 323.0, "base": 396.5}
+    assert t["moe"] == {"ours": 155.5, "base": 215.3}
+    assert t["attn_kernel"] == {"ours": 15.6, "base": 20.6}
+    assert t["norms"]["ours"] == 33.7
+    with pytest.raises(ValueError, match="expected one row"):
+        piece_times(res, bs=3)
+
+
+def test_projection_numbers(res):
+    ours, base = res["projection"]["ours"]["lines"], res["projection"]["base"]["lines"]
+    assert [v["tok_s"] for v in ours.values()] == [48.6, 60.5, 74.2, 89.0]
+    assert [v["tok_s"] for v in base.values()] == [40.2, 52.6, 64.4, 77.3]
+    assert res["projection_model"]["seed_bars_tok_s"] == {"no_mtp": 75.0, "mtp": 150.0}
+
+
+def test_figures_have_the_expected_traces(res):
+    f = pieces_figure(res)
+    assert [t.name for t in f.data] == ["ours", "base"] and len(f.data[0].x) == 7
+    f = layer_vs_batch_figure(res, ctx=8192)
+    assert len(f.data) == 4 and list(f.data[0].x) == [1, 8, 32, 128]
+    f = projection_figure(res)
+    assert len(f.data) == 3 and list(f.data[2].y) == [75.0, 150.0, 150.0, 150.0]
+
+
+def test_bad_file_is_refused(tmp_path):
+    p = tmp_path / "x.json"
+    p.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="not a bench_layer result"):
+        load_layer_results(p)
