@@ -48,7 +48,7 @@ SM_SCALE = 0.1352338
 DV, DPE, PAGE = 512, 64, 64
 VARIANTS = dict(PAGED_VARIANTS)  # name -> PagedConfig; names are what PAGED_DEFAULTS holds
 # timing priority after the shape's default (rows short of time keep the default + 3 first)
-PRIORITY = ["S32", "S32T", "S16", "S64", "S64T", "S32b", "S32n128",
+PRIORITY = ["S32", "S32T", "S16", "S64", "S64T", "S32b",
             "V4w8", "V2", "G4", "V4", "G2", "G4b", "V2b", "G4x", "V4w8x", "V4x", "V2bx", "C",
             "CF", "G", "A", "F"]
 SKIP = ("A", "F")  # round-2 twins of C / CF (checked and timed only with --variants)

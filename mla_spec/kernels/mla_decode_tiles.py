@@ -86,7 +86,6 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "S32w4": PagedConfig(32, 64, 4, 2, swap=True),
     "S64": PagedConfig(64, 64, 8, 2, swap=True),
     "S64T": PagedConfig(64, 64, 8, 2, tma=True, swap=True),
-    "S32n128": PagedConfig(32, 128, 8, 2, swap=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins
@@ -101,6 +100,12 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # H200 sweep of 2026-11-29 (docs/benchmarks.md): the only shape classes whose winner changed
     ("fp8", "r32", "b1"): "G4",  # 14.9 vs 19.3 µs at bs 1, ctx 4k, in a CUDA graph
     ("bf16", "r128", "b1"): "V2",  # 19.7-19.9 vs 20.3-20.4 µs
+    # second H200 sweep (swap AB, docs/bench_mla.md v4): bs 1 ctx 4k in a graph 12.1 vs 14.1 µs
+    # (G, still faster at ctx 32k: 31.2 vs 34.6); bs 128 ctx 8k 511 vs 581 µs, bs 64 ctx 32k
+    # 961 vs 1066 µs
+    ("bf16", "r32", "b1"): "S16",
+    ("bf16", "r32", "b48"): "S16",  # bs 32 ctx 4k: 152.7 vs 175.6 µs (eager)
+    ("bf16", "r32", "big"): "S32w4",
 }
 
 
