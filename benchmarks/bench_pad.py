@@ -1,11 +1,15 @@
 """Benchmark: draft-extend pad / unpad on the GPU, ours vs an SGLang-style kernel, torch, copy_.
 
-    python benchmarks/bench_pad.py           # H {16,32,128} x bs {1,64,512} x max_q {2,4,8}
-    python benchmarks/bench_pad.py --quick   # a few shapes
-    python benchmarks/bench_pad.py --sweep   # also sweep bytes/program x warps first
+    python benchmarks/bench_pad.py           # H {16,32,128} x bs {1,8,64,512} x max_q {2,4,8}
+    python benchmarks/bench_pad.py --quick   # a few shapes (~10 s)
+    python benchmarks/bench_pad.py --sweep   # then sweep bytes/program x warps (both variants)
+    python benchmarks/bench_pad.py --small-bytes 4194304   # override SMALL_CALL_BYTES
 
 Implementations (all move the same bytes: the real rows, read + written; padded rows untouched):
-- ours: ``mla_spec.kernels.draft_extend_pad`` (align="end", fill_padding=False, validate=False).
+- ours: ``mla_spec.kernels.draft_extend_pad`` (align="end", fill_padding=False, validate=False,
+  variant="auto": the one-round-trip "small" kernels below ``SMALL_CALL_BYTES``, else "large");
+  the columns ``small`` / ``large`` time both variants forced (graph), so one run shows where
+  the threshold belongs.
 - sglang-style: written here from the description in ``shared/reference/sglang.md`` §4.6: one
   program per (padded row, 64-head tile, 64-dim tile), masked, contiguous tensors, launched through
   the normal Triton path with its ints specialized.
@@ -141,37 +145,53 @@ def _make_sets(op, h, bs, max_q, lens, n_sets):
     return sets, total * h * d
 
 
-def _impls(op, sets, seq, cu, max_q, total):
+def _ours(op, sets, seq, cu, max_q, total, variant):
     if op == "pad":
-        ours = lambda i: dep.pad_draft_extend_query(
-            sets[i]["src"], seq, cu, max_q, out=sets[i]["dst"], fill_padding=False, validate=False)
+        return lambda i: dep.pad_draft_extend_query(
+            sets[i]["src"], seq, cu, max_q, out=sets[i]["dst"], fill_padding=False,
+            validate=False, variant=variant)
+    return lambda i: dep.unpad_draft_extend_output(
+        sets[i]["src"], seq, cu, total, out=sets[i]["dst"], validate=False, variant=variant)
+
+
+def _impls(op, sets, seq, cu, max_q, total):
+    ours = _ours(op, sets, seq, cu, max_q, total, "auto")
+    if op == "pad":
         sgl = lambda i: sgl_style_pad(sets[i]["src"], seq, cu, sets[i]["dst"])
         tch = lambda i: torch_pad(sets[i]["src"], seq, cu, sets[i]["dst"], sets[i]["arange"])
     else:
-        ours = lambda i: dep.unpad_draft_extend_output(
-            sets[i]["src"], seq, cu, total, out=sets[i]["dst"], validate=False)
         sgl = lambda i: sgl_style_unpad(sets[i]["src"], seq, cu, sets[i]["dst"])
         tch = lambda i: torch_unpad(sets[i]["src"], seq, cu, sets[i]["dst"], sets[i]["arange"])
     n_el = sets[0]["flat"].numel()
     src_flat = [s["src"].view(-1)[:n_el] for s in sets]
     copy = lambda i: sets[i]["flat"].copy_(src_flat[i])
-    return {"ours": ours, "sglang": sgl, "torch": tch, "copy_": copy}
+    return {"ours": ours, "sglang": sgl, "torch": tch, "copy_": copy,
+            "small": _ours(op, sets, seq, cu, max_q, total, "small"),
+            "large": _ours(op, sets, seq, cu, max_q, total, "large")}
 
 
 def _check_against_sgl(op, sets, seq, cu, max_q, total, lens):
-    """ours (align start) == sglang-style on the real rows; ours (end) == the torch peer."""
+    """ours (align start, both variants) == sglang-style on the real rows; ours (end) == twin."""
     s = sets[0]
-    if op == "pad":
-        a = s["dst"].clone().zero_()
-        sgl_style_pad(s["src"], seq, cu, a)
-        b = dep.pad_draft_extend_query(s["src"], seq, cu, max_q, align="start")
-        real = torch.arange(max_q, device="cuda")[None, :] < seq[:, None]
-        assert torch.equal(a[real], b[real]), "pad: ours(start) != sglang-style"
-    else:
-        a = torch.empty_like(s["dst"])
-        sgl_style_unpad(s["src"], seq, cu, a)
-        b = dep.unpad_draft_extend_output(s["src"], seq, cu, total, align="start")
-        assert torch.equal(a, b), "unpad: ours(start) != sglang-style"
+    for variant in ("small", "large"):
+        if op == "pad":
+            a = s["dst"].clone().zero_()
+            sgl_style_pad(s["src"], seq, cu, a)
+            b = dep.pad_draft_extend_query(s["src"], seq, cu, max_q, align="start",
+                                           variant=variant)
+            real = torch.arange(max_q, device="cuda")[None, :] < seq[:, None]
+            assert torch.equal(a[real], b[real]), f"pad: ours(start, {variant}) != sglang-style"
+            b = dep.pad_draft_extend_query(s["src"], seq, cu, max_q, variant=variant)
+            want = dep.pad_draft_extend_query_ref(s["src"], seq, cu, max_q)
+        else:
+            a = torch.empty_like(s["dst"])
+            sgl_style_unpad(s["src"], seq, cu, a)
+            b = dep.unpad_draft_extend_output(s["src"], seq, cu, total, align="start",
+                                              variant=variant)
+            assert torch.equal(a, b), f"unpad: ours(start, {variant}) != sglang-style"
+            b = dep.unpad_draft_extend_output(s["src"], seq, cu, total, variant=variant)
+            want = dep.unpad_draft_extend_output_ref(s["src"], seq, cu, total)
+        assert torch.equal(b, want), f"{op}: ours({variant}) != torch twin"
 
 
 def bench_shape(op, h, bs, max_q, seed=0):
@@ -189,28 +209,35 @@ def bench_shape(op, h, bs, max_q, seed=0):
     _check_against_sgl(op, sets, seq, cu, max_q, total, lens)
     impls = _impls(op, sets, seq, cu, max_q, total)
     row = {"op": op, "H": h, "bs": bs, "max_q": max_q, "MB": moved / 1e6}
+    big = max(sets[0]["src"].numel(), sets[0]["dst"].numel()) * elsize  # what auto looks at
+    row["variant"] = dep.choose_variant(big, bs, op)
     for name, fn in impls.items():
         fn(0)
         before = dep.compile_count()
-        row[f"{name}_eager_us"] = _eager_us(fn, n_sets)
+        if name not in ("small", "large"):  # the forced variants: graph time only
+            row[f"{name}_eager_us"] = _eager_us(fn, n_sets)
         row[f"{name}_graph_us"] = _graph_us(fn, n_sets)
-        if name == "ours":
-            assert dep.compile_count() == before, "ours recompiled during timing"
+        if name in ("ours", "small", "large"):
+            assert dep.compile_count() == before, f"{name} recompiled during timing"
     row["ours_GBps"] = moved / row["ours_graph_us"] / 1e3
     row["copy_GBps"] = moved / row["copy__graph_us"] / 1e3
     row["pct_copy"] = 100 * row["copy__graph_us"] / row["ours_graph_us"]
     row["x_sgl_graph"] = row["sglang_graph_us"] / row["ours_graph_us"]
     row["x_sgl_eager"] = row["sglang_eager_us"] / row["ours_eager_us"]
+    row["x_copy_eager"] = row["copy__eager_us"] / row["ours_eager_us"]
+    row["small_vs_large"] = row["large_graph_us"] / row["small_graph_us"]
     del sets, impls
     torch.cuda.empty_cache()
     return row
 
 
 COLS = [("op", "{}"), ("H", "{}"), ("bs", "{}"), ("max_q", "{}"), ("MB", "{:.2f}"),
-        ("ours_eager_us", "{:.2f}"), ("sglang_eager_us", "{:.2f}"), ("torch_eager_us", "{:.1f}"),
-        ("copy__eager_us", "{:.2f}"), ("ours_graph_us", "{:.2f}"), ("sglang_graph_us", "{:.2f}"),
-        ("torch_graph_us", "{:.2f}"), ("copy__graph_us", "{:.2f}"), ("ours_GBps", "{:.0f}"),
-        ("pct_copy", "{:.0f}"), ("x_sgl_graph", "{:.2f}"), ("x_sgl_eager", "{:.2f}")]
+        ("variant", "{}"), ("ours_eager_us", "{:.2f}"), ("sglang_eager_us", "{:.2f}"),
+        ("torch_eager_us", "{:.1f}"), ("copy__eager_us", "{:.2f}"), ("ours_graph_us", "{:.2f}"),
+        ("small_graph_us", "{:.2f}"), ("large_graph_us", "{:.2f}"),
+        ("sglang_graph_us", "{:.2f}"), ("torch_graph_us", "{:.2f}"), ("copy__graph_us", "{:.2f}"),
+        ("ours_GBps", "{:.0f}"), ("pct_copy", "{:.0f}"), ("x_sgl_graph", "{:.2f}"),
+        ("x_sgl_eager", "{:.2f}"), ("x_copy_eager", "{:.2f}"), ("small_vs_large", "{:.2f}")]
 
 
 def to_markdown(rows):
@@ -230,45 +257,93 @@ def summary(rows):
         lines.append(f"calls >= 32 MB: ours median {pct:.0f}% of copy_ (min {low:.0f}%), "
                      f"{statistics.median(r['ours_GBps'] for r in big):.0f} GB/s")
     if small:
-        lines.append("calls < 1 MB in a graph: ours median "
-                     f"{statistics.median(r['ours_graph_us'] for r in small):.2f} us, copy_ "
-                     f"{statistics.median(r['copy__graph_us'] for r in small):.2f} us; eager ours "
-                     f"median {statistics.median(r['ours_eager_us'] for r in small):.2f} us")
+        med = lambda key: statistics.median(r[key] for r in small)
+        ratio = [r["ours_graph_us"] / r["copy__graph_us"] for r in small]
+        lines.append(f"calls < 1 MB in a graph: ours median {med('ours_graph_us'):.2f} us "
+                     f"(max {max(r['ours_graph_us'] for r in small):.2f}), copy_ "
+                     f"{med('copy__graph_us'):.2f} us (max "
+                     f"{max(r['copy__graph_us'] for r in small):.2f}); ours/copy_ per row: max "
+                     f"x{max(ratio):.2f}, median x{statistics.median(ratio):.2f}")
+        lines.append(f"calls < 1 MB eager: ours median {med('ours_eager_us'):.2f} us, copy_ "
+                     f"{med('copy__eager_us'):.2f} us, sglang-style "
+                     f"{med('sglang_eager_us'):.2f} us")
+    lines.append("small vs large variant (graph, large/small): " + ", ".join(
+        f"{lo}-{hi} MB x{statistics.median(r['small_vs_large'] for r in grp):.2f}"
+        for lo, hi in ((0, 1), (1, 4), (4, 16), (16, 64), (64, 1e9))
+        if (grp := [r for r in rows if lo <= r["MB"] < hi])))
     lines.append(f"vs sglang-style (graph): min x{min(r['x_sgl_graph'] for r in rows):.2f}, "
                  f"median x{statistics.median(r['x_sgl_graph'] for r in rows):.2f}")
     return "\n".join(lines)
 
 
-def sweep(shapes):
-    """Per-program bytes x warps for ours at a few large shapes (graph us)."""
-    print("\nconfig sweep (ours, graph us per call):")
-    default = (dep._TARGET_BYTES, dep._NUM_WARPS)
+def _ours_graph_us(op, h, bs, max_q, variant, seed=0):
+    """Graph time of ours alone (forced variant), same inputs as :func:`bench_shape`."""
+    g = torch.Generator().manual_seed(seed + 1000 * h + bs + max_q)
+    lens = torch.randint(1, max_q + 1, (bs,), generator=g).tolist()
+    seq = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    cu = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
+    cu[1:] = torch.cumsum(seq, 0)
+    moved = 2 * sum(lens) * h * (576 if op == "pad" else 512) * 2
+    n_sets = max(2, min(16, -(-256 * 2**20 // max(moved, 1))))
+    sets, _ = _make_sets(op, h, bs, max_q, lens, n_sets)
+    us = _graph_us(_ours(op, sets, seq, cu, max_q, sum(lens), variant), n_sets)
+    del sets
+    torch.cuda.empty_cache()
+    return us
+
+
+def _reset_caches():
+    dep._consts.cache_clear()
+    for launcher in (dep._PAD, dep._PAD_SMALL, dep._UNPAD):
+        launcher.binaries.clear()
+
+
+def sweep(shapes, small_shapes):
+    """Bytes/program x warps for ours: the large variant at a few large shapes, the small
+    variant (also with the 1024-entry cu_seqlens_q load at every bs) at small ones (graph us)."""
+    print("\nconfig sweep, large variant (ours, graph us per call):")
+    default = (dep._TARGET_BYTES, dep._NUM_WARPS, dep._SMALL_TARGET_BYTES, dep._SMALL_NUM_WARPS,
+               dep._CU_BLOCKS)
     for target, warps in [(8192, 4), (16384, 4), (32768, 4), (16384, 8), (32768, 8)]:
         dep._TARGET_BYTES, dep._NUM_WARPS = target, warps
-        dep._consts.cache_clear()
-        dep._PAD.binaries.clear()
-        dep._UNPAD.binaries.clear()
-        res = []
-        for op, h, bs, q in shapes:
-            r = bench_shape(op, h, bs, q)
-            res.append(f"{op} H{h} bs{bs} q{q}: {r['ours_graph_us']:.2f}")
-        print(f"  bytes/program {target:6d} warps {warps}: " + "; ".join(res))
-    dep._TARGET_BYTES, dep._NUM_WARPS = default
-    dep._consts.cache_clear()
-    dep._PAD.binaries.clear()
-    dep._UNPAD.binaries.clear()
+        _reset_caches()
+        res = [f"{op} H{h} bs{bs} q{q}: {_ours_graph_us(op, h, bs, q, 'large'):.2f}"
+               for op, h, bs, q in shapes]
+        print(f"  bytes/program {target:6d} warps {warps}: " + "; ".join(res), flush=True)
+    dep._TARGET_BYTES, dep._NUM_WARPS = default[:2]
+    print("\nconfig sweep, small variant (ours, graph us per call):")
+    for target, warps, cu_blocks in [(2048, 4, (128, 1024)), (4096, 4, (128, 1024)),
+                                     (8192, 4, (128, 1024)), (2048, 2, (128, 1024)),
+                                     (4096, 2, (128, 1024)), (4096, 8, (128, 1024)),
+                                     (4096, 4, (1024, 1024))]:
+        dep._SMALL_TARGET_BYTES, dep._SMALL_NUM_WARPS, dep._CU_BLOCKS = target, warps, cu_blocks
+        _reset_caches()
+        res = [f"{op} H{h} bs{bs} q{q}: {_ours_graph_us(op, h, bs, q, 'small'):.2f}"
+               for op, h, bs, q in small_shapes]
+        print(f"  bytes/program {target:5d} warps {warps} cu {cu_blocks[0]:4d}: "
+              + "; ".join(res), flush=True)
+    (dep._TARGET_BYTES, dep._NUM_WARPS, dep._SMALL_TARGET_BYTES, dep._SMALL_NUM_WARPS,
+     dep._CU_BLOCKS) = default
+    _reset_caches()
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--small-bytes", type=int, default=None,
+                    help="override dep.SMALL_CALL_BYTES (the auto variant threshold)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_pad needs a CUDA GPU")
-    hs, bss, qs = ([32], [1, 512], [4]) if args.quick else ([16, 32, 128], [1, 64, 512], [2, 4, 8])
+    if args.small_bytes is not None:
+        dep.SMALL_CALL_BYTES = args.small_bytes
+    hs, bss, qs = (([32], [1, 8, 512], [4]) if args.quick
+                   else ([16, 32, 128], [1, 8, 64, 512], [2, 4, 8]))
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
-          f"{triton.__version__}, bf16, D 576 (pad) / 512 (unpad)", flush=True)
+          f"{triton.__version__}, bf16, D 576 (pad) / 512 (unpad), SMALL_CALL_BYTES "
+          f"{dep.SMALL_CALL_BYTES}", flush=True)
+    t0 = time.perf_counter()
     rows = []
     for op in ("pad", "unpad"):
         for h in hs:
@@ -276,11 +351,14 @@ def main():
                 for q in qs:
                     rows.append(bench_shape(op, h, bs, q))
                     r = rows[-1]
-                    print(f"{op:5s} H{h:<4d} bs{bs:<4d} q{q}: ours {r['ours_graph_us']:.2f} us "
-                          f"({r['pct_copy']:.0f}% copy), sgl {r['sglang_graph_us']:.2f}, eager "
-                          f"{r['ours_eager_us']:.2f} vs {r['sglang_eager_us']:.2f}", flush=True)
-    print(f"\ncompile_count() = {dep.compile_count()}; direct launch path in use: "
-          f"pad {dep._PAD.direct}, unpad {dep._UNPAD.direct}")
+                    print(f"{op:5s} H{h:<4d} bs{bs:<4d} q{q}: ours ({r['variant']}) "
+                          f"{r['ours_graph_us']:.2f} us (small {r['small_graph_us']:.2f}, large "
+                          f"{r['large_graph_us']:.2f}, copy_ {r['copy__graph_us']:.2f}, sgl "
+                          f"{r['sglang_graph_us']:.2f}); eager {r['ours_eager_us']:.2f} vs copy_ "
+                          f"{r['copy__eager_us']:.2f}, sgl {r['sglang_eager_us']:.2f}", flush=True)
+    print(f"\n{time.perf_counter() - t0:.0f} s; compile_count() = {dep.compile_count()}; direct "
+          f"launch path in use: pad {dep._PAD.direct}, pad small {dep._PAD_SMALL.direct}, unpad "
+          f"{dep._UNPAD.direct}")
     md = to_markdown(rows)
     print("\n" + md + "\n\n" + summary(rows))
     out = os.environ.get("OUT")
@@ -290,7 +368,9 @@ def main():
         with open(os.path.join(out, "bench_pad.md"), "w") as f:
             f.write(md + "\n\n" + summary(rows) + "\n")
     if args.sweep:
-        sweep([("pad", 128, 512, 4), ("unpad", 128, 512, 4), ("pad", 32, 64, 8)])
+        sweep([("pad", 128, 512, 4), ("unpad", 128, 512, 4), ("pad", 32, 64, 8)],
+              [("pad", 16, 1, 4), ("unpad", 16, 1, 4), ("pad", 128, 1, 4), ("unpad", 128, 1, 4),
+               ("pad", 32, 8, 4), ("unpad", 32, 8, 4)])
 
 
 if __name__ == "__main__":

@@ -18,13 +18,27 @@ Padded rows are zero-filled (``fill_padding=True``) or left as they are (``False
 what SGLang does; in a CUDA-graph buffer they then hold stale data). Either way each attention
 row is independent, so padded rows never change a real row, and ``unpad`` never reads them.
 
-Kernels: one program per (padded row, chunk of the flattened ``H * D`` row). A row of a
-row-contiguous tensor is one contiguous run of ``H * D`` elements, so a program issues wide
-vectorized loads with no per-head masking; the grid ``bs * max_q * n_chunks`` depends only on
-shapes, lengths are read from ``seq_lens_q`` / ``cu_seqlens_q`` on the device, and the length-like
-ints are marked ``do_not_specialize``: one compiled binary per (dtype, H, D, layout), reusable in a
-CUDA graph whose lengths change between replays. With ``out=`` and ``validate=False`` the calls
-allocate nothing and never synchronize with the host.
+Kernels, two variants per op, picked on the host from sizes known without a sync
+(:func:`choose_variant`, threshold :data:`SMALL_CALL_BYTES`; ``variant=`` forces one):
+
+- ``large`` (bandwidth-optimal): one program per (padded slot, chunk of the flattened ``H * D``
+  row). A program reads its request's length / offset, then moves the row (two dependent memory
+  round trips) and never touches a padded slot it need not write.
+- ``small`` (latency-optimal, one round trip, what a ``copy_`` pays): the unpad loads its slot
+  (always in bounds) together with the length / offset and stores real rows only; the pad is
+  token-major, one program per (row ``t`` of q, chunk): the row load does not depend on any
+  index, so it goes out together with one vector load of ``cu_seqlens_q[0 : bs + 1]`` (128 or
+  1024 requests per binary, not bs): the request ``b`` with ``cu[b] <= t < cu[b + 1]`` and
+  its edge come back from ONE int64 sum over a one-hot (no second memory trip); rows
+  ``t >= cu[bs]`` (a static graph buffer larger than total_q) store nothing. ``fill_padding``
+  adds slot-major programs to the same launch that zero the padded slots.
+
+A row of a row-contiguous tensor is one contiguous run of ``H * D`` elements, so programs issue
+wide vectorized accesses with no per-head masking. Grids depend only on shapes; lengths are read
+on the device and the length-like ints are marked ``do_not_specialize``: a bounded number of
+binaries per (dtype, H, D, layout), reusable in a CUDA graph whose lengths change between
+replays. With ``out=`` and ``validate=False`` the calls allocate nothing and never synchronize
+with the host.
 
 On CUDA the launcher (:mod:`mla_spec.kernels.triton_launch`) keeps the compiled kernel and
 relaunches it directly (keyed by everything Triton specializes on, i.e. dtype, strides, pointer
@@ -45,21 +59,47 @@ from mla_spec.kernels.triton_launch import TritonLauncher as _Launcher
 from mla_spec.kernels.triton_launch import hooks_unset as _hooks_unset  # noqa: F401 - tests
 
 __all__ = ["pad_draft_extend_query", "pad_draft_extend_query_ref", "unpad_draft_extend_output",
-           "unpad_draft_extend_output_ref", "compile_count"]
+           "unpad_draft_extend_output_ref", "compile_count", "choose_variant", "SMALL_CALL_BYTES"]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # bit-exact copies (twin, interpreter)
 _NUM_WARPS = 4
-_TARGET_BYTES = 16384  # bytes per program (one chunk of a row)
+_TARGET_BYTES = 16384  # bytes per program (one chunk of a row), large calls
+#: Calls whose larger tensor (q or the padded block for the pad, raw_out or out for the unpad)
+#: holds fewer bytes take the one-round-trip "small" kernels; the rest the bandwidth-optimal
+#: "large" ones. Read at call time: the benchmark overrides it (or pass ``variant=``).
+SMALL_CALL_BYTES = 2 << 20
+_SMALL_TARGET_BYTES = 4096  # bytes per program, small calls (spread a few rows over more SMs)
+_SMALL_NUM_WARPS = 4
+_CU_BLOCKS = (128, 1024)  # requests the small pad scans per program: the first >= bs
 
 
 # ---- Triton kernels ----------------------------------------------------------------------------
 @triton.jit
-def _copy_chunk(src, dst, offs, ROW: tl.constexpr, EVEN: tl.constexpr):
+def _load_chunk(src, offs, ROW: tl.constexpr, EVEN: tl.constexpr):
     if EVEN:  # the chunks tile the row exactly: no mask, full-width vector accesses
-        tl.store(dst, tl.load(src))
+        x = tl.load(src)
     else:
-        tl.store(dst, tl.load(src, mask=offs < ROW), mask=offs < ROW)
+        x = tl.load(src, mask=offs < ROW)
+    return x
+
+
+@triton.jit
+def _store_chunk(dst, x, offs, ROW: tl.constexpr, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(dst, x)
+    else:
+        tl.store(dst, x, mask=offs < ROW)
+
+
+@triton.jit
+def _row_ptr(base, row_off, offs, sh, sd, D: tl.constexpr, CONTIG: tl.constexpr):
+    """Pointers to elements ``offs`` of the flattened ``H * D`` row starting at ``row_off``."""
+    if CONTIG:
+        ptr = base + row_off + offs
+    else:
+        ptr = base + row_off + (offs // D) * sh + (offs % D) * sd
+    return ptr
 
 
 @triton.jit(do_not_specialize=["max_q"])
@@ -68,6 +108,7 @@ def _pad_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
                 D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
                 EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
                 ALIGN_END: tl.constexpr, FILL: tl.constexpr):
+    # slot-major (large calls): one program per (padded slot, chunk); lengths, then the row
     pid = tl.program_id(0)
     row = pid // NCHUNK  # padded row b * max_q + s
     b = row // max_q
@@ -76,20 +117,55 @@ def _pad_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
     start = tl.load(cu_ptr + b)
     j = s - (max_q - length) if ALIGN_END else s  # row inside the request
     offs = (pid % NCHUNK) * BLOCK + tl.arange(0, BLOCK)
-    if DST_CONTIG:
-        dst = out_ptr + (b.to(tl.int64) * o_sb + s.to(tl.int64) * o_ss) + offs
-    else:
-        dst = (out_ptr + (b.to(tl.int64) * o_sb + s.to(tl.int64) * o_ss)
-               + (offs // D) * o_sh + (offs % D) * o_sd)
+    dst = _row_ptr(out_ptr, b.to(tl.int64) * o_sb + s.to(tl.int64) * o_ss, offs, o_sh, o_sd, D,
+                   DST_CONTIG)
     if (j >= 0) & (j < length):
-        src_row = (start + j).to(tl.int64) * q_st
-        if SRC_CONTIG:
-            src = q_ptr + src_row + offs
-        else:
-            src = q_ptr + src_row + (offs // D) * q_sh + (offs % D) * q_sd
-        _copy_chunk(src, dst, offs, ROW, EVEN)
+        src = _row_ptr(q_ptr, (start + j).to(tl.int64) * q_st, offs, q_sh, q_sd, D, SRC_CONTIG)
+        _store_chunk(dst, _load_chunk(src, offs, ROW, EVEN), offs, ROW, EVEN)
     elif FILL:
         tl.store(dst, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=offs < ROW)
+
+
+@triton.jit(do_not_specialize=["max_q", "bs", "n_rows"])
+def _pad_small_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q, bs, n_rows,
+                      q_st, q_sh, q_sd, o_sb, o_ss, o_sh, o_sd,
+                      D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                      NCHUNK: tl.constexpr, EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr,
+                      DST_CONTIG: tl.constexpr, ALIGN_END: tl.constexpr, FILL: tl.constexpr,
+                      CU_BLOCK: tl.constexpr):
+    # token-major (small calls): programs [0, n_rows * NCHUNK) copy source row t of q; the row
+    # load and the vector load of cu_seqlens_q[0 : bs + 1] go out together (one round trip).
+    # With FILL, programs past them zero the padded slots (b, s) (one length load each).
+    pid = tl.program_id(0)
+    row = pid // NCHUNK
+    offs = (pid % NCHUNK) * BLOCK + tl.arange(0, BLOCK)
+    if row < n_rows:
+        src = _row_ptr(q_ptr, row.to(tl.int64) * q_st, offs, q_sh, q_sd, D, SRC_CONTIG)
+        x = _load_chunk(src, offs, ROW, EVEN)
+        idx = tl.arange(0, CU_BLOCK)
+        lo = tl.load(cu_ptr + idx, mask=idx < bs, other=0)  # cu[b], cu[b + 1] for every b
+        hi = tl.load(cu_ptr + idx + 1, mask=idx < bs, other=0)
+        hit = (lo <= row) & (row < hi)  # exactly one request b holds row (none past cu[bs])
+        edge = hi if ALIGN_END else lo
+        # one reduction broadcasts (valid, b, edge) packed in an int64 (one non-zero term)
+        packed = tl.sum(tl.where(hit, (idx.to(tl.int64) << 32) | edge.to(tl.int64)
+                                 | (1 << 62), 0), axis=0)
+        if packed != 0:
+            b = (packed >> 32) & 0xFFFF
+            edge_b = packed & 0x7FFFFFFF  # cu values are int32 >= 0
+            s = max_q - (edge_b - row) if ALIGN_END else row - edge_b  # max_q - (end - t)
+            dst = _row_ptr(out_ptr, b * o_sb + s * o_ss, offs, o_sh, o_sd, D, DST_CONTIG)
+            _store_chunk(dst, x, offs, ROW, EVEN)
+    elif FILL:
+        slot = row - n_rows
+        b = slot // max_q
+        s = slot - b * max_q
+        length = tl.load(seq_lens_ptr + b)
+        j = s - (max_q - length) if ALIGN_END else s
+        if (j < 0) | (j >= length):
+            dst = _row_ptr(out_ptr, b.to(tl.int64) * o_sb + s.to(tl.int64) * o_ss, offs, o_sh,
+                           o_sd, D, DST_CONTIG)
+            tl.store(dst, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=offs < ROW)
 
 
 @triton.jit(do_not_specialize=["max_q"])
@@ -97,39 +173,40 @@ def _unpad_kernel(raw_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
                   r_sb, r_ss, r_sh, r_sd, o_st, o_sh, o_sd,
                   D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
                   EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
-                  ALIGN_END: tl.constexpr):
+                  ALIGN_END: tl.constexpr, PREFETCH: tl.constexpr):
+    # one program per (padded slot, chunk). PREFETCH (small calls): load the slot (always in
+    # bounds) together with its request's length and offset, one round trip; otherwise read
+    # the lengths first and padded slots are never read (large calls: no wasted bandwidth).
     pid = tl.program_id(0)
     row = pid // NCHUNK
     b = row // max_q
     s = row - b * max_q
+    offs = (pid % NCHUNK) * BLOCK + tl.arange(0, BLOCK)
+    src = _row_ptr(raw_ptr, b.to(tl.int64) * r_sb + s.to(tl.int64) * r_ss, offs, r_sh, r_sd, D,
+                   SRC_CONTIG)
+    if PREFETCH:
+        x = _load_chunk(src, offs, ROW, EVEN)
     length = tl.load(seq_lens_ptr + b)
     start = tl.load(cu_ptr + b)
     j = s - (max_q - length) if ALIGN_END else s
-    if (j >= 0) & (j < length):  # padded rows are never read
-        offs = (pid % NCHUNK) * BLOCK + tl.arange(0, BLOCK)
-        src_row = b.to(tl.int64) * r_sb + s.to(tl.int64) * r_ss
-        if SRC_CONTIG:
-            src = raw_ptr + src_row + offs
-        else:
-            src = raw_ptr + src_row + (offs // D) * r_sh + (offs % D) * r_sd
-        dst_row = (start + j).to(tl.int64) * o_st
-        if DST_CONTIG:
-            dst = out_ptr + dst_row + offs
-        else:
-            dst = out_ptr + dst_row + (offs // D) * o_sh + (offs % D) * o_sd
-        _copy_chunk(src, dst, offs, ROW, EVEN)
+    if (j >= 0) & (j < length):
+        dst = _row_ptr(out_ptr, (start + j).to(tl.int64) * o_st, offs, o_sh, o_sd, D, DST_CONTIG)
+        if not PREFETCH:
+            x = _load_chunk(src, offs, ROW, EVEN)
+        _store_chunk(dst, x, offs, ROW, EVEN)
 
 
 # ---- launch machinery ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1024)
-def _consts(h: int, d: int, elsize: int, src_hd: tuple, dst_hd: tuple, *flags: bool) -> tuple:
+def _consts(h: int, d: int, elsize: int, src_hd: tuple, dst_hd: tuple, target: int,
+            *flags) -> tuple:
     """Constexprs ``(D, ROW, BLOCK, NCHUNK, EVEN, SRC_CONTIG, DST_CONTIG, *flags)`` of a launch.
 
-    BLOCK (elements per program) is ~16 KB, a power of two, halved while more than 1/8 of the
-    lanes of the last chunk would idle. ``src_hd`` / ``dst_hd`` are the (head, dim) strides.
+    BLOCK (elements per program) is ~``target`` bytes, a power of two, halved while more than
+    1/8 of the lanes of the last chunk would idle. ``src_hd`` / ``dst_hd``: (head, dim) strides.
     """
     row = h * d
-    block = max(16, _TARGET_BYTES // elsize)
+    block = max(16, target // elsize)
     while block >= 2 * row and block > 16:
         block //= 2
     while block > 256 and (-(-row // block) * block - row) * 8 > row:
@@ -140,24 +217,44 @@ def _consts(h: int, d: int, elsize: int, src_hd: tuple, dst_hd: tuple, *flags: b
 
 
 _PAD = _Launcher(_pad_kernel, unspecialized=(4,))  # args[4] = max_q: do_not_specialize
+_PAD_SMALL = _Launcher(_pad_small_kernel, unspecialized=(4, 5, 6))  # max_q, bs, n_rows
 _UNPAD = _Launcher(_unpad_kernel, unspecialized=(4,))
 
 
 def compile_count() -> int:
     """Number of compiled pad + unpad binaries (Triton's JIT cache; launched specializations
-    under the interpreter). It must not grow with batch size or lengths."""
-    return _PAD.compile_count() + _UNPAD.compile_count()
+    under the interpreter). It must not grow with batch size or lengths: at most
+    2 (pad variants) x 2 (cu blocks, small pad) + 2 (unpad variants) per (dtype, H, D, layout,
+    align, fill)."""
+    return _PAD.compile_count() + _PAD_SMALL.compile_count() + _UNPAD.compile_count()
 
 
-def _launch(launcher, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, max_q, consts, bs):
+def choose_variant(nbytes: int, bs: int, op: str = "pad") -> str:
+    """``"small"`` (one memory round trip) or ``"large"`` (bandwidth-optimal) for a call whose
+    larger tensor holds ``nbytes`` bytes; host-known sizes only, no sync. Small needs
+    ``nbytes < SMALL_CALL_BYTES`` and, for the pad, ``bs <= 1024`` (one cu_seqlens_q load)."""
+    if nbytes >= SMALL_CALL_BYTES or (op == "pad" and bs > _CU_BLOCKS[1]):
+        return "large"
+    return "small"
+
+
+def _variant(variant, nbytes, bs, op):
+    if variant == "auto":
+        return choose_variant(nbytes, bs, op)
+    if variant not in ("small", "large"):
+        raise ValueError(f"variant = {variant!r}; expected 'auto', 'small' or 'large'")
+    return "large" if op == "pad" and bs > _CU_BLOCKS[1] else variant
+
+
+def _launch(launcher, grid0, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, ints, consts, warps):
     """Shared tail of both launchers: the spec key, the bit views under the interpreter."""
-    key = (consts, ss, ds, src.dtype, seq_lens_q.dtype, cu_seqlens_q.dtype, src.device.index,
-           src.data_ptr() & 15, dst.data_ptr() & 15, seq_lens_q.data_ptr() & 15,
-           cu_seqlens_q.data_ptr() & 15)
+    tensors = (src, dst, seq_lens_q, cu_seqlens_q)
+    ptrs = (src.data_ptr(), dst.data_ptr(), seq_lens_q.data_ptr(), cu_seqlens_q.data_ptr())
+    key = (consts, ss, ds, src.dtype, seq_lens_q.dtype, cu_seqlens_q.dtype, src.get_device(),
+           ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, ptrs[3] & 15, warps)
     if not src.is_cuda:
-        src, dst = _as_bits(src), _as_bits(dst)
-    launcher(bs * max_q * consts[3], key, (src, dst, seq_lens_q, cu_seqlens_q, max_q, *ss, *ds,
-                                           *consts), _NUM_WARPS)
+        tensors = (_as_bits(src), _as_bits(dst), seq_lens_q, cu_seqlens_q)
+    launcher(grid0, key, tensors, ptrs, (*ints, *ss, *ds, *consts), warps)
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -165,7 +262,7 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- validation --------------------------------------------------------------------------------
-def _check_common(x, name, rank, seq_lens_q, cu_seqlens_q, align):
+def _check_common(x, name, rank, seq_lens_q, cu_seqlens_q, align, variant):
     if not isinstance(x, torch.Tensor) or x.dim() != rank:
         shape = "[total_q, H, D]" if rank == 3 else "[bs, max_q, H, Dv]"
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -183,6 +280,8 @@ def _check_common(x, name, rank, seq_lens_q, cu_seqlens_q, align):
                          f"{seq_lens_q.numel() + 1} (seq_lens_q has bs = {seq_lens_q.numel()})")
     if align not in ("end", "start"):
         raise ValueError(f"align = {align!r}; expected 'end' (exact causal windows) or 'start'")
+    if variant not in ("auto", "small", "large"):
+        raise ValueError(f"variant = {variant!r}; expected 'auto', 'small' or 'large'")
 
 
 def _check_out(out, shape, like, name="out"):
@@ -216,7 +315,7 @@ def _check_values(seq_lens_q, cu_seqlens_q, max_q, rows_avail, rows_name):
 
 # ---- pad -----------------------------------------------------------------------------------------
 def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", out=None,
-                           fill_padding=True, validate=True):
+                           fill_padding=True, validate=True, variant="auto"):
     """Scatter ragged draft-extend query rows into a fixed ``[bs, max_q, H, D]`` block.
 
     Parameters
@@ -231,18 +330,20 @@ def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", o
     out : optional ``[bs, max_q, H, D]`` tensor of q's dtype (any strides); written in place.
     fill_padding : zero the padded rows (True) or leave them as they are (False).
     validate : check shapes and, outside graph capture, the lengths (one host sync).
+    variant : ``"auto"`` (by :data:`SMALL_CALL_BYTES`), ``"small"`` (token-major, one memory
+        round trip; falls back to large when ``bs > 1024``) or ``"large"`` (slot-major).
 
     Returns
     -------
     Tensor ``[bs, max_q, H, D]`` (``out`` when given).
     """
     if validate:
-        _check_common(q, "q", 3, seq_lens_q, cu_seqlens_q, align)
+        _check_common(q, "q", 3, seq_lens_q, cu_seqlens_q, align, variant)
         if not isinstance(max_q, int) or max_q < 0:
             raise ValueError(f"max_q = {max_q!r}; expected an int >= 0")
         _check_out(out, (seq_lens_q.shape[0], max_q, *q.shape[1:]), q)
         _check_values(seq_lens_q, cu_seqlens_q, max_q, q.shape[0], "q")
-    bs, (_, h, d) = seq_lens_q.shape[0], q.shape
+    bs, (n_rows, h, d) = seq_lens_q.shape[0], q.shape
     if out is None:
         out = torch.empty((bs, max_q, h, d), dtype=q.dtype, device=q.device)
     if not q.is_cuda and not use_triton(q):
@@ -250,9 +351,19 @@ def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", o
                                           out=out, fill_padding=fill_padding)
     if bs * max_q == 0 or h * d == 0:
         return out
-    qs, os_ = q.stride(), out.stride()
-    consts = _consts(h, d, q.element_size(), qs[1:], os_[2:], align == "end", bool(fill_padding))
-    _launch(_PAD, q, out, qs, os_, seq_lens_q, cu_seqlens_q, max_q, consts, bs)
+    qs, os_, el, fill = q.stride(), out.stride(), q.element_size(), bool(fill_padding)
+    if _variant(variant, max(n_rows, bs * max_q) * h * d * el, bs, "pad") == "large":
+        consts = _consts(h, d, el, qs[1:], os_[2:], _TARGET_BYTES, align == "end", fill)
+        _launch(_PAD, bs * max_q * consts[3], q, out, qs, os_, seq_lens_q, cu_seqlens_q,
+                (max_q,), consts, _NUM_WARPS)
+        return out
+    cu_block = _CU_BLOCKS[0] if bs <= _CU_BLOCKS[0] else _CU_BLOCKS[1]
+    consts = _consts(h, d, el, qs[1:], os_[2:], _SMALL_TARGET_BYTES, align == "end", fill,
+                     cu_block)
+    grid0 = (n_rows + (bs * max_q if fill else 0)) * consts[3]
+    if grid0:
+        _launch(_PAD_SMALL, grid0, q, out, qs, os_, seq_lens_q, cu_seqlens_q,
+                (max_q, bs, n_rows), consts, _SMALL_NUM_WARPS)
     return out
 
 
@@ -284,7 +395,7 @@ def _padded_row_map(seq_lens_q, cu_seqlens_q, max_q, align):
 
 # ---- unpad ---------------------------------------------------------------------------------------
 def unpad_draft_extend_output(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, align="end",
-                              out=None, validate=True):
+                              out=None, validate=True, variant="auto"):
     """Gather the real rows of a padded ``[bs, max_q, H, Dv]`` attention output back to packed rows.
 
     Parameters
@@ -297,13 +408,15 @@ def unpad_draft_extend_output(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, ali
     align : the alignment the pad used.
     out : optional ``[total_q, H, Dv]`` tensor of raw_out's dtype (any strides).
     validate : check shapes and, outside graph capture, the lengths (one host sync).
+    variant : ``"auto"`` (by :data:`SMALL_CALL_BYTES`), ``"small"`` (every slot read with its
+        length, one round trip) or ``"large"`` (padded slots never read).
 
     Returns
     -------
     Tensor ``[total_q, H, Dv]`` (``out`` when given). Padded rows of ``raw_out`` are never read.
     """
     if validate:
-        _check_common(raw_out, "raw_out", 4, seq_lens_q, cu_seqlens_q, align)
+        _check_common(raw_out, "raw_out", 4, seq_lens_q, cu_seqlens_q, align, variant)
         if raw_out.shape[0] != seq_lens_q.shape[0]:
             raise ValueError(f"raw_out has {raw_out.shape[0]} requests; seq_lens_q has "
                              f"{seq_lens_q.shape[0]}")
@@ -320,8 +433,12 @@ def unpad_draft_extend_output(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, ali
     if bs * max_q == 0 or h * d == 0 or total_q == 0:
         return out
     rs, os_ = raw_out.stride(), out.stride()
-    consts = _consts(h, d, raw_out.element_size(), rs[2:], os_[1:], align == "end")
-    _launch(_UNPAD, raw_out, out, rs, os_, seq_lens_q, cu_seqlens_q, max_q, consts, bs)
+    nbytes = max(bs * max_q, total_q) * h * d * raw_out.element_size()
+    small = _variant(variant, nbytes, bs, "unpad") == "small"
+    consts = _consts(h, d, raw_out.element_size(), rs[2:], os_[1:],
+                     _SMALL_TARGET_BYTES if small else _TARGET_BYTES, align == "end", small)
+    _launch(_UNPAD, bs * max_q * consts[3], raw_out, out, rs, os_, seq_lens_q, cu_seqlens_q,
+            (max_q,), consts, _SMALL_NUM_WARPS if small else _NUM_WARPS)
     return out
 
 

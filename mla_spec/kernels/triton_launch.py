@@ -10,6 +10,9 @@ binary directly on the current CUDA stream afterwards. Because the key covers th
 specialization, a binary is never reused outside the inputs it was compiled for (the hazard
 SGLang's removed kernel cache had).
 
+The direct call passes the tensors' data pointers as ints: Triton's generated launcher then
+skips the ``cuPointerGetAttribute`` check it makes for every tensor argument (a driver call each).
+
 Fallbacks: the normal launch whenever a launch hook is set (profilers, :func:`hooks_unset`), and
 for good once a direct call fails (an unexpected Triton ABI). Under the interpreter (CPU) it
 always launches normally and records the specializations Triton would have compiled, so
@@ -45,19 +48,23 @@ class TritonLauncher:
         self.direct = True
         self.interp_keys: set = set()  # specializations launched under the interpreter
 
-    def __call__(self, grid0: int, key: tuple, args: tuple, num_warps: int) -> None:
-        """Launch ``fn[(grid0,)](*args)``; ``key`` must identify Triton's specialization of
-        ``args`` (``args[0]`` is a tensor on the launch device)."""
-        kernel = self.binaries.get(key)
-        if kernel is not None and self.direct and hooks_unset():
+    def __call__(self, grid0: int, key: tuple, tensors: tuple, ptrs: tuple, scalars: tuple,
+                 num_warps: int) -> None:
+        """Launch ``fn[(grid0,)](*tensors, *scalars)``. ``key`` must identify Triton's
+        specialization of the arguments; ``ptrs`` are the tensors' ``data_ptr()`` values, passed
+        as plain ints on the direct path (Triton's launcher then skips a
+        ``cuPointerGetAttribute`` driver call per tensor)."""
+        entry = self.binaries.get(key)
+        if entry is not None and self.direct and hooks_unset():
             try:
-                stream = torch._C._cuda_getCurrentRawStream(args[0].device.index)
-                kernel.run(grid0, 1, 1, stream, kernel.function, kernel.packed_metadata, None,
-                           None, None, *args)
+                run, function, metadata = entry
+                run(grid0, 1, 1, torch._C._cuda_getCurrentRawStream(tensors[0].get_device()),
+                    function, metadata, None, None, None, *ptrs, *scalars)
                 return
             except Exception:  # noqa: BLE001 - an unexpected Triton ABI: use the normal launch
                 self.direct = False
-        if not args[0].is_cuda:  # the interpreter: record what Triton would key on
+        args = (*tensors, *scalars)
+        if not tensors[0].is_cuda:  # the interpreter: record what Triton would key on
             self.interp_keys.add(tuple(
                 (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
                 else (a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool)
@@ -69,7 +76,7 @@ class TritonLauncher:
             kernel = kernel.result()
         if len(self.binaries) > 256:
             self.binaries.clear()
-        self.binaries[key] = kernel
+        self.binaries[key] = (kernel.run, kernel.function, kernel.packed_metadata)
 
     def compile_count(self) -> int:
         """Binaries in Triton's JIT cache for ``fn`` (interpreter: specializations launched)."""

@@ -50,16 +50,17 @@ def _strided_q(total, h, d, dtype, device):
 
 
 # ---- Triton (interpreter on CPU) == twin, byte for byte ------------------------------------------
+@pytest.mark.parametrize("variant", ["small", "large"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("align", ["end", "start"])
-def test_pad_unpad_kernel_matches_twin(dtype, align, device):
+def test_pad_unpad_kernel_matches_twin(dtype, align, variant, device):
     lens, max_q, h, d = [0, 3, 1, 5, 5, 2, 0], 5, 3, 40  # empty and full requests, odd sizes
     seq, cu = _lens_tensors(lens, device)
     q = _strided_q(sum(lens), h, d, dtype, device)
     for fill in (True, False):
         sentinel = _rand((len(lens), max_q, h, d), dtype, device)
         got = pad_draft_extend_query(q, seq, cu, max_q, align=align, out=sentinel.clone(),
-                                     fill_padding=fill)
+                                     fill_padding=fill, variant=variant)
         want = pad_draft_extend_query_ref(q, seq, cu, max_q, align=align, out=sentinel.clone(),
                                           fill_padding=fill)
         _assert_same_bytes(got, want)
@@ -67,14 +68,57 @@ def test_pad_unpad_kernel_matches_twin(dtype, align, device):
     raw = _rand((len(lens), max_q + 1, h, d + 8), dtype, device)[:, 1:, :, :d]
     total = sum(lens)
     base = _rand((total, h, d + 4), dtype, device)
-    got = unpad_draft_extend_output(raw, seq, cu, total, align=align, out=base.clone()[:, :, :d])
+    got = unpad_draft_extend_output(raw, seq, cu, total, align=align, out=base.clone()[:, :, :d],
+                                    variant=variant)
     want = unpad_draft_extend_output_ref(raw, seq, cu, total, align=align,
                                          out=base.clone()[:, :, :d])
     _assert_same_bytes(got, want)
     # the round trip returns q itself
-    back = unpad_draft_extend_output(pad_draft_extend_query(q, seq, cu, max_q, align=align),
-                                     seq, cu, total, align=align)
+    padded = pad_draft_extend_query(q, seq, cu, max_q, align=align, variant=variant)
+    back = unpad_draft_extend_output(padded, seq, cu, total, align=align, variant=variant)
     _assert_same_bytes(back, q.contiguous())
+
+
+@pytest.mark.parametrize("align", ["end", "start"])
+def test_small_pad_static_buffer_more_rows_than_total(align, device):
+    # A CUDA-graph q buffer holds bs * max_q rows; only the first sum(lens) are real. The
+    # token-major kernel runs a program per buffer row: rows past cu[bs] must store nothing.
+    lens, max_q, h, d = [2, 0, 4, 1], 4, 2, 24
+    seq, cu = _lens_tensors(lens, device)
+    q = _strided_q(len(lens) * max_q, h, d, torch.float32, device)
+    for fill in (True, False):
+        sentinel = _rand((len(lens), max_q, h, d), torch.float32, device)
+        got = pad_draft_extend_query(q, seq, cu, max_q, align=align, out=sentinel.clone(),
+                                     fill_padding=fill, variant="small")
+        want = pad_draft_extend_query_ref(q, seq, cu, max_q, align=align, out=sentinel.clone(),
+                                          fill_padding=fill)
+        _assert_same_bytes(got, want)
+    out = torch.full((len(lens) * max_q, h, d), -3.0, device=device)  # capacity > total
+    unpad_draft_extend_output(got, seq, cu, out.shape[0], align=align, out=out, variant="small")
+    assert torch.equal(out[: sum(lens)], q[: sum(lens)]) and (out[sum(lens):] == -3).all()
+
+
+def test_variant_choice(device, monkeypatch):
+    assert dep.choose_variant(dep.SMALL_CALL_BYTES - 1, 8) == "small"
+    assert dep.choose_variant(dep.SMALL_CALL_BYTES, 8) == "large"
+    assert dep.choose_variant(1024, 1024, "pad") == "small"  # one load of cu[0:1025]
+    assert dep.choose_variant(1024, 1025, "pad") == "large"
+    assert dep.choose_variant(1024, 4096, "unpad") == "small"  # the unpad has no such bound
+    assert dep._variant("small", 1 << 40, 2048, "pad") == "large"  # forced small falls back
+    assert dep._variant("small", 1 << 40, 2048, "unpad") == "small"
+    # auto follows the (overridable) threshold: count the launched specializations
+    seq, cu = _lens_tensors([1, 2], device)
+    q = _rand((3, 1, 8), torch.float32, device)
+    for threshold, name in ((1 << 30, "_PAD_SMALL"), (0, "_PAD")):
+        calls = []
+        launcher = getattr(dep, name)
+        monkeypatch.setattr(dep, "SMALL_CALL_BYTES", threshold)
+        monkeypatch.setattr(dep, name, lambda *a, _l=launcher, _c=calls: _c.append(a) or _l(*a))
+        got = pad_draft_extend_query(q, seq, cu, 2)
+        assert len(calls) == 1
+        _assert_same_bytes(got, pad_draft_extend_query_ref(q, seq, cu, 2))
+    with pytest.raises(ValueError, match="variant"):
+        pad_draft_extend_query(q, seq, cu, 2, variant="tiny")
 
 
 def test_padded_rows_zero_or_untouched(device):
@@ -189,28 +233,36 @@ def _random_lens(rng: random.Random, max_q: int, bs_max: int) -> list[int]:
     return [rng.randint(0, max_q) for _ in range(min(bs, bs_max))]
 
 
-def _compile_count_stays(device, n_batches, bs_max, h, d, dv):
+def _compile_count_stays(device, n_batches, bs_max, h, d, dv, variant="auto"):
     rng = random.Random(0)
-    seq, cu = _lens_tensors([2, 2], device)  # warm up: compile both kernels once
-    padded = pad_draft_extend_query(_rand((4, h, d), torch.bfloat16, device), seq, cu, 2)
-    unpad_draft_extend_output(padded[..., :dv], seq, cu, 4)
+    before = compile_count()
+    for warm in ("small", "large"):  # warm up: every binary once (both variants, cu blocks)
+        for lens in ([2, 2], [1, 0, 2] * 43):  # bs 2 and 129: both cu blocks
+            seq, cu = _lens_tensors(lens, device)
+            q = _rand((sum(lens), h, d), torch.bfloat16, device)
+            padded = pad_draft_extend_query(q, seq, cu, 2, variant=warm)
+            _assert_same_bytes(padded, pad_draft_extend_query_ref(q, seq, cu, 2))
+            unpad_draft_extend_output(padded[..., :dv], seq, cu, sum(lens), variant=warm)
     counts = [compile_count()]
+    # pad: large + small x 2 cu blocks; unpad: 2 variants (one dtype, H, D and layout)
+    assert counts[0] - before <= 6
     for i in range(n_batches):
         max_q = rng.choice([2, 4, 8])
         lens = _random_lens(rng, max_q, bs_max)
         seq, cu = _lens_tensors(lens, device)
         q = _rand((sum(lens), h, d), torch.bfloat16, device)
-        padded = pad_draft_extend_query(q, seq, cu, max_q)
+        padded = pad_draft_extend_query(q, seq, cu, max_q, variant=variant)
         raw = padded[..., :dv]  # stands in for the attention output (a strided view)
-        out = unpad_draft_extend_output(raw, seq, cu, sum(lens))
+        out = unpad_draft_extend_output(raw, seq, cu, sum(lens), variant=variant)
         if i % 50 == 0:
             _assert_same_bytes(out, q[..., :dv].contiguous())
         counts.append(compile_count())
     assert counts[-1] == counts[0], f"compilations grew from {counts[0]} to {counts[-1]}"
 
 
-def test_compile_count_does_not_grow_interpreter(device):
-    _compile_count_stays(device, n_batches=12, bs_max=40, h=2, d=24, dv=16)
+@pytest.mark.parametrize("variant", ["small", "large"])
+def test_compile_count_does_not_grow_interpreter(variant, device):
+    _compile_count_stays(device, n_batches=8, bs_max=40, h=2, d=24, dv=16, variant=variant)
 
 
 @pytest.mark.gpu
@@ -220,10 +272,11 @@ def test_compile_count_1000_batches_gpu():
 
 # ---- GPU: real shapes, graph capture with changing lengths, no allocation ------------------------
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["small", "large"])
 @pytest.mark.parametrize(("dtype", "h"), [(torch.bfloat16, 1), (torch.bfloat16, 128),
                                           (torch.bfloat16, 7), (torch.float16, 16),
                                           (torch.float32, 32), (torch.float8_e4m3fn, 128)])
-def test_gpu_kernel_matches_twin_real_shapes(dtype, h):
+def test_gpu_kernel_matches_twin_real_shapes(dtype, h, variant):
     rng = random.Random(h)
     lens = [rng.randint(0, 4) for _ in range(37)] + [0, 4]
     seq, cu = _lens_tensors(lens, "cuda")
@@ -231,21 +284,25 @@ def test_gpu_kernel_matches_twin_real_shapes(dtype, h):
     for align in ("end", "start"):
         sentinel = _rand((len(lens), 4, h, 576), dtype, "cuda")
         for fill in (True, False):
-            got = pad_draft_extend_query(q, seq, cu, 4, align=align, out=sentinel.clone(),
-                                         fill_padding=fill)
-            want = pad_draft_extend_query_ref(q, seq, cu, 4, align=align, out=sentinel.clone(),
-                                              fill_padding=fill)
-            _assert_same_bytes(got, want)
+            for _ in range(2):  # the second call takes the direct-launch path
+                got = pad_draft_extend_query(q, seq, cu, 4, align=align, out=sentinel.clone(),
+                                             fill_padding=fill, variant=variant)
+                want = pad_draft_extend_query_ref(q, seq, cu, 4, align=align,
+                                                  out=sentinel.clone(), fill_padding=fill)
+                _assert_same_bytes(got, want)
         raw = got[..., :512]
-        for _ in range(2):  # the second call takes the direct-launch path
-            u = unpad_draft_extend_output(raw, seq, cu, sum(lens), align=align)
+        for _ in range(2):
+            u = unpad_draft_extend_output(raw, seq, cu, sum(lens), align=align, variant=variant)
             _assert_same_bytes(u, unpad_draft_extend_output_ref(raw, seq, cu, sum(lens),
                                                                  align=align))
+    # the direct path (data pointers passed as ints) ran without falling back
+    assert dep._PAD.direct and dep._PAD_SMALL.direct and dep._UNPAD.direct
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["small", "large"])
 @pytest.mark.parametrize("align", ["end", "start"])
-def test_cuda_graph_replay_with_changing_lengths(align):
+def test_cuda_graph_replay_with_changing_lengths(align, variant):
     bs, max_q, h, d, dv = 24, 4, 16, 576, 512
     seq = torch.zeros(bs, dtype=torch.int32, device="cuda")
     cu = torch.zeros(bs + 1, dtype=torch.int32, device="cuda")
@@ -254,9 +311,11 @@ def test_cuda_graph_replay_with_changing_lengths(align):
     raw = _rand((bs, max_q, h, dv), torch.bfloat16, "cuda")
     out = torch.empty(bs * max_q, h, dv, dtype=torch.bfloat16, device="cuda")
 
-    def step():
-        pad_draft_extend_query(q, seq, cu, max_q, align=align, out=padded, validate=False)
-        unpad_draft_extend_output(raw, seq, cu, bs * max_q, align=align, out=out, validate=False)
+    def step():  # q is a static buffer of bs * max_q rows, more than the lengths add up to
+        pad_draft_extend_query(q, seq, cu, max_q, align=align, out=padded, validate=False,
+                               variant=variant)
+        unpad_draft_extend_output(raw, seq, cu, bs * max_q, align=align, out=out, validate=False,
+                                  variant=variant)
 
     step()  # compile and cache before capture
     torch.cuda.synchronize()
@@ -266,7 +325,8 @@ def test_cuda_graph_replay_with_changing_lengths(align):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-        pad_draft_extend_query(q, seq, cu, max_q, align=align, out=padded)  # validate is skipped
+        pad_draft_extend_query(q, seq, cu, max_q, align=align, out=padded,
+                               variant=variant)  # validate is skipped while capturing
     rng = random.Random(1)
     for _ in range(4):
         lens = [rng.randint(0, max_q) for _ in range(bs)]
@@ -290,5 +350,5 @@ def test_direct_launch_sees_no_hooks():
 
 def test_compile_count_is_exposed():
     assert isinstance(compile_count(), int) and compile_count() >= 0
-    block = dep._consts(16, 576, 2, (576, 1), (576, 1), True)[2]
+    block = dep._consts(16, 576, 2, (576, 1), (576, 1), dep._TARGET_BYTES, True)[2]
     assert block in (1024, 2048)  # <= 1/8 idle lanes at H=16 (row of 9216)
