@@ -1,0 +1,218 @@
+"""Fused RMSNorm (and residual-add + RMSNorm): one Triton program per row, fp32 math.
+
+Why: ``mla_spec.models.norm.RMSNorm`` in torch is ~8 kernels per call (cast, square, mean, add,
+rsqrt, multiply, cast, weight multiply). At decode batch sizes each is a tiny launch-bound kernel:
+the H200 run of ``benchmarks/bench_layer.py`` (2026-11-29) measured 33.7 µs per layer for the two
+norms of a DeepSeek-V3 layer at batch 1, 10% of the layer. One kernel reads the row once and
+writes it once.
+
+Semantics (bit-for-bit those of the torch code the model used, kept as :func:`rms_norm_ref`)::
+
+    xn  = (x.float() * rsqrt(mean(x.float()**2, -1) + eps)).to(x.dtype)   # normalize in fp32
+    out = weight * xn                                                       # torch promotion
+
+so ``out.dtype`` is ``torch.promote_types(weight.dtype, x.dtype)`` (an fp32 weight on a bf16
+activation gives fp32). The weight multiply is exact in fp32 for fp32 / bf16 / fp16 operands and
+rounded once to the output dtype, which is what torch's elementwise multiply does. The kernel and
+the twin differ only in the fp32 sum order of ``mean(x**2)`` and in ``rsqrt``'s last ulp.
+
+Residual variant (:func:`rms_norm_add`, SGLang's ``fused_add_rmsnorm`` pattern)::
+
+    s   = (x + residual)        # in x.dtype, as torch adds two same-dtype tensors
+    out = rms_norm(s, weight)   # as above
+    returns (out, s)
+
+Layout: ``x`` ``[..., N]`` with unit last stride (rows may be strided: the ``ckv`` slice of
+``kv_a_proj``'s output works without a copy), ``weight`` ``[N]`` contiguous. Grid ``(rows,)``.
+Rows of up to ``MAX_BLOCK`` elements stay in registers (one read); longer rows take two passes
+over ``BLOCK``-wide chunks (sum of squares, then normalize; the residual sum is recomputed in the
+second pass instead of re-read, so no barrier is needed).
+
+CUDA graphs: no host sync, the only allocations are the outputs. On CUDA the launch goes through
+:class:`~mla_spec.kernels.triton_launch.TritonLauncher` (a few µs per eager call).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.device import use_triton
+from mla_spec.kernels.triton_launch import TritonLauncher
+
+__all__ = ["rms_norm", "rms_norm_ref", "rms_norm_add", "rms_norm_add_ref", "SUPPORTED_DTYPES",
+           "MAX_BLOCK"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: widest row kept in registers in one tile (7168 -> 8192 lanes on 8 warps)
+MAX_BLOCK = 8192
+
+
+@triton.jit
+def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, eps, N,
+                    stride_x, stride_r, stride_o, stride_s,
+                    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_RES: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    r_row = r_ptr + row * stride_r
+    o_row = out_ptr + row * stride_o
+    s_row = s_ptr + row * stride_s
+    x_ty = x_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    if NUM_CHUNKS == 1:
+        mask = offs < N
+        x = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:  # s = x + r rounded to x's dtype (fp32 math first: interpreter bf16 is bad)
+            r = tl.load(r_row + offs, mask=mask, other=0.0).to(tl.float32)
+            s = (x + r).to(x_ty)
+            tl.store(s_row + offs, s, mask=mask)
+            x = s.to(tl.float32)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, axis=0) / N + eps))
+        xn = (x * rstd).to(x_ty).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_row + offs, (xn * w).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for c in range(NUM_CHUNKS):
+            o = c * BLOCK + offs
+            mask = o < N
+            x = tl.load(x_row + o, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:
+                r = tl.load(r_row + o, mask=mask, other=0.0).to(tl.float32)
+                s = (x + r).to(x_ty)
+                tl.store(s_row + o, s, mask=mask)
+                x = s.to(tl.float32)
+            acc += x * x
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, axis=0) / N + eps))
+        for c in range(NUM_CHUNKS):
+            o = c * BLOCK + offs
+            mask = o < N
+            x = tl.load(x_row + o, mask=mask, other=0.0).to(tl.float32)
+            if HAS_RES:  # recompute the rounded sum (same value as stored; no re-read)
+                r = tl.load(r_row + o, mask=mask, other=0.0).to(tl.float32)
+                x = (x + r).to(x_ty).to(tl.float32)
+            xn = (x * rstd).to(x_ty).to(tl.float32)
+            w = tl.load(w_ptr + o, mask=mask, other=0.0).to(tl.float32)
+            tl.store(o_row + o, (xn * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+_LAUNCH = TritonLauncher(_rmsnorm_kernel)
+
+
+# ---- torch twins ---------------------------------------------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Torch twin of :func:`rms_norm`: exactly the model's original ``RMSNorm.forward``."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rms_norm_add_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch twin of :func:`rms_norm_add`: ``s = x + residual``; ``(rms_norm_ref(s), s)``."""
+    s = x + residual
+    return rms_norm_ref(s, weight, eps), s
+
+
+# ---- launchers ------------------------------------------------------------------------------
+def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        raise ValueError(f"x must be a tensor [..., N]; got {type(x).__name__} "
+                         f"{tuple(getattr(x, 'shape', ()))}")
+    n = x.shape[-1]
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(f"weight must be [N] = [{n}] (x's last dim); got {tuple(weight.shape)}")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x on {x.device}: use one device")
+    for nm, t in (("x", x), ("weight", weight)) + ((("residual", residual),) if residual
+                                                     is not None else ()):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{nm}.dtype = {t.dtype}; supported: {SUPPORTED_DTYPES}")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"residual must match x (shape {tuple(x.shape)}, {x.dtype}, "
+                             f"{x.device}); got {tuple(residual.shape)}, {residual.dtype}, "
+                             f"{residual.device}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """``[..., N]`` -> ``[R, N]`` with unit last stride (a view whenever possible)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 or t2.shape[-1] <= 1 else t2.contiguous()
+
+
+def _blocks(n: int, max_block: int) -> tuple[int, int, int]:
+    block = min(triton.next_power_of_2(max(n, 1)), triton.next_power_of_2(max_block))
+    warps = 8 if block >= 4096 else 4 if block >= 1024 else 2 if block >= 256 else 1
+    return block, triton.cdiv(n, block), warps
+
+
+def _launch(x2, r2, weight, out2, s2, eps, max_block):
+    rows, n = x2.shape
+    if rows == 0 or n == 0:
+        return
+    block, chunks, warps = _blocks(n, max_block)
+    has_res = r2 is not None
+    r2 = r2 if has_res else x2  # unused pointers: any valid tensor
+    s2 = s2 if has_res else out2
+    key = (x2.dtype, weight.dtype, out2.dtype, n, x2.stride(0), r2.stride(0), out2.stride(0),
+           s2.stride(0), x2.get_device(), x2.data_ptr() & 15, r2.data_ptr() & 15,
+           weight.data_ptr() & 15, out2.data_ptr() & 15, s2.data_ptr() & 15, block, chunks,
+           has_res, warps)
+    tensors = (x2, r2, weight, out2, s2)
+    scalars = (float(eps), n, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), block,
+               chunks, has_res)
+    _LAUNCH(rows, key, tensors, tuple(t.data_ptr() for t in tensors), scalars, warps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,
+             max_block: int = MAX_BLOCK) -> torch.Tensor:
+    """RMSNorm over the last dim in one kernel (torch twin :func:`rms_norm_ref` off-Triton).
+
+    Parameters
+    ----------
+    x : Tensor ``[..., N]`` fp32 / bf16 / fp16 (rows may be strided; last stride 1 avoids a copy)
+    weight : Tensor ``[N]`` fp32 / bf16 / fp16
+    eps : added to ``mean(x**2)``
+    max_block : widest single tile (power of two); longer rows are processed in chunks of it
+
+    Returns
+    -------
+    Tensor ``[..., N]`` of dtype ``torch.promote_types(weight.dtype, x.dtype)``, contiguous.
+    """
+    _check(x, weight)
+    if not use_triton(x):
+        return rms_norm_ref(x, weight, eps)
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    _launch(_rows(x), None, weight.contiguous(), out.view(-1, x.shape[-1]), None, eps,
+            max_block)
+    return out
+
+
+def rms_norm_add(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float = 1e-6, *, max_block: int = MAX_BLOCK
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` and ``rms_norm(s)`` in one kernel.
+
+    Parameters
+    ----------
+    x, residual : Tensor ``[..., N]``, same shape and dtype (fp32 / bf16 / fp16)
+    weight : Tensor ``[N]``
+    eps, max_block : as in :func:`rms_norm`
+
+    Returns
+    -------
+    (out, s) : ``out`` ``[..., N]`` in ``promote_types(weight.dtype, x.dtype)``; ``s`` the sum in
+        ``x.dtype`` (the new residual stream). Both new contiguous tensors; inputs are untouched.
+    """
+    _check(x, weight, residual)
+    if not use_triton(x):
+        return rms_norm_add_ref(x, residual, weight, eps)
+    n = x.shape[-1]
+    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(_rows(x), _rows(residual), weight.contiguous(), out.view(-1, n), s.view(-1, n), eps,
+            max_block)
+    return out, s
