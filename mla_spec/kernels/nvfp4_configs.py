@@ -5,20 +5,25 @@ and M = 1, 4, 16, 64 tokens, and names the fastest one like ``"gemv bn256 s16 w2
 ``PINNED_CONFIGS`` keeps those names verbatim, keyed by ``(N, K, M bucket)``, so a new sweep is
 applied by pasting its ``best variant`` column; ``parse_variant`` turns a name into a
 ``GemvConfig`` (``nvfp4_gemv``: FMA, no MMA) or an ``NVFP4GemmConfig`` (``nvfp4_gemm``: bf16
-MMA after an in-register decode). Both dataclasses live here, so the table needs no kernel
-import; the kernel modules re-export them under their usual names.
+MMA after an in-register decode, weights on the MMA's A side: "swap AB") or an
+``NVFP4MmaConfig`` (``nvfp4_gemm``'s standard-orientation kernel: activations ``[BM, BK]`` as
+the A operand, decoded weights ``[BK, BN]`` as B). The dataclasses live here, so the table
+needs no kernel import; the kernel modules re-export them under their usual names.
 
 Variant grammar (tokens after the kind, any order)::
 
     gemv bn<block_n> s<split_k> w<num_warps> st<num_stages> [g<groups>] [pure]
     mma  bn<block_n> s<split_k> w<num_warps> st<num_stages> [bk<block_k>] [pure]
+    mmab [bm<block_m>] bn<block_n> bk<block_k> w<num_warps> st<num_stages> s<split_k> [pure]
 
 ``pure`` selects the portable decoder (default: the PTX decoders, validated on the H200).
+``mmab`` without ``bm`` takes the token tile from M (``block_m = 0``: 16 / 32 / 64 / 128).
 
 M buckets: a measured M stands for the token counts above the previous bucket, up to itself:
-1 -> {1}, 4 -> {2..4}, 8 -> {5..8}, 16 -> {9..16}, 64 -> {17..64}. Bucket 8 and M > 64 have
-no measurement: there the kernels' heuristics decide (``default_gemv_config`` up to
-``GEMV_MAX_M`` tokens, else ``default_gemm_config``).
+1 -> {1}, 4 -> {2..4}, 8 -> {5..8}, 16 -> {9..16}, 64 -> {17..64}, 128 -> {65..128},
+512 -> {129..512}. Unmeasured buckets and M > 512 fall to the kernels' heuristics
+(``default_gemv_config`` up to ``GEMV_MAX_M`` tokens, else ``default_mma_config``: the
+standard-orientation kernel).
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-__all__ = ["GemvConfig", "NVFP4GemmConfig", "PINNED_CONFIGS", "M_BUCKETS", "m_bucket",
-           "parse_variant", "variant_name", "pinned_config"]
+__all__ = ["GemvConfig", "NVFP4GemmConfig", "NVFP4MmaConfig", "PINNED_CONFIGS", "M_BUCKETS",
+           "m_bucket", "parse_variant", "variant_name", "pinned_config"]
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,22 @@ class NVFP4GemmConfig:
     fast_dequant: bool = True
 
 
-M_BUCKETS = (1, 4, 8, 16, 64)
+@dataclass(frozen=True)
+class NVFP4MmaConfig:
+    """Standard-orientation MMA kernel: ``block_m`` tokens (0: by M) x ``block_n`` weight rows
+    per program, ``block_k`` elements per step, ``split_k`` programs along K, warps / stages,
+    and the packed PTX decoder (``False``: the portable one)."""
+
+    block_m: int = 0
+    block_n: int = 128
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    fast_dequant: bool = True
+
+
+M_BUCKETS = (1, 4, 8, 16, 64, 128, 512)
 
 # H200, 2026-11-29, torch 2.11 / triton 3.6, CUDA graph, weights rotated past L2 (µs per call;
 # docs/bench_nvfp4.md). Entries marked "old default" are the previous heuristic's config where
@@ -86,9 +106,11 @@ PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
     (7168, 512, 64): "mma bn64 s1 w4 st4 bk256",  # 38.2 (5.1); old default 57.6
 }
 
-_FIELDS = {"bn": "block_n", "bk": "block_k", "st": "num_stages", "s": "split_k",
+_FIELDS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "st": "num_stages", "s": "split_k",
            "w": "num_warps", "g": "groups"}
 _POW2 = ("block_n", "block_k", "groups", "num_warps")
+_KIND_TOKENS = {"gemv": ("bn", "st", "s", "w", "g"), "mma": ("bn", "bk", "st", "s", "w"),
+                "mmab": ("bm", "bn", "bk", "st", "s", "w")}
 
 
 def m_bucket(m: int) -> int | None:
@@ -100,31 +122,40 @@ def m_bucket(m: int) -> int | None:
 
 
 @cache
-def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig:
+def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig:
     """``"gemv bn256 s16 w2 st1"`` -> ``GemvConfig``, ``"mma bn128 s4 w8 st3 bk128"`` ->
-    ``NVFP4GemmConfig`` (grammar in the module docstring); ValueError on anything else."""
+    ``NVFP4GemmConfig``, ``"mmab bm64 bn128 bk128 w4 st3 s1"`` -> ``NVFP4MmaConfig`` (grammar
+    in the module docstring); ValueError on anything else."""
     kind, *tokens = name.split() or [""]
-    if kind not in ("gemv", "mma"):
-        raise ValueError(f"variant {name!r} must start with 'gemv' or 'mma'")
+    if kind not in _KIND_TOKENS:
+        raise ValueError(f"variant {name!r} must start with 'gemv', 'mma' or 'mmab'")
     kw: dict[str, int | bool] = {}
     for tok in tokens:
-        hit = re.fullmatch(r"(bn|bk|st|s|w|g)(\d+)", tok)
+        hit = re.fullmatch(r"(bm|bn|bk|st|s|w|g)(\d+)", tok)
         if tok == "pure":
             kw["fast_dequant"] = False
-        elif hit is None or (hit[1] == "bk" and kind == "gemv") or (hit[1] == "g"
-                                                                   and kind == "mma"):
+        elif hit is None or hit[1] not in _KIND_TOKENS[kind]:
             raise ValueError(f"unsupported token {tok!r} in {kind} variant {name!r}")
         else:
             kw[_FIELDS[hit[1]]] = int(hit[2])
     for field, v in kw.items():
+        if field == "block_m" and v not in (16, 32, 64, 128):
+            raise ValueError(f"block_m = {v} in {name!r}: must be 16, 32, 64 or 128")
         if field != "fast_dequant" and (v < 1 or (field in _POW2 and v & (v - 1))):
             raise ValueError(f"{field} = {v} in {name!r}: must be >= 1"
                              + (" and a power of two" if field in _POW2 else ""))
-    return GemvConfig(**kw) if kind == "gemv" else NVFP4GemmConfig(**kw)
+    if kind == "gemv":
+        return GemvConfig(**kw)
+    return NVFP4GemmConfig(**kw) if kind == "mma" else NVFP4MmaConfig(**kw)
 
 
-def variant_name(cfg: GemvConfig | NVFP4GemmConfig) -> str:
+def variant_name(cfg: GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig) -> str:
     """Inverse of ``parse_variant`` (the sweep's naming)."""
+    pure = " pure" if cfg.fast_dequant is False else ""
+    if isinstance(cfg, NVFP4MmaConfig):
+        bm = f" bm{cfg.block_m}" if cfg.block_m else ""
+        return (f"mmab{bm} bn{cfg.block_n} bk{cfg.block_k} w{cfg.num_warps} st{cfg.num_stages}"
+                f" s{cfg.split_k}{pure}")
     gemv = isinstance(cfg, GemvConfig)
     name = (f"{'gemv' if gemv else 'mma'} bn{cfg.block_n} s{cfg.split_k} w{cfg.num_warps} "
             f"st{cfg.num_stages}")
@@ -132,10 +163,11 @@ def variant_name(cfg: GemvConfig | NVFP4GemmConfig) -> str:
         name += f" g{cfg.groups}"
     if not gemv:
         name += f" bk{cfg.block_k}"
-    return name + (" pure" if cfg.fast_dequant is False else "")
+    return name + pure
 
 
-def pinned_config(m: int, n: int, k: int) -> GemvConfig | NVFP4GemmConfig | None:
+def pinned_config(m: int, n: int, k: int
+                  ) -> GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig | None:
     """The pinned config for ``m`` tokens x weight ``[N, K]``, or None when not measured."""
     name = PINNED_CONFIGS.get((n, k, m_bucket(m)))
     return None if name is None else parse_variant(name)

@@ -7,9 +7,10 @@ its time is the time to stream the weight bytes: 0.5625 B/weight instead of 2, u
 Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale e4m3
 ``[N, K/16]``, weight_scale_2 fp32 ``[]``, y ``[M, N]``):
 
-- **Swap AB.** Each program computes ``y^T[BN, BM] = W'[BN, BK] @ x^T[BK, BM]``: the weight rows
-  are the MMA's M side (16..64), the few tokens its N side (16..64), so M = 1 wastes only MMA
-  issue slots, not weight bytes.
+- **Swap AB** (``_nvfp4_gemm_kernel``, ``NVFP4GemmConfig``, variants "mma"). Each program
+  computes ``y^T[BN, BM] = W'[BN, BK] @ x^T[BK, BM]``: the weight rows are the MMA's M side
+  (16..64), the few tokens its N side (16..64), so M = 1 wastes only MMA issue slots, not
+  weight bytes.
 - **No nibble interleave.** A byte holds the elements ``2j`` (low) and ``2j+1`` (high). Instead of
   interleaving, the low nibbles multiply ``x[:, 0::2]`` and the high ones ``x[:, 1::2]``: two dots
   of K = BK/2 per step.
@@ -23,12 +24,18 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
   bf16 each, ``E2M1 * 2**-126``, and one packed ``mul.bf16x2`` by ``s * 2**118``; the default
   (``NVFP4GemmConfig.fast_dequant``) since the H200 check, see docs/bench_nvfp4.md; skipped
   in the interpreter, below sm_90 and for fp16 / fp32 x).
-- **Kernel and tile choice.** For a (N, K, M bucket) measured by the H200 sweep, the pinned
-  config of ``nvfp4_configs.PINNED_CONFIGS`` (either kernel). Otherwise ``nvfp4_gemv`` up to
-  ``GEMV_MAX_M`` tokens (FMA, 16 weights per int64 word, ~4 instructions per weight) and this
-  MMA kernel above, with ``default_gemm_config``'s heuristic. ``set_gemm_config`` pins an MMA
-  config where the MMA kernel runs; pass a ``GemvConfig`` / ``NVFP4GemmConfig`` as ``config``
-  to force either kernel.
+- **Standard orientation** (``_nvfp4_mma_kernel``, ``NVFP4MmaConfig``, variants "mmab"):
+  ``acc[BM, BN] += x[BM, BK] @ W'[BK, BN]``, the usual W4A16 layout. x is a plain bf16 load;
+  the packed bytes ``[BN, BK/2]`` decode (same decoders) into low / high values that
+  ``tl.join`` + ``tl.reshape`` interleave to ``[BN, BK]`` (element 2j = low nibble), then
+  ``tl.trans`` makes the B operand. BM = 16..128 by M (wgmma from BM = 64), the M tiles of
+  one weight tile are adjacent program ids (weights read from DRAM about once).
+- **Kernel and tile choice** (``auto_config``). For a (N, K, M bucket) measured by the H200
+  sweep, the pinned config of ``nvfp4_configs.PINNED_CONFIGS`` (any kernel). Otherwise
+  ``nvfp4_gemv`` up to ``GEMV_MAX_M`` tokens (FMA, 16 weights per int64 word, ~4
+  instructions per weight) and the standard-orientation kernel above
+  (``default_mma_config``). ``set_gemm_config`` pins an MMA config where an MMA kernel runs;
+  pass a ``GemvConfig`` / ``NVFP4GemmConfig`` / ``NVFP4MmaConfig`` as ``config`` to force one.
 - **Split-K** for few output tiles (small N at small M): partial sums go to an fp32 workspace
   ``[S, M, N]`` and ``_sum_rows_kernel`` adds them (deterministic, no atomics).
 
@@ -44,12 +51,18 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import cuda_capability, triton_interpreting, use_triton
-from mla_spec.kernels.nvfp4_configs import NVFP4GemmConfig, pinned_config
+from mla_spec.kernels.nvfp4_configs import (
+    NVFP4GemmConfig,
+    NVFP4MmaConfig,
+    m_bucket,
+    pinned_config,
+)
 from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, GemvConfig, default_gemv_config, nvfp4_gemv
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
-__all__ = ["NVFP4GemmConfig", "nvfp4_gemm", "nvfp4_gemm_ref", "default_gemm_config",
-           "set_gemm_config", "block_m_for", "auto_config", "ptx_decoder_ok"]
+__all__ = ["NVFP4GemmConfig", "NVFP4MmaConfig", "nvfp4_gemm", "nvfp4_gemm_ref",
+           "default_gemm_config", "default_mma_config", "set_gemm_config", "block_m_for",
+           "mma_block_m", "auto_config", "ptx_decoder_ok"]
 
 _TWO_118 = tl.constexpr(2.0**118)  # jit code may only read constexpr globals
 
@@ -166,6 +179,55 @@ def _nvfp4_gemm_kernel(
 
 
 @triton.jit
+def _nvfp4_mma_kernel(
+    x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
+    M, N, K, SPLIT_K, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """Standard orientation: ``acc[BM, BN] += x[BM, BK] @ W'[BN, BK]^T``, W' decoded in place."""
+    pid_m = tl.program_id(0)  # fastest: the M tiles of one weight tile run together (L2 reuse)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    G: tl.constexpr = BK // 16
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    offs_h = tl.arange(0, BK // 2)
+    offs_g = tl.arange(0, G)
+    k_iters = tl.cdiv(K, BK)
+    per_split = tl.cdiv(k_iters, SPLIT_K)
+    it0 = pid_k * per_split
+    it1 = tl.minimum(it0 + per_split, k_iters)
+    toks = tl.minimum(offs_m, M - 1).to(tl.int64)  # clamped: valid loads, dropped at the store
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    x_row = x_ptr + toks[:, None] * stride_xm + offs_k[None, :]
+    w_row = w_ptr + rows[:, None] * stride_wn + offs_h[None, :]
+    s_row = ws_ptr + rows[:, None] * stride_sn + offs_g[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for it in range(it0, it1):
+        if EVEN_K:
+            xt = tl.load(x_row + it * BK)
+            wb = tl.load(w_row + it * (BK // 2))
+            s8 = tl.load(s_row + it * G)
+        else:
+            xt = tl.load(x_row + it * BK, mask=(it * BK + offs_k < K)[None, :], other=0.0)
+            wb = tl.load(w_row + it * (BK // 2), mask=(it * (BK // 2) + offs_h < K // 2)[None, :],
+                         other=0)
+            s8 = tl.load(s_row + it * G, mask=(it * G + offs_g < K // 16)[None, :], other=0.0)
+        lo, hi = _decode(tl.reshape(wb, (BN, G, 8)), s8[:, :, None], DOT_F32, FAST)
+        w = tl.reshape(tl.join(lo, hi), (BN, BK))  # element 2j = low nibble of byte j
+        if DOT_F32:
+            acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc)
+        else:
+            acc = tl.dot(xt.to(tl.bfloat16), tl.trans(w), acc)
+    acc = acc * (tl.load(ws2_ptr) * 256.0)
+    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
 def _sum_rows_kernel(src_ptr, dst_ptr, R, N, S, stride_sr, stride_ss, stride_dr,
                      BLOCK: tl.constexpr):
     """dst[r, n] = sum_s src[r * stride_sr + s * stride_ss + n] (fp32 sum, cast on store)."""
@@ -178,24 +240,28 @@ def _sum_rows_kernel(src_ptr, dst_ptr, R, N, S, stride_sr, stride_ss, stride_dr,
     tl.store(dst_ptr + r * stride_dr + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
-_CONFIGS: dict[tuple[int, int, int], NVFP4GemmConfig] = {}
+_CONFIGS: dict[tuple[int | None, int, int], NVFP4GemmConfig | NVFP4MmaConfig] = {}
 _NUM_SMS = 132
+MmaConfig = NVFP4GemmConfig | NVFP4MmaConfig
 
 
 def block_m_for(m: int) -> int:
-    """Token tile: 16 up to 16 tokens, then 32, then 64 (tiles repeat beyond)."""
+    """Token tile of the swap-AB kernel: 16 up to 16 tokens, then 32, then 64 (repeating)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
 
 
+def mma_block_m(m: int, cfg: NVFP4MmaConfig | None = None) -> int:
+    """Token tile of the standard-orientation kernel: the config's, else 16 / 32 / 64 / 128."""
+    if cfg is not None and cfg.block_m:
+        return cfg.block_m
+    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+
+
 def default_gemm_config(m: int, n: int, k: int) -> NVFP4GemmConfig:
-    """MMA config: ``set_gemm_config``'s pin, else the H200 sweep's pinned MMA config, else a
-    heuristic from its winners: N >= 4096: bn128 bk128 w8 st3 (won at M = 16 and 64 on both
-    dense shapes); smaller N: bn16 / bn32 bk256 w4 st4 (the best measured at N = 1024, M =
-    64). Split K until >= 12 warps per SM (the winners sit at 13.6-17.5, the losers at <= 4.4;
-    the bn16 s8 config at N = 1024 at 15.5), at most 8 and >= 2 K steps per split."""
-    hit = _CONFIGS.get((block_m_for(m), n, k))
-    if hit is not None:
-        return hit
+    """Swap-AB kernel config: the H200 sweep's pinned one for (N, K, M bucket) when it is a
+    swap-AB ("mma") entry, else a heuristic from its winners: N >= 4096: bn128 bk128 w8 st3;
+    smaller N: bn16 / bn32 bk256 w4 st4. Split K until >= 12 warps per SM, at most 8 and >= 2
+    K steps per split. ``nvfp4_gemm`` runs it only when pinned or passed as ``config``."""
     hit = pinned_config(m, n, k)
     if isinstance(hit, NVFP4GemmConfig):
         return hit
@@ -213,19 +279,42 @@ def default_gemm_config(m: int, n: int, k: int) -> NVFP4GemmConfig:
                            num_stages=stages)
 
 
-def auto_config(m: int, n: int, k: int) -> GemvConfig | NVFP4GemmConfig:
-    """What ``nvfp4_gemm`` runs without ``config``: the pinned kernel and tiles for a measured
-    (N, K, M bucket), else the GEMV up to ``GEMV_MAX_M`` tokens and the MMA kernel above."""
+def default_mma_config(m: int, n: int, k: int, *, block_m: int = 0, block_n: int = 0,
+                       block_k: int = 0, num_warps: int = 0, num_stages: int = 0
+                       ) -> NVFP4MmaConfig:
+    """Standard-orientation kernel config (no measurement needed): token tile by M
+    (``mma_block_m``), bn128 (bn64 below N = 2048) bk128, 4 warps up to BM = 64 and 8 for
+    BM = 128, 4 stages up to BM = 32 else 3; split K until >= 8 warps per SM (at most 8
+    splits, >= 4 K steps each). Nonzero keywords fix a tile field (the split follows them)."""
+    bm = block_m or mma_block_m(m)
+    bn, bk = block_n or (128 if n >= 2048 else 64), block_k or 128
+    warps = num_warps or (4 if bm <= 64 else 8)
+    stages = num_stages or (4 if bm <= 32 else 3)
+    tiles = triton.cdiv(n, bn) * triton.cdiv(max(m, 1), bm)
+    k_iters = triton.cdiv(k, bk)
+    split = 1
+    while (tiles * split * warps < 8 * _NUM_SMS and split * 2 <= 8
+           and k_iters // (split * 2) >= 4):
+        split *= 2
+    return NVFP4MmaConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps,
+                          num_stages=stages)
+
+
+def auto_config(m: int, n: int, k: int) -> GemvConfig | MmaConfig:
+    """What ``nvfp4_gemm`` runs without ``config``: the GEMV where pinned, or unpinned up to
+    ``GEMV_MAX_M`` tokens; else ``set_gemm_config``'s pin, the pinned MMA config (either MMA
+    kernel), or ``default_mma_config`` (standard orientation)."""
     hit = pinned_config(m, n, k)
     if isinstance(hit, GemvConfig) or (hit is None and m <= GEMV_MAX_M):
         return default_gemv_config(m, n, k)
-    return default_gemm_config(m, n, k)
+    mine = _CONFIGS.get((m_bucket(m), n, k))
+    return mine or hit or default_mma_config(m, n, k)
 
 
-def set_gemm_config(m: int, n: int, k: int, config: NVFP4GemmConfig) -> None:
-    """Pin the MMA config for (``block_m_for(m)``, N, K), e.g. after a tuning sweep. It applies
-    where ``nvfp4_gemm`` runs the MMA kernel (it does not turn the GEMV regime off)."""
-    _CONFIGS[(block_m_for(m), n, k)] = config
+def set_gemm_config(m: int, n: int, k: int, config: MmaConfig) -> None:
+    """Pin an MMA config (either kernel) for (``m_bucket(m)``, N, K), e.g. after a tuning
+    sweep. It applies where ``nvfp4_gemm`` runs an MMA kernel (not in the GEMV regime)."""
+    _CONFIGS[(m_bucket(m), n, k)] = config
 
 
 def _check_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -245,7 +334,7 @@ def _check_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
 
 def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                weight_scale_2: torch.Tensor, out_dtype: torch.dtype | None = None,
-               config: NVFP4GemmConfig | GemvConfig | None = None) -> torch.Tensor:
+               config: GemvConfig | MmaConfig | None = None) -> torch.Tensor:
     """``x @ dequant(W)^T`` with NVFP4 weights.
 
     Parameters
@@ -256,10 +345,10 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         uint8 ``[N, K/2]``, float8_e4m3fn ``[N, K/16]``, fp32 scalar (ModelOpt layout).
     out_dtype : torch.dtype, optional
         default ``x.dtype``.
-    config : NVFP4GemmConfig or GemvConfig, optional
-        kernel and tiles; default ``auto_config(M, N, K)``: the H200-pinned config for a
-        measured shape, else ``default_gemv_config`` for M <= ``GEMV_MAX_M``, else
-        ``default_gemm_config``.
+    config : GemvConfig, NVFP4GemmConfig or NVFP4MmaConfig, optional
+        kernel (GEMV, swap-AB MMA, standard MMA) and tiles; default ``auto_config(M, N, K)``:
+        the H200-pinned config for a measured shape, else ``default_gemv_config`` for
+        M <= ``GEMV_MAX_M``, else ``default_mma_config``.
 
     Returns
     -------
@@ -283,20 +372,26 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if isinstance(cfg, GemvConfig):
         w = weight if weight.data_ptr() % 8 == 0 else weight.clone()
         return nvfp4_gemv(x2, w, weight_scale, weight_scale_2, out, cfg, interp).reshape(*lead, n)
-    bm = block_m_for(m)
     dot_f32 = interp or x.dtype != torch.bfloat16  # fp16 / fp32 x: exact-ish fp32 (tf32) dot
+    fast = cfg.fast_dequant and ptx_decoder_ok(x2.device, interp)
     split = cfg.split_k
     dst = out if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, bm))
-    _nvfp4_gemm_kernel[grid](
-        x2, weight, weight_scale, weight_scale_2, dst, m, n, k, split,
-        x2.stride(0), weight.stride(0), weight_scale.stride(0),
-        dst.stride(0) if split > 1 else 0, dst.stride(-2),
-        BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT_F32=dot_f32,
-        FAST=cfg.fast_dequant and ptx_decoder_ok(x2.device, interp),
-        EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+    args = (x2, weight, weight_scale, weight_scale_2, dst, m, n, k, split,
+            x2.stride(0), weight.stride(0), weight_scale.stride(0),
+            dst.stride(0) if split > 1 else 0, dst.stride(-2))
+    if isinstance(cfg, NVFP4MmaConfig):
+        if cfg.block_n < 16 or cfg.block_k < 32:
+            raise ValueError(f"NVFP4MmaConfig needs block_n >= 16 and block_k >= 32, got {cfg}")
+        bm = mma_block_m(m, cfg)
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, cfg.block_n), split)
+        _nvfp4_mma_kernel[grid](*args, BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT_F32=dot_f32,
+                                FAST=fast, EVEN_K=k % cfg.block_k == 0,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m_for(m)))
+        _nvfp4_gemm_kernel[grid](*args, BM=block_m_for(m), BN=cfg.block_n, BK=cfg.block_k,
+                                 DOT_F32=dot_f32, FAST=fast, EVEN_K=k % cfg.block_k == 0,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if split > 1:
         sum_rows(dst.permute(1, 0, 2), out)
     return out.reshape(*lead, n)

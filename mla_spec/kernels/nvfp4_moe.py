@@ -18,7 +18,10 @@ sync, so the launch is CUDA-graph safe). One launch runs w13 for every slot x I-
 the gate and up tiles of the same rows and writing ``SiLU(gate) * up`` (bf16, like SGLang's
 intermediate cache); a second runs w2 for every slot x K-tile, scales each row by its routing
 weight and writes the pair's row; a third sums the k rows of each token. Each expert's weights
-are read once per token tile: at decode, the traffic is the active experts' bytes.
+are read once per token tile: at decode, the traffic is the active experts' bytes. Two
+kernels run the slots: ``_moe_mma_kernel`` (default, standard orientation as ``nvfp4_gemm``'s
+"mmab": rows ``[BM, BK]`` as the MMA's A, the decoded expert tile ``[BK, BN]`` as B) and
+``_moe_gemm_kernel`` (swap AB, ``sorted_kernel="mma"``).
 
 ``fused_moe_ref`` is the torch twin: dequantize and loop over experts.
 """
@@ -31,11 +34,22 @@ import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
 from mla_spec.kernels import nvfp4_gemv
-from mla_spec.kernels.nvfp4_gemm import _decode, block_m_for, ptx_decoder_ok, sum_rows
+from mla_spec.kernels.nvfp4_configs import NVFP4MmaConfig
+from mla_spec.kernels.nvfp4_gemm import (
+    _decode,
+    block_m_for,
+    mma_block_m,
+    ptx_decoder_ok,
+    sum_rows,
+)
 from mla_spec.kernels.nvfp4_moe_gemv import MOE_GEMV_MAX_M, moe_gemv
 from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4
 
-__all__ = ["fused_moe_nvfp4", "fused_moe_ref", "moe_align"]
+__all__ = ["fused_moe_nvfp4", "fused_moe_ref", "moe_align", "MOE_MMAB_CONFIG"]
+
+# Tiles of the standard-orientation sorted path (not yet measured on the H200: the
+# ``sweep_nvfp4.py --mma-only`` MoE rows compare them with the swap-AB kernel).
+MOE_MMAB_CONFIG = NVFP4MmaConfig(block_m=0, block_n=64, block_k=128, num_warps=4, num_stages=3)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -149,6 +163,81 @@ def _moe_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :])
 
 
+@triton.jit
+def _moe_w_tile(w_row, s_row, it, K, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr,
+                DOT_F32: tl.constexpr, FAST: tl.constexpr):
+    """Decoded weight tile ``[BN, BK]`` (element 2j = low nibble of byte j), block-scaled."""
+    G: tl.constexpr = BK // 16
+    if EVEN_K:
+        wb = tl.load(w_row + it * (BK // 2))
+        s8 = tl.load(s_row + it * G)
+    else:
+        h_ok = it * (BK // 2) + tl.arange(0, BK // 2) < K // 2
+        wb = tl.load(w_row + it * (BK // 2), mask=h_ok[None, :], other=0)
+        g_ok = it * G + tl.arange(0, G) < K // 16
+        s8 = tl.load(s_row + it * G, mask=g_ok[None, :], other=0.0)
+    lo, hi = _decode(tl.reshape(wb, (BN, G, 8)), s8[:, :, None], DOT_F32, FAST)
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
+@triton.jit
+def _moe_mma_kernel(
+    a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, sorted_ptr, slot_expert_ptr, topk_w_ptr,
+    N, K, P, TOPK,
+    stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_s2e, stride_s2h, stride_om,
+    GATED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """Standard orientation of ``_moe_gemm_kernel`` (same inputs and outputs):
+    ``acc[BM rows, BN] += a[BM, BK] @ W'_e[BK, BN]``; slots are the fastest program id, so
+    the slots of one expert read its weight tile together."""
+    slot = tl.program_id(0)
+    expert = tl.load(slot_expert_ptr + slot)
+    if expert < 0:
+        return
+    pid_n = tl.program_id(1)
+    G: tl.constexpr = BK // 16
+    offs_r = slot * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + offs_r)
+    r_ok = pair < P
+    if GATED:
+        a_rows = (tl.minimum(pair, P - 1) // TOPK).to(tl.int64)  # padding: a valid row
+    else:
+        a_rows = offs_r.to(tl.int64)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    offs_k = tl.arange(0, BK)
+    e64 = expert.to(tl.int64)
+    a_row = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_row = w_ptr + e64 * stride_we + rows_n[:, None] * stride_wn + tl.arange(0, BK // 2)[None, :]
+    s_row = ws_ptr + e64 * stride_se + rows_n[:, None] * stride_sn + tl.arange(0, G)[None, :]
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for it in range(0, tl.cdiv(K, BK)):
+        if EVEN_K:  # padding rows read 0 (w2: their act rows were never written)
+            xt = tl.load(a_row + it * BK, mask=r_ok[:, None], other=0.0)
+        else:
+            xt = tl.load(a_row + it * BK, mask=r_ok[:, None] & (it * BK + offs_k < K)[None, :],
+                         other=0.0)
+        xt = xt.to(tl.float32) if DOT_F32 else xt.to(tl.bfloat16)
+        w = _moe_w_tile(w_row, s_row, it, K, BN, BK, EVEN_K, DOT_F32, FAST)
+        acc = tl.dot(xt, tl.trans(w), acc)
+        if GATED:
+            w = _moe_w_tile(w_row + N * stride_wn, s_row + N * stride_sn, it, K, BN, BK, EVEN_K,
+                            DOT_F32, FAST)
+            acc_up = tl.dot(xt, tl.trans(w), acc_up)
+    acc = acc * (tl.load(ws2_ptr + e64 * stride_s2e) * 256.0)
+    if GATED:
+        acc_up = acc_up * (tl.load(ws2_ptr + e64 * stride_s2e + stride_s2h) * 256.0)
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        rows = offs_r.to(tl.int64)
+    else:
+        acc = acc * tl.load(topk_w_ptr + pair, mask=r_ok, other=0.0)[:, None]
+        rows = pair.to(tl.int64)
+    out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & (offs_n < N)[None, :])
+
+
 def _scale2_strides(ws2: torch.Tensor, gated: bool) -> tuple[torch.Tensor, int, int]:
     """(contiguous fp32 scale_2, stride per expert, stride between gate and up)."""
     ws2 = ws2.float().contiguous()
@@ -192,7 +281,8 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     w13: NVFP4Tensor, w2: NVFP4Tensor, block_n: int = 32,
                     block_k: int = 256, fast_dequant: bool = True, path: str = "auto",
                     gemv_block_n: int = 128, gemv_split: int | None = None,
-                    gemv_warps: int = 1) -> torch.Tensor:
+                    gemv_warps: int = 1, sorted_kernel: str = "mmab",
+                    mmab_config: NVFP4MmaConfig | None = None) -> torch.Tensor:
     """Routed experts with NVFP4 weights (see the module docstring for shapes).
 
     ``path``: "gemv" (one program per token-expert pair, ``nvfp4_moe_gemv``), "sorted" (the
@@ -200,12 +290,20 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     winner up to 16 tokens). ``block_n`` / ``block_k`` / ``fast_dequant`` tune the sorted path
     (``fast_dequant``: the packed PTX decoder, validated on the H200; False = portable; never
     used in the interpreter or below sm_90), ``gemv_*`` the gemv path (its decoder follows
-    ``nvfp4_gemv.GEMV_FAST``).
+    ``nvfp4_gemv.GEMV_FAST``). ``sorted_kernel``: "mmab" (standard orientation,
+    ``_moe_mma_kernel``, tiles from ``mmab_config``: default ``MOE_MMAB_CONFIG``; its
+    ``block_m`` 0 = by the mean rows per active expert, ``split_k`` must be 1) or "mma" (the
+    swap-AB ``_moe_gemm_kernel``, tiles from ``block_n`` / ``block_k``).
 
     Returns ``[M, K]`` in x's dtype. Triton kernels when ``use_triton(x)``, else ``fused_moe_ref``.
     """
     if path not in ("auto", "gemv", "sorted"):
         raise ValueError(f"path must be 'auto', 'gemv' or 'sorted', got {path!r}")
+    if sorted_kernel not in ("mmab", "mma"):
+        raise ValueError(f"sorted_kernel must be 'mmab' or 'mma', got {sorted_kernel!r}")
+    mcfg = mmab_config or MOE_MMAB_CONFIG
+    if mcfg.split_k != 1 or mcfg.block_n < 16 or mcfg.block_k < 32:
+        raise ValueError(f"mmab_config needs split_k = 1, block_n >= 16, block_k >= 32: {mcfg}")
     e, inter = _check_moe(x, topk_ids, topk_weights, w13, w2)
     if not use_triton(x):
         return fused_moe_ref(x, topk_ids, topk_weights, w13, w2)
@@ -223,29 +321,40 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                         .float().contiguous(), w13, w2, _scale2_strides(w13.weight_scale_2, True),
                         _scale2_strides(w2.weight_scale_2, False), act_dtype, gemv_block_n,
                         gemv_split, gemv_warps, not interp and nvfp4_gemv.GEMV_FAST)
-    bm = block_m_for(triton.cdiv(p, min(e, p)))  # mean rows per active expert, at most
+    mean_rows = triton.cdiv(p, min(e, p))  # rows per active expert, at most
+    mmab = sorted_kernel == "mmab"
+    bm = (mcfg.block_m or mma_block_m(mean_rows)) if mmab else block_m_for(mean_rows)
     sorted_ids, slot_expert = moe_align(topk_ids, e, bm)
     n_slots = slot_expert.numel()
     dot_f32 = interp or x.dtype != torch.bfloat16  # fp16 / fp32 x: exact-ish fp32 (tf32) dot
-    fast = fast_dequant and ptx_decoder_ok(x.device, interp)
+    fast = fast_dequant and (mcfg.fast_dequant or not mmab) and ptx_decoder_ok(x.device, interp)
     act = torch.empty((n_slots * bm, inter), dtype=act_dtype, device=x.device)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     tw = topk_weights.reshape(-1).float().contiguous()
     s13, s13e, s13h = _scale2_strides(w13.weight_scale_2, True)
-    bn13 = min(block_n, 16) if n_slots * triton.cdiv(inter, block_n) < 264 else block_n
-    _moe_gemm_kernel[(triton.cdiv(inter, bn13), n_slots)](
-        x2, w13.weight, w13.weight_scale, s13, act, sorted_ids, slot_expert, tw,
-        inter, k_hidden, p, topk, x2.stride(0), *w13.weight.stride()[:2],
-        *w13.weight_scale.stride()[:2], s13e, s13h, act.stride(0),
-        GATED=True, BM=bm, BN=bn13, BK=block_k, DOT_F32=dot_f32, FAST=fast)
     pairs = torch.zeros((p, k_hidden), dtype=torch.float32, device=x.device)
     s2, s2e, _ = _scale2_strides(w2.weight_scale_2, False)
-    _moe_gemm_kernel[(triton.cdiv(k_hidden, block_n), n_slots)](
-        act, w2.weight, w2.weight_scale, s2, pairs, sorted_ids, slot_expert, tw,
-        k_hidden, inter, p, topk, act.stride(0), *w2.weight.stride()[:2],
-        *w2.weight_scale.stride()[:2], s2e, 0, pairs.stride(0),
-        GATED=False, BM=bm, BN=block_n, BK=min(block_k, triton.next_power_of_2(inter)),
-        DOT_F32=dot_f32, FAST=fast)
+    a13 = (x2, w13.weight, w13.weight_scale, s13, act, sorted_ids, slot_expert, tw,
+           inter, k_hidden, p, topk, x2.stride(0), *w13.weight.stride()[:2],
+           *w13.weight_scale.stride()[:2], s13e, s13h, act.stride(0))
+    a2 = (act, w2.weight, w2.weight_scale, s2, pairs, sorted_ids, slot_expert, tw,
+          k_hidden, inter, p, topk, act.stride(0), *w2.weight.stride()[:2],
+          *w2.weight_scale.stride()[:2], s2e, 0, pairs.stride(0))
+    if mmab:
+        bn, opts = mcfg.block_n, dict(num_warps=mcfg.num_warps, num_stages=mcfg.num_stages)
+        for args, n_out, k_in, gated in ((a13, inter, k_hidden, True),
+                                         (a2, k_hidden, inter, False)):
+            bk = min(mcfg.block_k, triton.next_power_of_2(k_in))
+            _moe_mma_kernel[(n_slots, triton.cdiv(n_out, bn))](
+                *args, GATED=gated, BM=bm, BN=bn, BK=bk, DOT_F32=dot_f32, FAST=fast,
+                EVEN_K=k_in % bk == 0, **opts)
+    else:
+        bn13 = min(block_n, 16) if n_slots * triton.cdiv(inter, block_n) < 264 else block_n
+        _moe_gemm_kernel[(triton.cdiv(inter, bn13), n_slots)](
+            *a13, GATED=True, BM=bm, BN=bn13, BK=block_k, DOT_F32=dot_f32, FAST=fast)
+        _moe_gemm_kernel[(triton.cdiv(k_hidden, block_n), n_slots)](
+            *a2, GATED=False, BM=bm, BN=block_n, BK=min(block_k, triton.next_power_of_2(inter)),
+            DOT_F32=dot_f32, FAST=fast)
     sum_rows(pairs.view(m, topk, k_hidden), out)
     return out
 

@@ -17,6 +17,7 @@ from mla_spec.kernels.nvfp4_configs import (
     PINNED_CONFIGS,
     GemvConfig,
     NVFP4GemmConfig,
+    NVFP4MmaConfig,
     m_bucket,
     parse_variant,
     pinned_config,
@@ -26,6 +27,7 @@ from mla_spec.kernels.nvfp4_gemm import (
     _CONFIGS,
     auto_config,
     default_gemm_config,
+    default_mma_config,
     nvfp4_gemm,
     nvfp4_gemm_ref,
     ptx_decoder_ok,
@@ -40,11 +42,12 @@ needs_triton = pytest.mark.skipif(not use_triton(torch.empty(0)) and not torch.c
 
 
 def test_pinned_table_parses_and_round_trips():
-    assert len(PINNED_CONFIGS) == 16
+    assert len(PINNED_CONFIGS) >= 16
+    kinds = {"gemv": GemvConfig, "mma": NVFP4GemmConfig, "mmab": NVFP4MmaConfig}
     for (n, k, bucket), name in PINNED_CONFIGS.items():
         assert bucket in M_BUCKETS and n > 0 and k % 16 == 0
         cfg = parse_variant(name)
-        assert isinstance(cfg, GemvConfig if name.startswith("gemv") else NVFP4GemmConfig)
+        assert isinstance(cfg, kinds[name.split()[0]])
         assert variant_name(cfg) == name
     assert parse_variant("gemv bn256 s16 w2 st1") == GemvConfig(256, 2, 16, 2, 1)
     assert parse_variant("mma bn128 s4 w8 st3 bk128") == NVFP4GemmConfig(128, 128, 4, 8, 3)
@@ -52,16 +55,30 @@ def test_pinned_table_parses_and_round_trips():
     assert parse_variant("gemv st2 g4 bn64") == GemvConfig(block_n=64, groups=4, num_stages=2)
 
 
+def test_mmab_variants_round_trip():
+    cfg = parse_variant("mmab bm64 bn128 bk128 w4 st3 s1")
+    assert cfg == NVFP4MmaConfig(block_m=64, block_n=128, block_k=128, split_k=1, num_warps=4,
+                                 num_stages=3)
+    assert parse_variant("mmab s2 bn64 bk256 w8 st4 pure") == NVFP4MmaConfig(
+        0, 64, 256, 2, 8, 4, False)
+    for name in ("mmab bm64 bn128 bk128 w4 st3 s1", "mmab bn256 bk64 w8 st2 s4 pure",
+                 "mmab bm16 bn64 bk128 w4 st4 s8", "mmab bm128 bn128 bk128 w8 st3 s1"):
+        assert variant_name(parse_variant(name)) == name
+    for cfg in (NVFP4MmaConfig(), default_mma_config(100, 9216, 7168)):
+        assert parse_variant(variant_name(cfg)) == cfg
+
+
 @pytest.mark.parametrize("bad", ["", "wgmma bn64", "gemv bk128", "mma g2", "gemv bn100",
-                                 "gemv s0", "mma bn64 x3", "gemv bn64s4"])
+                                 "gemv s0", "mma bn64 x3", "gemv bn64s4", "mma bm64",
+                                 "mmab g2", "mmab bm48", "mmab bm256", "mmab bn96", "gemv bm16"])
 def test_parse_variant_rejects(bad):
     with pytest.raises(ValueError):
         parse_variant(bad)
 
 
 def test_m_buckets():
-    assert [m_bucket(m) for m in (1, 2, 4, 5, 8, 9, 16, 17, 64, 65)] == \
-        [1, 4, 4, 8, 8, 16, 16, 64, 64, None]
+    assert [m_bucket(m) for m in (1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 128, 129, 512, 513)] == \
+        [1, 4, 4, 8, 8, 16, 16, 64, 64, 128, 128, 512, 512, None]
 
 
 def test_defaults_pick_the_table_for_listed_shapes():
@@ -83,9 +100,18 @@ def test_heuristics_for_unseen_shapes():
     assert pinned_config(4, n, k) is None
     assert isinstance(auto_config(GEMV_MAX_M, n, k), GemvConfig)
     assert isinstance(auto_config(6, 9216, 7168), GemvConfig)  # bucket 8: not measured
-    cfg = auto_config(GEMV_MAX_M + 1, n, k)
-    assert (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages) == (128, 128, 8, 3)
-    assert cfg.split_k == 4  # 48 tiles x 8 warps x 4 splits; K = 12 steps of 128 caps it
+    cfg = auto_config(GEMV_MAX_M + 1, n, k)  # above the GEMV: the standard-orientation MMA
+    assert isinstance(cfg, NVFP4MmaConfig)
+    assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) == (16, 128, 128, 4)
+    assert cfg.split_k == 2  # 48 tiles x 4 warps x 2 splits; K = 12 steps of 128 caps it
+    old = default_gemm_config(GEMV_MAX_M + 1, n, k)  # the swap-AB kernel's heuristic
+    assert (old.block_n, old.block_k, old.num_warps, old.num_stages, old.split_k) == \
+        (128, 128, 8, 3, 4)
+    for m, bm, warps in ((100, 128, 8), (512, 128, 8), (40, 64, 4), (30, 32, 4)):
+        cfg = auto_config(m, 9216 if m > 64 else n, 7168 if m > 64 else k)  # no pin
+        assert isinstance(cfg, NVFP4MmaConfig) and (cfg.block_m, cfg.num_warps) == (bm, warps)
+    assert auto_config(512, 9216, 7168).split_k == 1  # 288 tiles fill the SMs
+    assert auto_config(128, 9216, 7168).split_k == 2  # 72 tiles x 8 warps
     g = default_gemv_config(1, 4096, 7168)
     assert g.num_warps == 1 and g.block_n == 128 and 32 * g.split_k >= 4 * 132
     assert default_gemv_config(1, 16384, 7168).num_warps == 2
@@ -124,6 +150,11 @@ def test_pinned_entry_drives_the_launch(monkeypatch, device):
     args = (q.weight, q.weight_scale, q.weight_scale_2)
     y = nvfp4_gemm(x, *args, torch.float32)
     ref = nvfp4_gemm_ref(x, *args, torch.float32)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    # an "mmab" pin runs the standard-orientation kernel (and not the swap-AB one)
+    monkeypatch.setitem(nvfp4_configs.PINNED_CONFIGS, (n, k, 4), "mmab bm16 bn16 bk64 w4 st1 s2")
+    monkeypatch.setattr(gemm_mod, "_nvfp4_gemm_kernel", None)
+    y = nvfp4_gemm(x, *args, torch.float32)
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 

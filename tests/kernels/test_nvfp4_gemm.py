@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.nvfp4_gemm import NVFP4GemmConfig, nvfp4_gemm, nvfp4_gemm_ref
+from mla_spec.kernels.nvfp4_gemm import (
+    NVFP4GemmConfig,
+    NVFP4MmaConfig,
+    nvfp4_gemm,
+    nvfp4_gemm_ref,
+)
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref, moe_align
 from mla_spec.quant.nvfp4 import NVFP4Tensor, quantize_nvfp4
 
@@ -33,6 +38,12 @@ CASES = [  # m, n, k, config (None = heuristic)
     (20, 9, 272, NVFP4GemmConfig(block_n=16, block_k=128, split_k=3)),
     (40, 31, 80, NVFP4GemmConfig(block_n=32, block_k=32)),
     (3, 10, 128, NVFP4GemmConfig(block_n=16, block_k=64, split_k=2)),  # K % BK == 0
+    # standard orientation (x [BM, BK] @ W'[BK, BN]): K % BK != 0, N % BN != 0, M irregular
+    (1, 17, 48, NVFP4MmaConfig(block_m=16, block_n=16, block_k=32)),
+    (37, 33, 208, NVFP4MmaConfig(block_m=32, block_n=16, block_k=64, split_k=2)),
+    (300, 9, 80, NVFP4MmaConfig(block_n=16, block_k=64)),  # block_m by M: 128, 3 tiles
+    (70, 20, 128, NVFP4MmaConfig(block_m=64, block_n=16, block_k=64, split_k=3)),
+    (20, 9, 272, None),  # above GEMV_MAX_M the default is the standard-orientation kernel
 ]
 
 
@@ -50,6 +61,15 @@ def test_kernel_matches_twin(m, n, k, cfg, dtype, device):
     torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
     y16 = nvfp4_gemm(x, q.weight, q.weight_scale, q.weight_scale_2, config=cfg)
     assert y16.dtype == dtype and y16.shape == (m, n)
+
+
+def test_mma_config_errors():
+    _, q = _q(4, 32)
+    x = torch.randn(9, 32)
+    if use_triton(x):
+        with pytest.raises(ValueError, match="block_k >= 32"):
+            nvfp4_gemm(x, q.weight, q.weight_scale, q.weight_scale_2,
+                       config=NVFP4MmaConfig(block_k=16))
 
 
 def test_empty_and_leading_dims(device):
@@ -117,6 +137,23 @@ def test_fused_moe_matches_twin(m, topk, gate_up, device):
                                    atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("kernel", ["mmab", "mma"])
+@pytest.mark.parametrize("m,topk,e", [(20, 3, 5), (1, 2, 3)])
+def test_sorted_moe_kernels_match_twin(m, topk, e, kernel, device):
+    k, inter = 48, 32  # K not a multiple of the 64-wide K step
+    w13, w2 = _experts(e, k, inter, device, gate_up_scales=True)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, e, (m, topk), device=device)
+    ids[0, 0] = -1
+    tw = torch.rand(m, topk, device=device)
+    cfg = NVFP4MmaConfig(block_n=16, block_k=64)
+    y = fused_moe_nvfp4(x, ids, tw, w13, w2, block_n=16, block_k=64, path="sorted",
+                        sorted_kernel=kernel, mmab_config=cfg)
+    ref = fused_moe_ref(x, ids, tw, w13, w2)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2,
+                               atol=2e-2 * ref.abs().max().item())
+
+
 def test_moe_twin_matches_per_token_loop():
     e, k, inter, m, topk = 3, 32, 16, 4, 2
     w13, w2 = _experts(e, k, inter, "cpu")
@@ -147,6 +184,10 @@ def test_moe_errors():
         fused_moe_nvfp4(x, tw, tw, w13, w2)
     with pytest.raises(ValueError, match=r"w2.weight must have shape \(2, 32, 8\)"):
         fused_moe_nvfp4(x, ids, tw, w13, w13)
+    with pytest.raises(ValueError, match="sorted_kernel"):
+        fused_moe_nvfp4(x, ids, tw, w13, w2, sorted_kernel="wgmma")
+    with pytest.raises(ValueError, match="split_k = 1"):
+        fused_moe_nvfp4(x, ids, tw, w13, w2, mmab_config=NVFP4MmaConfig(split_k=2))
 
 
 @pytest.mark.gpu
@@ -159,9 +200,11 @@ def test_gpu_fast_and_pure_decoders_agree_and_graph_capture():
         ref = nvfp4_gemm_ref(x, *args, torch.float32)
         for fast in (True, False):
             for split in (1, 4):
-                cfg = NVFP4GemmConfig(block_n=32, split_k=split, fast_dequant=fast)
-                y = nvfp4_gemm(x, *args, out_dtype=torch.float32, config=cfg)
-                torch.testing.assert_close(y, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+                for cfg in (NVFP4GemmConfig(block_n=32, split_k=split, fast_dequant=fast),
+                            NVFP4MmaConfig(block_n=64, split_k=split, fast_dequant=fast)):
+                    y = nvfp4_gemm(x, *args, out_dtype=torch.float32, config=cfg)
+                    torch.testing.assert_close(y, ref, rtol=1e-3,
+                                               atol=1e-3 * ref.abs().max().item())
     x = torch.randn(4, 7168, device="cuda", dtype=torch.bfloat16)
     nvfp4_gemm(x, *args)
     g = torch.cuda.CUDAGraph()
