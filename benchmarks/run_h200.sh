@@ -34,7 +34,7 @@ step() {  # step NAME SECONDS CMD...
   if [ -n "${OUT:-}" ]; then tar czf "$OUT/results.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"; fi
 }
 step sweep_mla   95 python3 benchmarks/sweep_mla.py ${SWEEP_MLA_ARGS:---deadline 75}
-step sweep_nvfp4 90 env SWEEP_DEADLINE_S=60 python3 benchmarks/sweep_nvfp4.py ${SWEEP_NVFP4_ARGS:-}
+step sweep_nvfp4 90 env SWEEP_DEADLINE_S=${SWEEP_DEADLINE_S:-60} python3 benchmarks/sweep_nvfp4.py ${SWEEP_NVFP4_ARGS:-}
 step pad_tests   90 python3 -m pytest tests/kernels/test_draft_extend_pad.py -q -x -p no:cacheprovider
 step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_configs.py -q -p no:cacheprovider
 step norm_tests  60 python3 -m pytest -m gpu tests/kernels/test_rmsnorm.py -q -s -p no:cacheprovider
