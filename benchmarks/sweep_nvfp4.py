@@ -231,7 +231,7 @@ def to_markdown(dense, moe) -> str:
     return "\n".join(lines)
 
 
-MMA_MS = [16, 64, 128, 512]
+MMA_MS = [int(m) for m in os.environ.get("SWEEP_MMA_MS", "16,64,128,512").split(",")]
 OLD_TILES = [(64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4)]  # swap-AB bk128: bn, warps, st
 NEW_TILES = [(0, 128, 128, 4, 4), (0, 128, 256, 4, 3), (0, 256, 128, 8, 3),
              (0, 64, 128, 4, 4), (64, 128, 128, 4, 3), (0, 128, 64, 4, 4)]  # bm bn bk w st
@@ -406,7 +406,7 @@ def bench_mma(ok) -> list[dict]:
     return rows
 
 
-MOE_MS = [32, 128]
+MOE_MS = [int(m) for m in os.environ.get("SWEEP_MOE_MS", "32,128").split(",")]
 MOE_MMAB = [(64, 128, 4, 3), (128, 128, 4, 3), (64, 256, 4, 3), (32, 128, 4, 4)]  # bn bk w st
 
 
@@ -440,13 +440,18 @@ def bench_moe_mma(ok) -> list[dict]:
                 continue
             kind = name.split()[0]
             best[kind] = min(best.get(kind, (float("inf"), "none")), (us, name))
+        gemv_us = None
+        if m <= 16:  # the per-pair GEMV path ("auto" takes it up to MOE_GEMV_MAX_M tokens)
+            gemv_us = graph_us([lambda x=x, t=t, w=w: fused_moe_nvfp4(
+                x, t, w, w13, w2, path="gemv") for x, t, w in zip(xs, ids, tws)])
         bf16, active = bench.moe_bf16_us(xs, ids, b13, b2, inter, timer=graph_us)
         old, new = best.get("mma", (float("inf"), "none")), best.get("mmab", (float("inf"),
                                                                              "none"))
         hbm_us = active * 3 * inter * k * 0.5625 / 4.0e6  # active experts' bytes at 4 TB/s
         rows.append(dict(shape="moe_256e_top8_tp4", m=m, active_experts=round(active, 1),
                          old_us=round(old[0], 2), old_best=old[1], new_us=round(new[0], 2),
-                         new_best=new[1], bf16_us=round(bf16, 2), hbm_floor_us=round(hbm_us, 1),
+                         new_best=new[1], gemv_us=gemv_us and round(gemv_us, 2),
+                         bf16_us=round(bf16, 2), hbm_floor_us=round(hbm_us, 1),
                          bf16_over_best=round(bf16 / min(old[0], new[0]), 3)))
         print(rows[-1])
     return rows
@@ -462,12 +467,12 @@ def mma_markdown(rows, moe) -> str:
         us = min(r["old_us"], r["new_us"])
         lines.append(f"    ({r['n']}, {r['k']}, {r['m']}): \"{r['pin']}\",  # {us} (cuBLAS "
                      f"{r['bf16_us']}); {r['old_best']}: {r['old_us']}")
-    lines += ["```", "", "| MoE sorted path | M | active experts | mma (swap AB) µs | mmab µs | "
-              "bf16 GEMMs µs | NVFP4 bytes at 4 TB/s µs | bf16 / best | best mmab |",
-              "|" + "---|" * 9]
+    lines += ["```", "", "| MoE | M | active experts | sorted mma (swap AB) µs | sorted mmab µs | "
+              "gemv path µs | bf16 GEMMs µs | NVFP4 bytes at 4 TB/s µs | bf16 / best sorted | "
+              "best mmab |", "|" + "---|" * 10]
     lines += [f"| {r['shape']} | {r['m']} | {r['active_experts']} | {r['old_us']} | "
-              f"{r['new_us']} | {r['bf16_us']} | {r['hbm_floor_us']} | {r['bf16_over_best']} | "
-              f"{r['new_best']} |" for r in moe]
+              f"{r['new_us']} | {r.get('gemv_us') or '-'} | {r['bf16_us']} | {r['hbm_floor_us']} "
+              f"| {r['bf16_over_best']} | {r['new_best']} |" for r in moe]
     return "\n".join(lines)
 
 
