@@ -84,26 +84,37 @@ M_BUCKETS = (1, 4, 8, 16, 64, 128, 512)
 # docs/bench_nvfp4.md). Entries marked "old default" are the previous heuristic's config where
 # it beat every variant the sweep reached before its deadline.
 PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
-    # dense MLP, TP4: gate_up [9216, 7168]
-    (9216, 7168, 1): "gemv bn256 s16 w2 st1",  # 34.6 (cuBLAS bf16 43.5)
-    (9216, 7168, 4): "gemv bn256 s16 w2 st3",  # 52.2 (44.1)
-    (9216, 7168, 16): "mma bn128 s4 w8 st3 bk128",  # 89.5 (44.5); old default 148.0
-    (9216, 7168, 64): "mma bn128 s4 w8 st3 bk128",  # 318.0 (39.4); old default 531.0
-    # dense MLP, TP4: down [7168, 4608]
-    (7168, 4608, 1): "gemv bn128 s16 w1 st1",  # 18.6 (23.6)
-    (7168, 4608, 4): "gemv bn128 s16 w1 st1",  # 28.5 (23.7)
-    (7168, 4608, 16): "mma bn128 s4 w8 st3 bk128",  # 42.0 (21.6); old default 79.1
-    (7168, 4608, 64): "mma bn128 s4 w8 st3 bk128",  # 140.0 (21.7); old default 306.1
-    # one routed expert, TP4: w13 [1024, 7168]
-    (1024, 7168, 1): "gemv bn128 s32 w1 st1",  # 11.3 (9.4)
-    (1024, 7168, 4): "gemv bn128 s32 w1 st1",  # 21.2 (9.4)
-    (1024, 7168, 16): "gemv bn64 s32 w1 st1",  # 29.1 (9.6); old default (MMA) 42.9
-    (1024, 7168, 64): "mma bn16 s8 w4 st4 bk256 pure",  # old default 160.0 (10.2); bn64: 328
-    # one routed expert, TP4: w2 [7168, 512]
-    (7168, 512, 1): "gemv bn256 s4 w2 st1",  # 6.6 (4.8)
-    (7168, 512, 4): "gemv bn256 s4 w2 st1",  # 9.7 (4.8)
-    (7168, 512, 16): "gemv bn128 s4 w2 st1",  # 13.9 (4.8); old default (MMA) 15.4
-    (7168, 512, 64): "mma bn64 s1 w4 st4 bk256",  # 38.2 (5.1); old default 57.6
+    # H200 sweeps of 2026-11-29, second session (`sweep_nvfp4.py --mma-only`, docs/bench_nvfp4.md):
+    # the standard-orientation MMA kernel ("mmab") wins every shape and M, the GEMV included.
+    # Comments: µs per call in a CUDA graph (cuBLAS bf16 in the same run); before = old default
+    (9216, 7168, 1): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.5 (cuBLAS 43.23); before 34.19
+    (9216, 7168, 4): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.68 (cuBLAS 43.89); before 52.04
+    (9216, 7168, 8): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.51 (cuBLAS 44.32); before 92.85
+    (9216, 7168, 16): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.35 (cuBLAS 43.97); before 88.88
+    (9216, 7168, 64): "mmab bm64 bn128 bk128 w4 st3 s4",  # 51.93 (cuBLAS 39.49); before 317.73
+    (9216, 7168, 128): "mmab bm128 bn128 bk128 w4 st4 s4",  # 82.11 (cuBLAS 40.98); before 94.5
+    (9216, 7168, 512): "mmab bm128 bn64 bk128 w4 st4 s1",  # 256.55 (cuBLAS 91.36); before 278.41
+    (7168, 4608, 1): "mmab bm16 bn128 bk128 w4 st4 s8",  # 17.32 (cuBLAS 23.62); before 18.51
+    (7168, 4608, 4): "mmab bm16 bn64 bk128 w4 st4 s4",  # 17.14 (cuBLAS 23.66); before 28.47
+    (7168, 4608, 8): "mmab bm16 bn64 bk128 w4 st4 s4",  # 16.96 (cuBLAS 23.71); before 45.52
+    (7168, 4608, 16): "mmab bm16 bn64 bk128 w4 st4 s4",  # 16.66 (cuBLAS 21.6); before 41.88
+    (7168, 4608, 64): "mmab bm64 bn64 bk128 w4 st4 s4",  # 26.54 (cuBLAS 21.69); before 140.0
+    (7168, 4608, 128): "mmab bm128 bn128 bk128 w8 st3 s4",  # 38.01 (cuBLAS 23.58); before 37.98
+    (7168, 4608, 512): "mmab bm128 bn128 bk64 w4 st4 s2",  # 103.1 (cuBLAS 47.4); before 127.1
+    (1024, 7168, 1): "mmab bm16 bn64 bk128 w4 st4 s8",  # 8.88 (cuBLAS 9.33); before 11.42
+    (1024, 7168, 4): "mmab bm16 bn64 bk128 w4 st4 s8",  # 8.93 (cuBLAS 9.37); before 21.26
+    (1024, 7168, 8): "mmab bm16 bn64 bk128 w4 st4 s8",  # 8.92 (cuBLAS 9.44); before 23.83
+    (1024, 7168, 16): "mmab bm16 bn64 bk128 w4 st4 s8",  # 9.09 (cuBLAS 9.53); before 28.77
+    (1024, 7168, 64): "mmab bm64 bn64 bk128 w4 st4 s8",  # 11.02 (cuBLAS 10.11); before 159.36
+    (1024, 7168, 128): "mmab bm128 bn64 bk128 w4 st4 s8",  # 13.16 (cuBLAS 10.68); before 14.15
+    (1024, 7168, 512): "mmab bm128 bn128 bk64 w4 st4 s8",  # 28.53 (cuBLAS 15.28); before 36.56
+    (7168, 512, 1): "mmab bm16 bn64 bk128 w4 st4 s1",  # 5.0 (cuBLAS 4.79); before 6.69
+    (7168, 512, 4): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.66 (cuBLAS 4.77); before 9.66
+    (7168, 512, 8): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.52 (cuBLAS 4.78); before 10.84
+    (7168, 512, 16): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.47 (cuBLAS 4.84); before 13.83
+    (7168, 512, 64): "mmab bm64 bn64 bk128 w4 st4 s1",  # 5.38 (cuBLAS 5.13); before 38.26
+    (7168, 512, 128): "mmab bm128 bn64 bk128 w4 st4 s1",  # 6.7 (cuBLAS 5.21); before 10.07
+    (7168, 512, 512): "mmab bm128 bn256 bk128 w8 st3 s1",  # 15.92 (cuBLAS 8.16); before 18.96
 }
 
 _FIELDS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "st": "num_stages", "s": "split_k",

@@ -286,14 +286,15 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """Routed experts with NVFP4 weights (see the module docstring for shapes).
 
     ``path``: "gemv" (one program per token-expert pair, ``nvfp4_moe_gemv``), "sorted" (the
-    moe_align slots below), or "auto" (gemv up to ``MOE_GEMV_MAX_M`` tokens: the H200 sweep's
-    winner up to 16 tokens). ``block_n`` / ``block_k`` / ``fast_dequant`` tune the sorted path
-    (``fast_dequant``: the packed PTX decoder, validated on the H200; False = portable; never
-    used in the interpreter or below sm_90), ``gemv_*`` the gemv path (its decoder follows
-    ``nvfp4_gemv.GEMV_FAST``). ``sorted_kernel``: "mmab" (standard orientation,
-    ``_moe_mma_kernel``, tiles from ``mmab_config``: default ``MOE_MMAB_CONFIG``; its
-    ``block_m`` 0 = by the mean rows per active expert, ``split_k`` must be 1) or "mma" (the
-    swap-AB ``_moe_gemm_kernel``, tiles from ``block_n`` / ``block_k``).
+    moe_align slots below), or "auto" (gemv up to ``MOE_GEMV_MAX_M`` = 4 tokens: the H200 sweep's
+    winner there; the sorted path wins from 16 tokens on, 2.6x). ``block_n`` / ``block_k`` /
+    ``fast_dequant`` tune the sorted path (``fast_dequant``: the packed PTX decoder, validated
+    on the H200; False = portable; never used in the interpreter or below sm_90), ``gemv_*``
+    the gemv path (its decoder follows ``nvfp4_gemv.GEMV_FAST``). ``sorted_kernel``: "mmab"
+    (standard orientation, ``_moe_mma_kernel``, tiles from ``mmab_config``: default
+    ``MOE_MMAB_CONFIG``; its ``block_m`` 0 = by the mean rows per active expert, ``split_k``
+    must be 1) or "mma" (the swap-AB ``_moe_gemm_kernel``, tiles from ``block_n`` /
+    ``block_k``).
 
     Returns ``[M, K]`` in x's dtype. Triton kernels when ``use_triton(x)``, else ``fused_moe_ref``.
     """

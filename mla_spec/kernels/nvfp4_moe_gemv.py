@@ -32,7 +32,7 @@ __all__ = ["moe_gemv", "MOE_GEMV_MAX_M"]
 # tokens; above, the sorted (moe_align) path reads each expert once. H200, 256 experts top-8:
 # this path 58 / 208 / 1100 µs at M = 1 / 4 / 16 (1.86x / 2.0x / 1.27x the bf16 GEMMs); the
 # first pass's sorted path took 257 / 462 / 1342 µs (docs/bench_nvfp4.md).
-MOE_GEMV_MAX_M = 16
+MOE_GEMV_MAX_M = 4  # H200: tie at 4 tokens (203 µs), sorted "mmab" 2.6x faster at 16
 
 
 @triton.jit(do_not_specialize=["R"])  # token x top-k rows follow the batch

@@ -102,54 +102,60 @@ def gemm_speed_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
-# Measured by benchmarks/sweep_nvfp4.py on an H200 (2026-11-29, torch 2.11, triton 3.6, PTX
-# decoders; docs/bench_nvfp4.md): µs per call inside a CUDA graph, weights rotated past L2.
-# ours_us: the config now pinned as the default (nvfp4_configs.PINNED_CONFIGS); default_us: the
-# previous heuristic's config (MMA rows with the portable decoder); bf16_us: cuBLAS bf16.
+# Measured by `benchmarks/sweep_nvfp4.py --mma-only` on an H200 (2026-11-29, second session;
+# torch 2.11, triton 3.6, PTX decoders; docs/bench_nvfp4.md): µs per call inside a CUDA graph,
+# weights rotated past L2. ours_us: the config now pinned (nvfp4_configs.PINNED_CONFIGS, the
+# standard-orientation "mmab" kernel everywhere); default_us: the previous default (GEMV / swap-AB
+# MMA pins of the first session); bf16_us: cuBLAS bf16 in the same run.
 RECORDED_H200 = [
-    dict(shape='dense_gate_up_tp4', m=1, ours_us=34.61, default_us=34.52,
-         bf16_us=43.52, speedup_vs_bf16=1.26, pinned='gemv bn256 s16 w2 st1'),
-    dict(shape='dense_gate_up_tp4', m=4, ours_us=52.19, default_us=52.25,
-         bf16_us=44.09, speedup_vs_bf16=0.84, pinned='gemv bn256 s16 w2 st3'),
-    dict(shape='dense_gate_up_tp4', m=16, ours_us=89.52, default_us=148.02,
-         bf16_us=44.49, speedup_vs_bf16=0.5, pinned='mma bn128 s4 w8 st3 bk128'),
-    dict(shape='dense_gate_up_tp4', m=64, ours_us=317.98, default_us=531.01,
-         bf16_us=39.44, speedup_vs_bf16=0.12, pinned='mma bn128 s4 w8 st3 bk128'),
-    dict(shape='dense_down_tp4', m=1, ours_us=18.63, default_us=22.6,
-         bf16_us=23.59, speedup_vs_bf16=1.27, pinned='gemv bn128 s16 w1 st1'),
-    dict(shape='dense_down_tp4', m=4, ours_us=28.46, default_us=34.43,
-         bf16_us=23.74, speedup_vs_bf16=0.83, pinned='gemv bn128 s16 w1 st1'),
-    dict(shape='dense_down_tp4', m=16, ours_us=41.96, default_us=79.09,
-         bf16_us=21.63, speedup_vs_bf16=0.52, pinned='mma bn128 s4 w8 st3 bk128'),
-    dict(shape='dense_down_tp4', m=64, ours_us=140.04, default_us=306.07,
-         bf16_us=21.7, speedup_vs_bf16=0.15, pinned='mma bn128 s4 w8 st3 bk128'),
-    dict(shape='expert_w13_tp4', m=1, ours_us=11.28, default_us=11.31,
-         bf16_us=9.42, speedup_vs_bf16=0.83, pinned='gemv bn128 s32 w1 st1'),
-    dict(shape='expert_w13_tp4', m=4, ours_us=21.23, default_us=21.29,
-         bf16_us=9.43, speedup_vs_bf16=0.44, pinned='gemv bn128 s32 w1 st1'),
-    dict(shape='expert_w13_tp4', m=16, ours_us=29.05, default_us=42.87,
-         bf16_us=9.57, speedup_vs_bf16=0.33, pinned='gemv bn64 s32 w1 st1'),
-    dict(shape='expert_w13_tp4', m=64, ours_us=160.02, default_us=160.02,
-         bf16_us=10.15, speedup_vs_bf16=0.06, pinned='mma bn16 s8 w4 st4 bk256 pure'),
-    dict(shape='expert_w2_tp4', m=1, ours_us=6.62, default_us=6.61,
-         bf16_us=4.79, speedup_vs_bf16=0.72, pinned='gemv bn256 s4 w2 st1'),
-    dict(shape='expert_w2_tp4', m=4, ours_us=9.67, default_us=9.64,
-         bf16_us=4.79, speedup_vs_bf16=0.5, pinned='gemv bn256 s4 w2 st1'),
-    dict(shape='expert_w2_tp4', m=16, ours_us=13.88, default_us=15.41,
-         bf16_us=4.82, speedup_vs_bf16=0.35, pinned='gemv bn128 s4 w2 st1'),
-    dict(shape='expert_w2_tp4', m=64, ours_us=38.17, default_us=57.64,
-         bf16_us=5.11, speedup_vs_bf16=0.13, pinned='mma bn64 s1 w4 st4 bk256'),
+    dict(shape='dense_gate_up_tp4', m=1, ours_us=29.5, default_us=34.19,
+         bf16_us=43.23, speedup_vs_bf16=1.47, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
+    dict(shape='dense_gate_up_tp4', m=4, ours_us=29.68, default_us=52.04,
+         bf16_us=43.89, speedup_vs_bf16=1.48, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
+    dict(shape='dense_gate_up_tp4', m=16, ours_us=29.35, default_us=88.88,
+         bf16_us=43.97, speedup_vs_bf16=1.5, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
+    dict(shape='dense_gate_up_tp4', m=64, ours_us=51.93, default_us=317.73,
+         bf16_us=39.49, speedup_vs_bf16=0.76, pinned='mmab bm64 bn128 bk128 w4 st3 s4'),
+    dict(shape='dense_down_tp4', m=1, ours_us=17.32, default_us=18.51,
+         bf16_us=23.62, speedup_vs_bf16=1.36, pinned='mmab bm16 bn128 bk128 w4 st4 s8'),
+    dict(shape='dense_down_tp4', m=4, ours_us=17.14, default_us=28.47,
+         bf16_us=23.66, speedup_vs_bf16=1.38, pinned='mmab bm16 bn64 bk128 w4 st4 s4'),
+    dict(shape='dense_down_tp4', m=16, ours_us=16.66, default_us=41.88,
+         bf16_us=21.6, speedup_vs_bf16=1.3, pinned='mmab bm16 bn64 bk128 w4 st4 s4'),
+    dict(shape='dense_down_tp4', m=64, ours_us=26.54, default_us=140.0,
+         bf16_us=21.69, speedup_vs_bf16=0.82, pinned='mmab bm64 bn64 bk128 w4 st4 s4'),
+    dict(shape='expert_w13_tp4', m=1, ours_us=8.88, default_us=11.42,
+         bf16_us=9.33, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
+    dict(shape='expert_w13_tp4', m=4, ours_us=8.93, default_us=21.26,
+         bf16_us=9.37, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
+    dict(shape='expert_w13_tp4', m=16, ours_us=9.09, default_us=28.77,
+         bf16_us=9.53, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
+    dict(shape='expert_w13_tp4', m=64, ours_us=11.02, default_us=159.36,
+         bf16_us=10.11, speedup_vs_bf16=0.92, pinned='mmab bm64 bn64 bk128 w4 st4 s8'),
+    dict(shape='expert_w2_tp4', m=1, ours_us=5.0, default_us=6.69,
+         bf16_us=4.79, speedup_vs_bf16=0.96, pinned='mmab bm16 bn64 bk128 w4 st4 s1'),
+    dict(shape='expert_w2_tp4', m=4, ours_us=4.66, default_us=9.66,
+         bf16_us=4.77, speedup_vs_bf16=1.02, pinned='mmab bm16 bn64 bk128 w4 st4 s1'),
+    dict(shape='expert_w2_tp4', m=16, ours_us=4.47, default_us=13.83,
+         bf16_us=4.84, speedup_vs_bf16=1.08, pinned='mmab bm16 bn64 bk128 w4 st4 s1'),
+    dict(shape='expert_w2_tp4', m=64, ours_us=5.38, default_us=38.26,
+         bf16_us=5.13, speedup_vs_bf16=0.95, pinned='mmab bm64 bn64 bk128 w4 st4 s1'),
 ]
 
-# Same run: fused MoE, 256 experts, top-8, K 7168, I 512 (TP4), random routing; bf16 = cuBLAS
-# GEMMs of the active experts only (rows pre-gathered). M <= 16: gemv path, M = 64: sorted path.
+# Same runs: fused MoE, 256 experts, top-8, K 7168, I 512 (TP4), random routing; bf16 = cuBLAS
+# GEMMs of the active experts only (rows pre-gathered). M <= 4: gemv path (one program per
+# token-expert pair), above: the sorted path with the "mmab" grouped kernel.
 RECORDED_H200_MOE = [
-    dict(shape='moe_256e_top8_tp4', m=1, ours_us=58.38, bf16_gemms_us=108.61,
-         speedup_vs_bf16=1.86, active_experts=8.0, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=4, ours_us=207.94, bf16_gemms_us=415.79,
-         speedup_vs_bf16=2.0, active_experts=30.4, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=16, ours_us=1099.68, bf16_gemms_us=1391.55,
-         speedup_vs_bf16=1.27, active_experts=101.6, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=64, ours_us=2902.46, bf16_gemms_us=3072.81,
-         speedup_vs_bf16=1.06, active_experts=223.2, path='sorted'),
+    dict(shape='moe_256e_top8_tp4', m=1, ours_us=63.08, bf16_gemms_us=112.08,
+         speedup_vs_bf16=1.78, active_experts=8.0, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=4, ours_us=202.97, bf16_gemms_us=397.45,
+         speedup_vs_bf16=1.96, active_experts=29.5, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=16, ours_us=416.85, bf16_gemms_us=1369.79,
+         speedup_vs_bf16=3.29, active_experts=100.5, path='sorted'),
+    dict(shape='moe_256e_top8_tp4', m=32, ours_us=604.8, bf16_gemms_us=2234.1,
+         speedup_vs_bf16=3.69, active_experts=163.0, path='sorted'),
+    dict(shape='moe_256e_top8_tp4', m=64, ours_us=787.02, bf16_gemms_us=3046.18,
+         speedup_vs_bf16=3.87, active_experts=223.5, path='sorted'),
+    dict(shape='moe_256e_top8_tp4', m=128, ours_us=886.48, bf16_gemms_us=3471.1,
+         speedup_vs_bf16=3.92, active_experts=253.0, path='sorted'),
 ]

@@ -83,15 +83,16 @@ def test_m_buckets():
 
 def test_defaults_pick_the_table_for_listed_shapes():
     gate_up, down, w13, w2 = (9216, 7168), (7168, 4608), (1024, 7168), (7168, 512)
-    assert auto_config(1, *gate_up) == parse_variant("gemv bn256 s16 w2 st1")
-    assert auto_config(3, *down) == parse_variant("gemv bn128 s16 w1 st1")  # bucket 4
-    assert auto_config(16, *gate_up) == parse_variant("mma bn128 s4 w8 st3 bk128")
-    assert auto_config(40, *down) == parse_variant("mma bn128 s4 w8 st3 bk128")
-    assert auto_config(12, *w13) == parse_variant("gemv bn64 s32 w1 st1")  # GEMV above 8
-    assert auto_config(64, *w2) == parse_variant("mma bn64 s1 w4 st4 bk256")
-    assert default_gemv_config(1, *down) == pinned_config(1, *down)
-    assert default_gemm_config(64, *gate_up) == pinned_config(64, *gate_up)
-    # a GEMV entry is not an MMA config: the MMA default falls back to its heuristic
+    # the H200 sweep pinned the standard-orientation MMA kernel at every M, M = 1 included
+    assert auto_config(1, *gate_up) == parse_variant("mmab bm16 bn128 bk256 w4 st3 s4")
+    assert auto_config(3, *down) == parse_variant("mmab bm16 bn64 bk128 w4 st4 s4")  # bucket 4
+    assert auto_config(40, *down) == parse_variant("mmab bm64 bn64 bk128 w4 st4 s4")
+    assert auto_config(12, *w13) == parse_variant("mmab bm16 bn64 bk128 w4 st4 s8")
+    assert auto_config(64, *w2) == parse_variant("mmab bm64 bn64 bk128 w4 st4 s1")
+    assert auto_config(300, *gate_up) == parse_variant("mmab bm128 bn64 bk128 w4 st4 s1")
+    # no GEMV pin left: the GEMV's own default is its heuristic
+    assert isinstance(default_gemv_config(1, *down), GemvConfig)
+    # an "mmab" entry is not a swap-AB config: that kernel's default falls back to its heuristic
     assert isinstance(default_gemm_config(1, *gate_up), NVFP4GemmConfig)
 
 
@@ -99,7 +100,7 @@ def test_heuristics_for_unseen_shapes():
     n, k = 6144, 1536  # q_b_proj, not in the table
     assert pinned_config(4, n, k) is None
     assert isinstance(auto_config(GEMV_MAX_M, n, k), GemvConfig)
-    assert isinstance(auto_config(6, 9216, 7168), GemvConfig)  # bucket 8: not measured
+    assert isinstance(auto_config(6, n, k), GemvConfig)  # unpinned: the GEMV regime
     cfg = auto_config(GEMV_MAX_M + 1, n, k)  # above the GEMV: the standard-orientation MMA
     assert isinstance(cfg, NVFP4MmaConfig)
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) == (16, 128, 128, 4)
@@ -108,10 +109,10 @@ def test_heuristics_for_unseen_shapes():
     assert (old.block_n, old.block_k, old.num_warps, old.num_stages, old.split_k) == \
         (128, 128, 8, 3, 4)
     for m, bm, warps in ((100, 128, 8), (512, 128, 8), (40, 64, 4), (30, 32, 4)):
-        cfg = auto_config(m, 9216 if m > 64 else n, 7168 if m > 64 else k)  # no pin
+        cfg = default_mma_config(m, 9216 if m > 64 else n, 7168 if m > 64 else k)
         assert isinstance(cfg, NVFP4MmaConfig) and (cfg.block_m, cfg.num_warps) == (bm, warps)
-    assert auto_config(512, 9216, 7168).split_k == 1  # 288 tiles fill the SMs
-    assert auto_config(128, 9216, 7168).split_k == 2  # 72 tiles x 8 warps
+    assert default_mma_config(512, 9216, 7168).split_k == 1  # 288 tiles fill the SMs
+    assert default_mma_config(128, 9216, 7168).split_k == 2  # 72 tiles x 8 warps
     g = default_gemv_config(1, 4096, 7168)
     assert g.num_warps == 1 and g.block_n == 128 and 32 * g.split_k >= 4 * 132
     assert default_gemv_config(1, 16384, 7168).num_warps == 2
@@ -122,7 +123,7 @@ def test_set_gemm_config_overrides_the_table_where_mma_runs():
     set_gemm_config(16, 9216, 7168, mine)
     try:
         assert auto_config(16, 9216, 7168) == mine
-        assert isinstance(auto_config(1, 9216, 7168), GemvConfig)  # GEMV regime untouched
+        assert isinstance(auto_config(1, 6144, 1536), GemvConfig)  # GEMV regime untouched
     finally:
         _CONFIGS.clear()
 
@@ -160,6 +161,7 @@ def test_pinned_entry_drives_the_launch(monkeypatch, device):
 
 def test_recorded_numbers_match_the_table():
     """The notebook's recorded H200 rows name the configs that are pinned now."""
+    pytest.importorskip("plotly")  # mla_spec.viz needs the notebook extras
     from mla_spec.viz.nvfp4 import RECORDED_H200
     shapes = {"dense_gate_up_tp4": (9216, 7168), "dense_down_tp4": (7168, 4608),
               "expert_w13_tp4": (1024, 7168), "expert_w2_tp4": (7168, 512)}
