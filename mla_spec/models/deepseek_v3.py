@@ -67,9 +67,14 @@ class DeepseekV3DecoderLayer(nn.Module):
                                                 device=device)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, hidden]`` through the paged-cache attention."""
-        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """``[N, hidden]`` -> ``[N, hidden]`` through the paged-cache attention.
+
+        The residual add after attention is fused with the post-attention norm (one kernel on
+        CUDA, the same bits as ``h + a`` then the norm).
+        """
+        a = self.self_attn(positions, self.input_layernorm(h), batch)
+        x, h = self.post_attention_layernorm.forward_add(a, h)
+        return h + self.mlp(x)
 
     def forward_train(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """``[B, T, hidden]`` -> ``[B, T, hidden]`` with dense causal attention."""
