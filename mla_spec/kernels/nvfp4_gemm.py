@@ -300,12 +300,19 @@ def default_mma_config(m: int, n: int, k: int, *, block_m: int = 0, block_n: int
                           num_stages=stages)
 
 
+# The H200 sweeps (docs/bench_nvfp4.md) found the standard-orientation MMA kernel faster than the
+# FMA GEMV at every measured shape, M = 1 included (e.g. 9216 x 7168: 29.5 vs 34.2 µs), so
+# unpinned shapes take it at every M too; False restores the GEMV up to GEMV_MAX_M tokens.
+MMA_FOR_SMALL_M = True
+
+
 def auto_config(m: int, n: int, k: int) -> GemvConfig | MmaConfig:
-    """What ``nvfp4_gemm`` runs without ``config``: the GEMV where pinned, or unpinned up to
-    ``GEMV_MAX_M`` tokens; else ``set_gemm_config``'s pin, the pinned MMA config (either MMA
-    kernel), or ``default_mma_config`` (standard orientation)."""
+    """What ``nvfp4_gemm`` runs without ``config``: the GEMV where pinned (or, with
+    ``MMA_FOR_SMALL_M`` off, unpinned up to ``GEMV_MAX_M`` tokens); else ``set_gemm_config``'s
+    pin, the pinned MMA config (either MMA kernel), or ``default_mma_config`` (standard
+    orientation)."""
     hit = pinned_config(m, n, k)
-    if isinstance(hit, GemvConfig) or (hit is None and m <= GEMV_MAX_M):
+    if isinstance(hit, GemvConfig) or (hit is None and m <= GEMV_MAX_M and not MMA_FOR_SMALL_M):
         return default_gemv_config(m, n, k)
     mine = _CONFIGS.get((m_bucket(m), n, k))
     return mine or hit or default_mma_config(m, n, k)

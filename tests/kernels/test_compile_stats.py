@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from mla_spec.kernels import mla_decode, mla_decode_paged, nvfp4_gemv, nvfp4_moe_gemv
+from mla_spec.kernels import (
+    mla_decode,
+    mla_decode_combine,
+    mla_decode_paged,
+    mla_decode_swapab,
+    mla_decode_vsplit,
+    nvfp4_gemv,
+    nvfp4_moe_gemv,
+)
 from mla_spec.kernels.compile_stats import kernel_binaries, new_compiles
 
 
@@ -18,7 +26,12 @@ def _unspecialized(kernel) -> set[str]:
 
 @pytest.mark.parametrize("kernel, names", [
     (mla_decode._mla_fwd_kernel, {"H", "q_len_fixed", "num_splits", "stride_ps", "stride_lse_s"}),
-    (mla_decode_paged._mla_paged_kernel, {"H", "q_len_fixed", "num_splits"}),
+    (mla_decode_paged._mla_paged_kernel, {"H", "q_len_fixed", "num_splits", "stride_ps",
+                                          "stride_lse_s"}),
+    (mla_decode_swapab._mla_swapab_kernel, {"H", "q_len_fixed", "num_splits", "stride_ps",
+                                            "stride_lse_s"}),
+    (mla_decode_vsplit._mla_vsplit_kernel, {"H", "num_splits", "stride_ps", "stride_lse_s"}),
+    (mla_decode_combine._combine_kernel, {"num_splits", "H", "stride_ps", "stride_ls"}),
     (nvfp4_gemv._nvfp4_gemv_kernel, {"M"}),
     (nvfp4_moe_gemv._moe_gemv_kernel, {"R"}),
 ])

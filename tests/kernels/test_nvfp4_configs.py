@@ -96,11 +96,13 @@ def test_defaults_pick_the_table_for_listed_shapes():
     assert isinstance(default_gemm_config(1, *gate_up), NVFP4GemmConfig)
 
 
-def test_heuristics_for_unseen_shapes():
+def test_heuristics_for_unseen_shapes(monkeypatch):
     n, k = 6144, 1536  # q_b_proj, not in the table
     assert pinned_config(4, n, k) is None
+    assert isinstance(auto_config(1, n, k), NVFP4MmaConfig)  # the MMA kernel at every M
+    monkeypatch.setattr(gemm_mod, "MMA_FOR_SMALL_M", False)  # the GEMV regime, when asked
     assert isinstance(auto_config(GEMV_MAX_M, n, k), GemvConfig)
-    assert isinstance(auto_config(6, n, k), GemvConfig)  # unpinned: the GEMV regime
+    assert isinstance(auto_config(6, n, k), GemvConfig)
     cfg = auto_config(GEMV_MAX_M + 1, n, k)  # above the GEMV: the standard-orientation MMA
     assert isinstance(cfg, NVFP4MmaConfig)
     assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps) == (16, 128, 128, 4)
@@ -118,7 +120,8 @@ def test_heuristics_for_unseen_shapes():
     assert default_gemv_config(1, 16384, 7168).num_warps == 2
 
 
-def test_set_gemm_config_overrides_the_table_where_mma_runs():
+def test_set_gemm_config_overrides_the_table_where_mma_runs(monkeypatch):
+    monkeypatch.setattr(gemm_mod, "MMA_FOR_SMALL_M", False)
     mine = NVFP4GemmConfig(block_n=32, split_k=2)
     set_gemm_config(16, 9216, 7168, mine)
     try:

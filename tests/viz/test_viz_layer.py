@@ -6,7 +6,9 @@ import json
 
 import pytest
 
-from mla_spec.viz.layer import (
+pytest.importorskip("plotly")  # the notebook extras (absent on the GPU image)
+
+from mla_spec.viz.layer import (  # noqa: E402
     layer_rows,
     layer_vs_batch_figure,
     load_layer_results,
