@@ -25,7 +25,7 @@ from mla_spec.cli import DEMO_MODEL, random_demo_checkpoint
 from mla_spec.config import CacheConfig, SpecConfig
 from mla_spec.engine import Engine
 from mla_spec.eval import build_prompts, heldout_problems
-from mla_spec.kernels.compile_stats import kernel_binaries, new_compiles
+from mla_spec.kernels.compile_stats import kernel_binaries, kernel_keys, new_compiles
 
 
 def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
@@ -40,11 +40,16 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
     with eng:
         eng.generate(prompts, max_new_tokens=8)  # warm-up at this batch size (JIT, graphs)
         eng.metrics.reset()
-        before = kernel_binaries()
+        before, keys_before = kernel_binaries(), kernel_keys()
         t0 = time.perf_counter()
         res = eng.generate(prompts, max_new_tokens=args.max_new_tokens)
         wall = time.perf_counter() - t0
         grew = new_compiles(before)
+        for name in grew:  # what the new binaries were specialized for (why they compiled)
+            for key in sorted(kernel_keys().get(name, set()) - keys_before.get(name, set())):
+                print(f"  new binary of {name}: {key[:700]}", flush=True)
+            for key in sorted(keys_before.get(name, set()))[:2]:
+                print(f"  (earlier binary: {key[:700]})", flush=True)
     n = sum(len(r.output_ids) for r in res)
     graphs = eng.runner.graphs
     return {"spec": spec.version if spec.enabled else "off", "bs": bs, "tokens": n,

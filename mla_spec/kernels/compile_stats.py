@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import sys
 
-__all__ = ["kernel_binaries", "new_compiles"]
+__all__ = ["kernel_binaries", "kernel_keys", "new_compiles"]
 
 
 def kernel_binaries() -> dict[str, int]:
@@ -41,3 +41,22 @@ def new_compiles(before: dict[str, int], after: dict[str, int] | None = None) ->
     """Kernels whose binary count grew between two ``kernel_binaries()`` snapshots."""
     after = kernel_binaries() if after is None else after
     return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+
+
+def kernel_keys() -> dict[str, set[str]]:
+    """``{"module.kernel": {specialization key, ...}}``: what each binary was compiled for (the
+    key strings name the constexprs, dtypes and the integer / pointer specializations), so two
+    snapshots show *why* a kernel compiled again."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover
+        return {}
+    out: dict[str, set[str]] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("mla_spec") or mod is None:
+            continue
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction):
+                caches = getattr(obj, "device_caches", None) or {}
+                out[f"{mod_name}.{name}"] = {str(k) for entry in caches.values() for k in entry[0]}
+    return out

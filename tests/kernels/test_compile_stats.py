@@ -46,3 +46,10 @@ def test_kernel_binaries_lists_the_kernels():
     assert all(isinstance(n, int) and n >= 0 for n in counts.values())
     assert new_compiles(counts, counts) == {}
     assert new_compiles({"a": 1}, {"a": 3, "b": 0}) == {"a": 2}
+
+
+def test_kernel_keys_lists_the_kernels():
+    from mla_spec.kernels.compile_stats import kernel_keys
+
+    keys = kernel_keys()
+    assert all(isinstance(v, set) for v in keys.values())
