@@ -92,6 +92,8 @@ class TritonMLABackend(MLABackend):
                 pool.kv_cache_dim * pool.kv_buffer[0].element_size(), self._sms,
                 2 if cfg.part_bf16 else 4, pool.kv_lora_rank, vsplit=cfg.vsplit,
                 fused=cfg.fused)
+            if ndt:  # ragged draft extend: always the split binary (SPLIT is a constexpr), so
+                splits = max(splits, 2)  # growing contexts never switch binaries mid-run
             plan.extra["paged_config"] = cfg
             plan.extra["paged_splits"] = splits
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)

@@ -204,7 +204,7 @@ def test_ragged_draft_extend_tile_choice_is_stable(monkeypatch):
     import mla_spec.attention.triton_mla as tm
     from mla_spec.kernels.mla_decode_paged import PagedConfig
 
-    seen = []
+    seen, splits = [], []
 
     def record(rows, *a, **k):
         seen.append(rows)
@@ -214,5 +214,11 @@ def test_ragged_draft_extend_tile_choice_is_stable(monkeypatch):
     for qlens in ([1, 1], [2, 1], [3, 3]):
         sc = make_scene(ForwardMode.DRAFT_EXTEND, [5, 9], qlens, num_heads=3, num_draft_tokens=3,
                         page_size=8, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, **DIMS)
-        _make("triton", sc).plan(sc.batch)
+        be = _make("triton", sc)
+        plan = be.plan(sc.batch)
+        splits.append(plan.extra["paged_splits"])
+        out = be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+        ref = _make("torch", sc).forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     assert seen == [9, 9, 9]  # num_draft_tokens 3 x 3 heads
+    assert min(splits) >= 2  # the split binary even for short contexts
