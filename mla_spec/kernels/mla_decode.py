@@ -69,7 +69,7 @@ class MLAKernelConfig:
 
 
 # Batch-dependent integers stay unspecialized: one binary per tile config, whatever the batch.
-@triton.jit(do_not_specialize=["H", "q_len_fixed", "num_splits", "stride_ps", "stride_lse_s"])
+@triton.jit(do_not_specialize=["H", "q_len_fixed", "num_splits", "stride_lse_s"])
 def _mla_fwd_kernel(
     Qn, Qp, QS, KV, R2T, RPI, KVL, QO, Out, Lse,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_kv, stride_r2t,

@@ -25,7 +25,7 @@ __all__ = ["combine_splits", "combine_splits_ref"]
 # One binary for every split count: the splits are walked in fixed blocks of S_BLOCK (a
 # next_power_of_2(num_splits) block would compile anew each time the split count crosses a power
 # of two, e.g. as contexts grow in an eager serving loop).
-@triton.jit(do_not_specialize=["num_splits", "H", "stride_ps", "stride_ls"])
+@triton.jit(do_not_specialize=["num_splits", "H", "stride_ls"])
 def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
                     stride_o_t, stride_o_h,
                     DV: tl.constexpr, BLOCK_D: tl.constexpr, S_BLOCK: tl.constexpr,

@@ -76,7 +76,7 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["H", "q_len_fixed", "num_splits", "stride_r2t", "num_slots",
-                               "stride_ps", "stride_lse_s"])
+                               "stride_lse_s"])
 def _mla_paged_kernel(
     Qn, Qp, KV, R2T, RPI, KVL, QO, Out, Lse,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_r2t,

@@ -34,7 +34,7 @@ __all__ = ["launch_swapab"]
 
 
 @triton.jit(do_not_specialize=["H", "q_len_fixed", "num_splits", "stride_r2t", "num_slots",
-                               "stride_ps", "stride_lse_s"])
+                               "stride_lse_s"])
 def _mla_swapab_kernel(
     Qn, Qp, KV, R2T, RPI, KVL, QO, Out, Lse,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_r2t,

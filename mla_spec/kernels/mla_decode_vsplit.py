@@ -70,7 +70,7 @@ def _scaled_f16(x, pw):
 
 
 @triton.jit(do_not_specialize=["H", "q_len_fixed", "num_splits", "m_blocks", "stride_r2t",
-                               "num_slots", "stride_ps", "stride_lse_v", "stride_lse_s"])
+                               "num_slots", "stride_lse_v", "stride_lse_s"])
 def _mla_vsplit_kernel(
     Qn, Qp, KV, R2T, RPI, KVL, QO, Out, Lse, Part, PLse, Cnt,
     stride_qn_t, stride_qn_h, stride_qp_t, stride_qp_h, stride_r2t,

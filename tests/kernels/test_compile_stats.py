@@ -25,13 +25,13 @@ def _unspecialized(kernel) -> set[str]:
 
 
 @pytest.mark.parametrize("kernel, names", [
-    (mla_decode._mla_fwd_kernel, {"H", "q_len_fixed", "num_splits", "stride_ps", "stride_lse_s"}),
-    (mla_decode_paged._mla_paged_kernel, {"H", "q_len_fixed", "num_splits", "stride_ps",
-                                          "stride_lse_s"}),
-    (mla_decode_swapab._mla_swapab_kernel, {"H", "q_len_fixed", "num_splits", "stride_ps",
-                                            "stride_lse_s"}),
-    (mla_decode_vsplit._mla_vsplit_kernel, {"H", "num_splits", "stride_ps", "stride_lse_s"}),
-    (mla_decode_combine._combine_kernel, {"num_splits", "H", "stride_ps", "stride_ls"}),
+    # stride_ps (rows x Dv, Dv = 512) is always a multiple of 16: it stays specialized, since
+    # unspecializing it cost ptxas 236 bytes of spills in the split kernels (sm_90, offline)
+    (mla_decode._mla_fwd_kernel, {"H", "q_len_fixed", "num_splits", "stride_lse_s"}),
+    (mla_decode_paged._mla_paged_kernel, {"H", "q_len_fixed", "num_splits", "stride_lse_s"}),
+    (mla_decode_swapab._mla_swapab_kernel, {"H", "q_len_fixed", "num_splits", "stride_lse_s"}),
+    (mla_decode_vsplit._mla_vsplit_kernel, {"H", "num_splits", "stride_lse_s"}),
+    (mla_decode_combine._combine_kernel, {"num_splits", "H", "stride_ls"}),
     (nvfp4_gemv._nvfp4_gemv_kernel, {"M"}),
     (nvfp4_moe_gemv._moe_gemv_kernel, {"R"}),
 ])
