@@ -16,6 +16,10 @@ use it, so the kernels differ only in how they load and multiply tiles:
    ``[lo, hi)`` of split ``sid``: splits are ``BLOCK_N``-aligned chunks of ``cdiv(kv_len,
    num_splits)`` positions, cut at the last row's causal bound.
 
+Two more serve the page-granular kernels (``mla_decode_paged``, ``mla_decode_swapab``):
+:func:`kv_descriptors` (the TMA boxes) and :func:`load_kv_tile` (one page-contiguous KV tile,
+by TMA or pointer loads, converted for the dots).
+
 They are ``@triton.jit`` functions returning tuples; Triton inlines them, so the kernels compile
 to the same instructions as with the code written out (checked on sm_90 with Triton 3.6: same
 PTX, same ``ptxas`` registers / spills, see ``mla_decode_sm90``). One exception:
@@ -30,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_rows", "request_rows", "split_window", "check_mla_inputs"]
+__all__ = ["block_rows", "request_rows", "split_window", "check_mla_inputs", "kv_descriptors",
+           "load_kv_tile"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -116,3 +121,42 @@ def split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
     lo = sid * chunk
     hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
     return bound, lo, hi
+
+
+@triton.jit
+def kv_descriptors(KV, num_slots, DK: tl.constexpr, DH: tl.constexpr, DPE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """``(dsc_v, dsc_p)``: TMA descriptors of the ``[BLOCK_N, Dv/2]`` and ``[BLOCK_N, Dpe]``
+    boxes of the flat cache ``[num_slots, DK]`` (``KV`` itself twice when not ``TMA``)."""
+    if TMA:
+        dsc_v = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
+                                          block_shape=[BLOCK_N, DH])
+        dsc_p = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
+                                          block_shape=[BLOCK_N, DPE])
+        return dsc_v, dsc_p
+    else:
+        return KV, KV
+
+
+@triton.jit
+def load_kv_tile(KV, dsc_v, dsc_p, slot0, start, hi, offs_r, offs_h, offs_p,
+                 DH: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, TMA: tl.constexpr,
+                 F16: tl.constexpr, DOT_F32: tl.constexpr):
+    """``(k0, k1, kp)`` ``[BLOCK_N, Dv/2]`` x 2 and ``[BLOCK_N, Dpe]``: the tile of ``BLOCK_N``
+    contiguous slots from ``slot0`` (one page), rows at or past ``hi`` zeroed on the pointer
+    path; converted for the dots (fp16 for an e4m3 cache, fp32 under the interpreter)."""
+    if TMA:
+        k0 = dsc_v.load([slot0, 0])
+        k1 = dsc_v.load([slot0, DH])
+        kp = dsc_p.load([slot0, DV])
+    else:
+        kptr = KV + (slot0.to(tl.int64) + offs_r)[:, None] * DK
+        mask_r = (start + offs_r) < hi
+        k0 = tl.load(kptr + offs_h[None, :], mask=mask_r[:, None], other=0.0)
+        k1 = tl.load(kptr + DH + offs_h[None, :], mask=mask_r[:, None], other=0.0)
+        kp = tl.load(kptr + DV + offs_p[None, :], mask=mask_r[:, None], other=0.0)
+    if F16:
+        k0, k1, kp = k0.to(tl.float16), k1.to(tl.float16), kp.to(tl.float16)
+    elif DOT_F32:
+        k0, k1, kp = k0.to(tl.float32), k1.to(tl.float32), kp.to(tl.float32)
+    return k0, k1, kp

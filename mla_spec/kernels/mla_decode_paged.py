@@ -53,7 +53,13 @@ import triton.language as tl
 
 from mla_spec.device import triton_interpreting
 from mla_spec.kernels.mla_decode_combine import combine_splits
-from mla_spec.kernels.mla_decode_common import block_rows, check_mla_inputs, request_rows
+from mla_spec.kernels.mla_decode_common import (
+    block_rows,
+    check_mla_inputs,
+    kv_descriptors,
+    load_kv_tile,
+    request_rows,
+)
 from mla_spec.kernels.mla_decode_swapab import launch_swapab
 from mla_spec.kernels.mla_decode_tiles import (
     PAGED_DEFAULTS,
@@ -127,11 +133,7 @@ def _mla_paged_kernel(
         chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
         lo = sid * chunk
         hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
-        if TMA:
-            dsc_v = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
-                                              block_shape=[BLOCK_N, DH])
-            dsc_p = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
-                                              block_shape=[BLOCK_N, DPE])
+        dsc_v, dsc_p = kv_descriptors(KV, num_slots, DK, DH, DPE, BLOCK_N, TMA)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc0 = tl.zeros([BLOCK_M, DH], dtype=tl.float32)
@@ -140,20 +142,8 @@ def _mla_paged_kernel(
         offs_r = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             slot0 = tl.load(r2t_row + start)  # first slot of this tile: rows are contiguous
-            if TMA:
-                k0 = dsc_v.load([slot0, 0])
-                k1 = dsc_v.load([slot0, DH])
-                kp = dsc_p.load([slot0, DV])
-            else:
-                kptr = KV + (slot0.to(tl.int64) + offs_r)[:, None] * DK
-                mask_r = (start + offs_r) < hi
-                k0 = tl.load(kptr + offs_h[None, :], mask=mask_r[:, None], other=0.0)
-                k1 = tl.load(kptr + DH + offs_h[None, :], mask=mask_r[:, None], other=0.0)
-                kp = tl.load(kptr + DV + offs_p[None, :], mask=mask_r[:, None], other=0.0)
-            if F16:
-                k0, k1, kp = k0.to(tl.float16), k1.to(tl.float16), kp.to(tl.float16)
-            elif DOT_F32:
-                k0, k1, kp = k0.to(tl.float32), k1.to(tl.float32), kp.to(tl.float32)
+            k0, k1, kp = load_kv_tile(KV, dsc_v, dsc_p, slot0, start, hi, offs_r, offs_h,
+                                      offs_p, DH, DV, DK, TMA, F16, DOT_F32)
             if DOT_F32:
                 s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
                 s = tl.dot(q1, tl.trans(k1), s, input_precision="ieee")

@@ -28,7 +28,13 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels.mla_decode_combine import combine_splits
-from mla_spec.kernels.mla_decode_common import block_rows, request_rows, split_window
+from mla_spec.kernels.mla_decode_common import (
+    block_rows,
+    kv_descriptors,
+    load_kv_tile,
+    request_rows,
+    split_window,
+)
 
 __all__ = ["launch_swapab"]
 
@@ -80,11 +86,7 @@ def _mla_swapab_kernel(
             q0, q1, qp = q0.to(tl.float32), q1.to(tl.float32), qp.to(tl.float32)
         bound, lo, hi = split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
                                      BLOCK_M, BLOCK_N)
-        if TMA:
-            dsc_v = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
-                                              block_shape=[BLOCK_N, DH])
-            dsc_p = tl.make_tensor_descriptor(KV, shape=[num_slots, DK], strides=[DK, 1],
-                                              block_shape=[BLOCK_N, DPE])
+        dsc_v, dsc_p = kv_descriptors(KV, num_slots, DK, DH, DPE, BLOCK_N, TMA)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc0 = tl.zeros([DH, BLOCK_M], dtype=tl.float32)
@@ -93,20 +95,8 @@ def _mla_swapab_kernel(
         offs_r = tl.arange(0, BLOCK_N)
         for start in range(lo, hi, BLOCK_N):
             slot0 = tl.load(r2t_row + start)  # first slot of this tile: rows are contiguous
-            if TMA:
-                k0 = dsc_v.load([slot0, 0])
-                k1 = dsc_v.load([slot0, DH])
-                kp = dsc_p.load([slot0, DV])
-            else:
-                kptr = KV + (slot0.to(tl.int64) + offs_r)[:, None] * DK
-                mask_r = (start + offs_r) < hi
-                k0 = tl.load(kptr + offs_h[None, :], mask=mask_r[:, None], other=0.0)
-                k1 = tl.load(kptr + DH + offs_h[None, :], mask=mask_r[:, None], other=0.0)
-                kp = tl.load(kptr + DV + offs_p[None, :], mask=mask_r[:, None], other=0.0)
-            if F16:
-                k0, k1, kp = k0.to(tl.float16), k1.to(tl.float16), kp.to(tl.float16)
-            elif DOT_F32:
-                k0, k1, kp = k0.to(tl.float32), k1.to(tl.float32), kp.to(tl.float32)
+            k0, k1, kp = load_kv_tile(KV, dsc_v, dsc_p, slot0, start, hi, offs_r, offs_h,
+                                      offs_p, DH, DV, DK, TMA, F16, DOT_F32)
             if DOT_F32:
                 s = tl.dot(k0, q0, input_precision="ieee")
                 s = tl.dot(k1, q1, s, input_precision="ieee")

@@ -106,7 +106,14 @@ def test_split_cost_model():
     assert pick_num_splits_paged(1, 1, 0, 64, 32, 1152) == 1
 
 
-# --- V-split / fused-combine options (mla_decode_vsplit's kernel) ---------------------------
+# --- options with their own kernels: V-split / fused combine (mla_decode_vsplit) and swap AB
+# (mla_decode_swapab: the KV tile on the MMA's M side) --------------------------------------
+
+SWAP_CASES = [
+    (PagedConfig(16, 8, 4, 1, swap=True), 1),
+    (PagedConfig(16, 8, 4, 1, tma=True, swap=True), 3),
+    (PagedConfig(16, 8, 4, 1, part_bf16=True, swap=True), 2),
+]
 
 VSPLIT_CASES = [
     (PagedConfig(16, 8, 4, 1, vsplit=2), 1),
@@ -117,8 +124,9 @@ VSPLIT_CASES = [
 
 
 @pytest.mark.parametrize("kvd", [torch.bfloat16, FP8_DTYPE])
-@pytest.mark.parametrize("cfg,splits", VSPLIT_CASES, ids=lambda c: getattr(c, "tag", c))
-def test_vsplit_fixed_matches_oracle(kvd, cfg, splits, device):
+@pytest.mark.parametrize("cfg,splits", VSPLIT_CASES + SWAP_CASES,
+                         ids=lambda c: getattr(c, "tag", c))
+def test_vsplit_and_swap_fixed_match_oracle(kvd, cfg, splits, device):
     sc = _scene(ForwardMode.TARGET_VERIFY, [0, 1, 37], [3, 3, 3], kvd, device,
                 num_draft_tokens=3)
     o, lse, ref, lse_ref, twin = _run(sc, cfg, splits)
@@ -181,25 +189,7 @@ def test_defaults_table_and_choice_strings():
     assert pick_num_splits_paged(1, 1, 4096, 64, 32, 1152, vsplit=4) < 64
 
 
-# --- swap AB (mla_decode_swapab's kernel: KV tile on the MMA's M side) -----------------------
 
-SWAP_CASES = [
-    (PagedConfig(16, 8, 4, 1, swap=True), 1),
-    (PagedConfig(16, 8, 4, 1, tma=True, swap=True), 3),
-    (PagedConfig(16, 8, 4, 1, part_bf16=True, swap=True), 2),
-]
-
-
-@pytest.mark.parametrize("kvd", [torch.bfloat16, FP8_DTYPE])
-@pytest.mark.parametrize("cfg,splits", SWAP_CASES, ids=lambda c: getattr(c, "tag", c))
-def test_swapab_fixed_matches_oracle(kvd, cfg, splits, device):
-    sc = _scene(ForwardMode.TARGET_VERIFY, [0, 1, 37], [3, 3, 3], kvd, device,
-                num_draft_tokens=3)
-    o, lse, ref, lse_ref, twin = _run(sc, cfg, splits)
-    tol = 2e-2 if cfg.part_bf16 else 1e-2
-    torch.testing.assert_close(o.float(), ref.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(o.float(), twin.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(lse, lse_ref, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("kvd,splits", [(torch.bfloat16, 4), (FP8_DTYPE, 1)])
