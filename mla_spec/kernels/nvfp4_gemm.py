@@ -18,12 +18,12 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
   e4m3 block scale broadcast over the last axis: one scale load per 16 elements.
 - **Decode.** ``W' = E2M1 * s * 2**-8`` is exact in bf16 (E2M1 has 2 significant bits, e4m3 4);
   ``weight_scale_2 * 256`` is applied to the fp32 accumulator, read from device memory (no host
-  sync; CUDA-graph safe). Two decoders: ``_decode_pure`` (portable, runs in the interpreter: the
-  nibble is placed in fp16 bits, ``E2M1 * 2**-14``, then scaled in fp32) and ``_decode_asm``
-  (GPU: PTX that decodes four bytes into eight bf16 with shifts/masks on 32-bit words holding two
-  bf16 each, ``E2M1 * 2**-126``, and one packed ``mul.bf16x2`` by ``s * 2**118``; the default
-  (``NVFP4GemmConfig.fast_dequant``) since the H200 check, see docs/bench_nvfp4.md; skipped
-  in the interpreter, below sm_90 and for fp16 / fp32 x).
+  sync; CUDA-graph safe). Two decoders (``nvfp4_decode``): ``_decode_pure`` (portable, runs in
+  the interpreter: the nibble is placed in fp16 bits, ``E2M1 * 2**-14``, then scaled in fp32)
+  and ``_decode_asm`` (GPU: PTX that decodes four bytes into eight bf16 with shifts/masks on
+  32-bit words holding two bf16 each, ``E2M1 * 2**-126``, and one packed ``mul.bf16x2`` by
+  ``s * 2**118``; the default (``NVFP4GemmConfig.fast_dequant``) since the H200 check, see
+  docs/bench_nvfp4.md; skipped in the interpreter, below sm_90 and for fp16 / fp32 x).
 - **Standard orientation** (``_nvfp4_mma_kernel``, ``NVFP4MmaConfig``, variants "mmab"):
   ``acc[BM, BN] += x[BM, BK] @ W'[BK, BN]``, the usual W4A16 layout. x is a plain bf16 load;
   the packed bytes ``[BN, BK/2]`` decode (same decoders) into low / high values that
@@ -31,11 +31,12 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
   ``tl.trans`` makes the B operand. BM = 16..128 by M (wgmma from BM = 64), the M tiles of
   one weight tile are adjacent program ids (weights read from DRAM about once).
 - **Kernel and tile choice** (``auto_config``). For a (N, K, M bucket) measured by the H200
-  sweep, the pinned config of ``nvfp4_configs.PINNED_CONFIGS`` (any kernel). Otherwise
-  ``nvfp4_gemv`` up to ``GEMV_MAX_M`` tokens (FMA, 16 weights per int64 word, ~4
-  instructions per weight) and the standard-orientation kernel above
-  (``default_mma_config``). ``set_gemm_config`` pins an MMA config where an MMA kernel runs;
-  pass a ``GemvConfig`` / ``NVFP4GemmConfig`` / ``NVFP4MmaConfig`` as ``config`` to force one.
+  sweep, the pinned config of ``nvfp4_configs.PINNED_CONFIGS`` (any kernel; "mmab" everywhere
+  after the second sweep). Otherwise the standard-orientation kernel (``default_mma_config``)
+  at every M (``MMA_FOR_SMALL_M``; when turned off, ``nvfp4_gemv`` up to ``GEMV_MAX_M`` tokens:
+  FMA, 16 weights per int64 word, ~4 instructions per weight). ``set_gemm_config`` pins an
+  MMA config where an MMA kernel runs; pass a ``GemvConfig`` / ``NVFP4GemmConfig`` /
+  ``NVFP4MmaConfig`` as ``config`` to force one.
 - **Split-K** for few output tiles (small N at small M): partial sums go to an fp32 workspace
   ``[S, M, N]`` and ``_sum_rows_kernel`` adds them (deterministic, no atomics).
 
@@ -57,69 +58,13 @@ from mla_spec.kernels.nvfp4_configs import (
     m_bucket,
     pinned_config,
 )
+from mla_spec.kernels.nvfp4_decode import _decode
 from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, GemvConfig, default_gemv_config, nvfp4_gemv
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "NVFP4MmaConfig", "nvfp4_gemm", "nvfp4_gemm_ref",
            "default_gemm_config", "default_mma_config", "set_gemm_config", "block_m_for",
            "mma_block_m", "auto_config", "ptx_decoder_ok"]
-
-_TWO_118 = tl.constexpr(2.0**118)  # jit code may only read constexpr globals
-
-# Four packed bytes ($4) and their scales s * 2**118 as bf16x2 ($5 bytes 0-1, $6 bytes 2-3) ->
-# low-nibble values ($0, $1) and high-nibble values ($2, $3) as bf16x2, E2M1 * s * 2**-8.
-_ASM = tl.constexpr("""
-{
-.reg .b32 z, t0, t1, a, b;
-mov.b32 z, 0;
-prmt.b32 t0, $4, z, 0x4140;
-prmt.b32 t1, $4, z, 0x4342;
-shl.b32 a, t0, 6; shl.b32 b, t0, 12; or.b32 a, a, b; and.b32 a, a, 0x81C081C0;
-mul.rn.bf16x2 $0, a, $5;
-shl.b32 a, t1, 6; shl.b32 b, t1, 12; or.b32 a, a, b; and.b32 a, a, 0x81C081C0;
-mul.rn.bf16x2 $1, a, $6;
-shl.b32 a, t0, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t0, 8; and.b32 b, b, 0x80008000;
-or.b32 a, a, b; mul.rn.bf16x2 $2, a, $5;
-shl.b32 a, t1, 2; and.b32 a, a, 0x01C001C0; shl.b32 b, t1, 8; and.b32 b, b, 0x80008000;
-or.b32 a, a, b; mul.rn.bf16x2 $3, a, $6;
-}
-""")
-
-
-@triton.jit
-def _decode_pure(wb, s8, OUT_F32: tl.constexpr):
-    """bytes [.., 8] uint8 + e4m3 scales [.., 1] -> (low, high) values E2M1 * s * 2**-8."""
-    b = wb.to(tl.uint16)
-    lo = ((b & 7) << 9) | ((b & 8) << 12)
-    hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
-    s = s8.to(tl.float32) * 64.0
-    lo = lo.to(tl.float16, bitcast=True).to(tl.float32) * s
-    hi = hi.to(tl.float16, bitcast=True).to(tl.float32) * s
-    if not OUT_F32:
-        lo = lo.to(tl.bfloat16)
-        hi = hi.to(tl.bfloat16)
-    return lo, hi
-
-
-@triton.jit
-def _decode_asm(wb, s8):
-    """GPU-only packed decoder, same result as ``_decode_pure`` in bf16."""
-    sb = (s8.to(tl.float32) * _TWO_118).to(tl.bfloat16)
-    sb = tl.broadcast_to(sb, wb.shape)
-    lo, hi = tl.inline_asm_elementwise(
-        _ASM, "=r,=r,=r,=r,r,r,r", [wb, sb], dtype=(tl.bfloat16, tl.bfloat16),
-        is_pure=True, pack=4)
-    return lo, hi
-
-
-@triton.jit
-def _decode(wb, s8, OUT_F32: tl.constexpr, FAST: tl.constexpr):
-    if FAST and not OUT_F32:
-        lo, hi = _decode_asm(wb, s8)
-    else:
-        lo, hi = _decode_pure(wb, s8, OUT_F32)
-    return lo, hi
-
 
 @triton.jit
 def _nvfp4_gemm_kernel(

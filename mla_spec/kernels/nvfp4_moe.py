@@ -35,8 +35,8 @@ import triton.language as tl
 from mla_spec.device import triton_interpreting, use_triton
 from mla_spec.kernels import nvfp4_gemv
 from mla_spec.kernels.nvfp4_configs import NVFP4MmaConfig
+from mla_spec.kernels.nvfp4_decode import _decode
 from mla_spec.kernels.nvfp4_gemm import (
-    _decode,
     block_m_for,
     mma_block_m,
     ptx_decoder_ok,
