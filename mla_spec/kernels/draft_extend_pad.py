@@ -59,13 +59,17 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
+from mla_spec.kernels.draft_extend_checks import (
+    check_common,
+    check_out,
+    check_values,
+)
 from mla_spec.kernels.triton_launch import TritonLauncher as _Launcher
 from mla_spec.kernels.triton_launch import hooks_unset as _hooks_unset  # noqa: F401 - tests
 
 __all__ = ["pad_draft_extend_query", "pad_draft_extend_query_ref", "unpad_draft_extend_output",
            "unpad_draft_extend_output_ref", "compile_count", "choose_variant", "SMALL_CALL_BYTES"]
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32}  # bit-exact copies (twin, interpreter)
 _NUM_WARPS = 4
 _TARGET_BYTES = 16384  # bytes per program (one chunk of a row), large calls
@@ -265,58 +269,6 @@ def _as_bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT_VIEW[t.element_size()])
 
 
-# ---- validation --------------------------------------------------------------------------------
-def _check_common(x, name, rank, seq_lens_q, cu_seqlens_q, align, variant):
-    if not isinstance(x, torch.Tensor) or x.dim() != rank:
-        shape = "[total_q, H, D]" if rank == 3 else "[bs, max_q, H, Dv]"
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{name} must be a {rank}-d tensor {shape}; got {got}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"{name}.dtype = {x.dtype}; supported: {SUPPORTED_DTYPES}")
-    for nm, t in (("seq_lens_q", seq_lens_q), ("cu_seqlens_q", cu_seqlens_q)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int32:
-            got = (t.dtype, tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{nm} must be a 1-d int32 tensor; got {got}")
-        if t.device != x.device:
-            raise ValueError(f"{nm} is on {t.device}, {name} on {x.device}: use one device")
-    if cu_seqlens_q.numel() != seq_lens_q.numel() + 1:
-        raise ValueError(f"cu_seqlens_q has {cu_seqlens_q.numel()} entries; expected bs + 1 = "
-                         f"{seq_lens_q.numel() + 1} (seq_lens_q has bs = {seq_lens_q.numel()})")
-    if align not in ("end", "start"):
-        raise ValueError(f"align = {align!r}; expected 'end' (exact causal windows) or 'start'")
-    if variant not in ("auto", "small", "large"):
-        raise ValueError(f"variant = {variant!r}; expected 'auto', 'small' or 'large'")
-
-
-def _check_out(out, shape, like, name="out"):
-    if out is None:
-        return
-    if tuple(out.shape) != tuple(shape) or out.dtype != like.dtype or out.device != like.device:
-        raise ValueError(f"{name} must be {list(shape)} {like.dtype} on {like.device}; got "
-                         f"{list(out.shape)} {out.dtype} on {out.device}")
-
-
-def _check_values(seq_lens_q, cu_seqlens_q, max_q, rows_avail, rows_name):
-    """Device-value checks (one host sync); skipped while a CUDA graph is being captured."""
-    if seq_lens_q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    cu = cu_seqlens_q.to(torch.int64)
-    sl = seq_lens_q.to(torch.int64)
-    bs = sl.numel()
-    stats = torch.stack([
-        cu[0], (cu[1:] - cu[:-1] != sl).sum(), sl.min() if bs else cu[0] * 0,
-        sl.max() if bs else cu[0] * 0, cu[-1],
-    ]).tolist()
-    first, mismatches, lo, hi, total = stats
-    if first != 0 or mismatches:
-        raise ValueError(f"cu_seqlens_q must be [0, cumsum(seq_lens_q)]; it starts at {first} and "
-                         f"disagrees with seq_lens_q at {mismatches} of {bs} requests")
-    if lo < 0 or hi > max_q:
-        raise ValueError(f"seq_lens_q must lie in 0..max_q = {max_q}; got min {lo}, max {hi}")
-    if total > rows_avail:
-        raise ValueError(f"the lengths add up to {total} rows but {rows_name} has {rows_avail}")
-
-
 # ---- pad -----------------------------------------------------------------------------------------
 def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", out=None,
                            fill_padding=True, validate=True, variant="auto"):
@@ -342,11 +294,11 @@ def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", o
     Tensor ``[bs, max_q, H, D]`` (``out`` when given).
     """
     if validate:
-        _check_common(q, "q", 3, seq_lens_q, cu_seqlens_q, align, variant)
+        check_common(q, "q", 3, seq_lens_q, cu_seqlens_q, align, variant)
         if not isinstance(max_q, int) or max_q < 0:
             raise ValueError(f"max_q = {max_q!r}; expected an int >= 0")
-        _check_out(out, (seq_lens_q.shape[0], max_q, *q.shape[1:]), q)
-        _check_values(seq_lens_q, cu_seqlens_q, max_q, q.shape[0], "q")
+        check_out(out, (seq_lens_q.shape[0], max_q, *q.shape[1:]), q)
+        check_values(seq_lens_q, cu_seqlens_q, max_q, q.shape[0], "q")
     bs, (n_rows, h, d) = seq_lens_q.shape[0], q.shape
     if out is None:
         out = torch.empty((bs, max_q, h, d), dtype=q.dtype, device=q.device)
@@ -420,14 +372,14 @@ def unpad_draft_extend_output(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, ali
     Tensor ``[total_q, H, Dv]`` (``out`` when given). Padded rows of ``raw_out`` are never read.
     """
     if validate:
-        _check_common(raw_out, "raw_out", 4, seq_lens_q, cu_seqlens_q, align, variant)
+        check_common(raw_out, "raw_out", 4, seq_lens_q, cu_seqlens_q, align, variant)
         if raw_out.shape[0] != seq_lens_q.shape[0]:
             raise ValueError(f"raw_out has {raw_out.shape[0]} requests; seq_lens_q has "
                              f"{seq_lens_q.shape[0]}")
         if not isinstance(total_q, int) or total_q < 0:
             raise ValueError(f"total_q = {total_q!r}; expected an int >= 0")
-        _check_out(out, (total_q, *raw_out.shape[2:]), raw_out)
-        _check_values(seq_lens_q, cu_seqlens_q, raw_out.shape[1], total_q, "the output (total_q)")
+        check_out(out, (total_q, *raw_out.shape[2:]), raw_out)
+        check_values(seq_lens_q, cu_seqlens_q, raw_out.shape[1], total_q, "the output (total_q)")
     bs, max_q, h, d = raw_out.shape
     if out is None:
         out = torch.empty((total_q, h, d), dtype=raw_out.dtype, device=raw_out.device)
