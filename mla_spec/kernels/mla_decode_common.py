@@ -17,8 +17,9 @@ use it, so the kernels differ only in how they load and multiply tiles:
    num_splits)`` positions, cut at the last row's causal bound.
 
 Two more serve the page-granular kernels (``mla_decode_paged``, ``mla_decode_swapab``):
-:func:`kv_descriptors` (the TMA boxes) and :func:`load_kv_tile` (one page-contiguous KV tile,
-by TMA or pointer loads, converted for the dots).
+:func:`kv_descriptors` (the TMA boxes), :func:`load_kv_tile` (one page-contiguous KV tile,
+by TMA or pointer loads, converted for the dots) and :func:`fp16_prescaled` (the FP8 path's
+exact power-of-two query scaling).
 
 They are ``@triton.jit`` functions returning tuples; Triton inlines them, so the kernels compile
 to the same instructions as with the code written out (checked on sm_90 with Triton 3.6: same
@@ -35,7 +36,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["block_rows", "request_rows", "split_window", "check_mla_inputs", "kv_descriptors",
-           "load_kv_tile"]
+           "load_kv_tile", "fp16_prescaled"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -160,3 +161,20 @@ def load_kv_tile(KV, dsc_v, dsc_p, slot0, start, hi, offs_r, offs_h, offs_p,
     elif DOT_F32:
         k0, k1, kp = k0.to(tl.float32), k1.to(tl.float32), kp.to(tl.float32)
     return k0, k1, kp
+
+
+@triton.jit
+def fp16_prescaled(q0, q1, qp, row_scale):
+    """FP8-KV path: the query tiles scaled by an exact power of two ``2**e`` that puts their
+    ``max |q|`` in ``[2**13, 2**14]`` and cast to fp16 (no overflow; the only rounding is fp16's
+    ``2**-11``), and ``row_scale * 2**-e`` so the scores come out unscaled."""
+    q0f, q1f, qpf = q0.to(tl.float32), q1.to(tl.float32), qp.to(tl.float32)
+    amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0f), 1), 0),
+                                 tl.max(tl.max(tl.abs(q1f), 1), 0)),
+                      tl.max(tl.max(tl.abs(qpf), 1), 0))
+    e = tl.where(amax > 0, 14 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0)
+    e = tl.minimum(tl.maximum(e, -100.0), 100.0).to(tl.int32)
+    pw = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    ipw = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    return ((q0f * pw).to(tl.float16), (q1f * pw).to(tl.float16), (qpf * pw).to(tl.float16),
+            row_scale * ipw)

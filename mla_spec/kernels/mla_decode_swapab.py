@@ -30,6 +30,7 @@ import triton.language as tl
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
     block_rows,
+    fp16_prescaled,
     kv_descriptors,
     load_kv_tile,
     request_rows,
@@ -69,19 +70,7 @@ def _mla_swapab_kernel(
                      + offs_p[:, None], mask=mask_m[None, :], other=0.0)
         row_scale = qk_scale_log2
         if F16:
-            # exact power-of-two pre-scale so that max|q| lands in [2**13, 2**14]
-            q0f, q1f, qpf = q0.to(tl.float32), q1.to(tl.float32), qp.to(tl.float32)
-            amax = tl.maximum(tl.maximum(tl.max(tl.max(tl.abs(q0f), 1), 0),
-                                         tl.max(tl.max(tl.abs(q1f), 1), 0)),
-                              tl.max(tl.max(tl.abs(qpf), 1), 0))
-            e = tl.where(amax > 0, 14 - tl.ceil(tl.log2(tl.maximum(amax, 1e-30))), 0.0)
-            e = tl.minimum(tl.maximum(e, -100.0), 100.0).to(tl.int32)
-            pw = ((e + 127) << 23).to(tl.float32, bitcast=True)
-            ipw = ((127 - e) << 23).to(tl.float32, bitcast=True)
-            q0 = (q0f * pw).to(tl.float16)
-            q1 = (q1f * pw).to(tl.float16)
-            qp = (qpf * pw).to(tl.float16)
-            row_scale = row_scale * ipw
+            q0, q1, qp, row_scale = fp16_prescaled(q0, q1, qp, row_scale)
         elif DOT_F32:
             q0, q1, qp = q0.to(tl.float32), q1.to(tl.float32), qp.to(tl.float32)
         bound, lo, hi = split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
