@@ -56,7 +56,7 @@ from mla_spec.forward_mode import ForwardMode  # noqa: E402
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4  # noqa: E402
 from mla_spec.kv_cache import MLATokenToKVPool  # noqa: E402
 from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer  # noqa: E402
-from mla_spec.models.moe import DenseMLP  # noqa: E402
+from mla_spec.models.moe import DenseMLP, MoEGate  # noqa: E402
 from mla_spec.models.mtp import DeepseekV3MTP  # noqa: E402
 from mla_spec.models.norm import RMSNorm  # noqa: E402
 from mla_spec.models.quant_config import QuantConfig  # noqa: E402
@@ -424,6 +424,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="start no new (bs, ctx) point after this many seconds")
     p.add_argument("--no-graphs", action="store_true", help="time eagerly")
+    p.add_argument("--fused-router", action="store_true",
+                   help="ours routes with the fused Triton router kernel (opt-in, untimed so far)")
     return p.parse_args(argv)
 
 
@@ -496,6 +498,12 @@ def main(argv=None) -> dict:
     with _Shims(device, smoke) as shims, torch.no_grad():
         notes += shims.notes
         sides, env = _build(args, cfg, device, dtype, bs_list, ctx_list, notes)
+        if args.fused_router:  # ours routes with the one-program-per-token Triton kernel
+            for mod in (sides[0].layer, sides[0].mtp):
+                for m in mod.modules():
+                    if isinstance(m, MoEGate):
+                        m.fused_router = True
+            notes.append("ours: --fused-router (mla_spec.kernels.moe_router); base: torch routing")
         print(f"[{time.perf_counter() - t0:6.1f} s] built: ours "
               f"{type(sides[0].backends['target']).__name__} / base "
               f"{type(sides[1].backends['target']).__name__}", flush=True)

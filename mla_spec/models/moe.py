@@ -23,10 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mla_spec.device import use_triton
 from mla_spec.models.linear import ColumnParallelLinear, RowParallelLinear
 from mla_spec.parallel import tp_all_reduce
 
-__all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens"]
+__all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "FUSED_ROUTER"]
+
+#: Route with the one-program-per-token Triton kernel (``mla_spec.kernels.moe_router``) where
+#: Triton runs. Off by default until it is timed on a GPU (``bench_layer.py --fused-router``);
+#: a gate's ``fused_router`` attribute overrides it per instance.
+FUSED_ROUTER = False
 
 
 class DenseMLP(nn.Module):
@@ -109,15 +115,20 @@ class MoEGate(nn.Module):
             self.n_group = self.topk_group = 1
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.scoring_func = cfg.scoring_func
+        self.fused_router: bool | None = None  # None: the module-level FUSED_ROUTER
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [N, hidden]`` -> ``(topk_weights [N, k] fp32, topk_ids [N, k] int64)``."""
         logits = F.linear(x.float(), self.weight.float())
-        return route_tokens(
-            logits, self.e_score_correction_bias, top_k=self.top_k, n_group=self.n_group,
-            topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
-            routed_scaling_factor=self.scale, scoring_func=self.scoring_func,
-        )
+        kw = dict(top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
+                  norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.scale,
+                  scoring_func=self.scoring_func)
+        fused = FUSED_ROUTER if self.fused_router is None else self.fused_router
+        if fused and use_triton(logits) and not torch.is_grad_enabled():
+            from mla_spec.kernels.moe_router import fused_route
+
+            return fused_route(logits, self.e_score_correction_bias, **kw)
+        return route_tokens(logits, self.e_score_correction_bias, **kw)
 
 
 class DeepseekV3MoE(nn.Module):

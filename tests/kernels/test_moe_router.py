@@ -1,0 +1,98 @@
+"""The fused router kernel (interpreter on CPU) against route_tokens, on random logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_spec.kernels.moe_router import fused_route, fused_route_ref
+from mla_spec.models.moe import route_tokens
+
+CASES = [  # E, n_group, topk_group, top_k, bias, norm, scoring
+    (256, 8, 4, 8, True, True, "sigmoid"),  # DeepSeek-V3
+    (16, 4, 2, 3, True, False, "sigmoid"),  # top_k not a power of two
+    (32, 1, 1, 6, False, True, "softmax"),  # no groups, softmax scores
+    (8, 8, 3, 2, True, True, "sigmoid"),    # one expert per group
+]
+
+
+def _by_id(w, ids):
+    order = ids.argsort(dim=1)
+    return w.gather(1, order), ids.gather(1, order)
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 33])
+@pytest.mark.parametrize("e,g,tg,k,has_bias,norm,scoring", CASES)
+def test_kernel_matches_route_tokens(n, e, g, tg, k, has_bias, norm, scoring, device):
+    gen = torch.Generator().manual_seed(n * 131 + e)
+    logits = (torch.randn(n, e, generator=gen) * 2).to(device)
+    bias = (torch.randn(e, generator=gen) * 0.3).to(device) if has_bias else None
+    kw = dict(top_k=k, n_group=g, topk_group=tg, norm_topk_prob=norm,
+              routed_scaling_factor=2.5, scoring_func=scoring)
+    w, ids = fused_route(logits, bias, **kw)
+    assert w.shape == ids.shape == (n, k) and w.dtype == torch.float32 and ids.dtype == torch.int64
+    rw, rids = route_tokens(logits, bias, **kw)
+    w_s, ids_s = _by_id(w, ids)
+    rw_s, rids_s = _by_id(rw, rids)
+    assert torch.equal(ids_s, rids_s)
+    torch.testing.assert_close(w_s, rw_s, rtol=1e-5, atol=1e-6)
+    tw, tids = fused_route_ref(logits, bias, **kw)  # the twin: same order as the kernel
+    assert torch.equal(ids, tids)
+    torch.testing.assert_close(w, tw, rtol=1e-5, atol=1e-6)
+
+
+def test_bias_changes_the_choice_not_the_weights(device):
+    logits = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    bias = torch.zeros(16, device=device)
+    bias[3] = 100.0  # expert 3 always chosen, its weight is still its unbiased score
+    kw = dict(top_k=2, n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)
+    w, ids = fused_route(logits, bias, **kw)
+    assert (ids[:, 0] == 3).all()
+    torch.testing.assert_close(w[:, 0], logits[:, 3].sigmoid())
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(logits=torch.randn(2, 24)), "power of two"),
+    (dict(n_group=3), "power of two"),
+    (dict(topk_group=5), "do not fit"),
+    (dict(top_k=17), "do not fit"),
+    (dict(logits=torch.randn(2, 16, dtype=torch.float64)), "float32"),
+    (dict(bias=torch.zeros(8)), "e_score_correction_bias"),
+    (dict(scoring_func="relu"), "scoring_func"),
+])
+def test_bad_inputs(bad, match):
+    kw = dict(logits=torch.randn(2, 16), bias=None, top_k=2, n_group=4, topk_group=2,
+              scoring_func="sigmoid")
+    kw.update(bad)
+    logits, bias = kw.pop("logits"), kw.pop("bias")
+    with pytest.raises(ValueError, match=match):
+        fused_route(logits, bias, norm_topk_prob=True, routed_scaling_factor=1.0, **kw)
+
+
+def test_gate_uses_the_kernel_only_when_asked(monkeypatch):
+    from types import SimpleNamespace
+
+    import mla_spec.models.moe as moe
+
+    cfg = SimpleNamespace(n_routed_experts=16, hidden_size=24, topk_method="noaux_tc",
+                          num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=True,
+                          routed_scaling_factor=2.5, scoring_func="sigmoid")
+    gate = moe.MoEGate(cfg)
+    with torch.no_grad():
+        gate.weight.normal_(generator=torch.Generator().manual_seed(5))
+        gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    x = torch.randn(5, 24, generator=torch.Generator().manual_seed(6))
+    calls = []
+    real = fused_route
+    import mla_spec.kernels.moe_router as mr
+    monkeypatch.setattr(mr, "fused_route", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        w0, i0 = gate(x)
+        assert not calls  # off by default
+        gate.fused_router = True
+        w1, i1 = gate(x)
+    assert calls
+    w0, i0 = _by_id(w0, i0)
+    w1, i1 = _by_id(w1, i1)
+    assert torch.equal(i0, i1)
+    torch.testing.assert_close(w0, w1, rtol=1e-5, atol=1e-6)
