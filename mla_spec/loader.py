@@ -18,8 +18,10 @@ TP shards (read with safetensors slices, so a rank reads only its part): every l
 declares ``tp_shard_dims`` (``mla_spec.models.linear``): column-parallel (``q_b_proj``,
 ``kv_b_proj``, MLP and expert ``gate_proj`` / ``up_proj``) split dim 0; row-parallel
 (``o_proj``, ``down_proj``) split dim 1, i.e. for NVFP4 the packed ``weight`` along K/2 and
-``weight_scale`` along K/16. Norms, router, ``q_a_proj``, ``kv_a_proj_with_mqa``, embeddings and
-``lm_head`` are replicated.
+``weight_scale`` along K/16. ``embed_tokens`` and ``lm_head`` split their vocabulary rows (dim
+0; replicated when ``tp_size`` does not divide the vocabulary, see
+``mla_spec.models.vocab_parallel``). Norms, router, ``q_a_proj`` and ``kv_a_proj_with_mqa`` are
+replicated.
 
 Every problem raises :class:`CheckpointError` naming the tensor and the file: missing or
 unexpected tensors, wrong shapes or dtypes, index entries pointing at absent files, truncated or

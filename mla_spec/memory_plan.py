@@ -6,7 +6,7 @@ and the MTP layer as stored in the checkpoint is 13.46 B (one MoE decoder layer,
 three norms, plus its own copies of the embedding and head), published as "671B + 14B".
 
 Bytes per GPU at tensor-parallel size ``tp``, as this package stores them
-(``mla_spec.parallel`` splits heads and intermediate dims; the rest is replicated):
+(``mla_spec.parallel`` splits heads, intermediate dims and the vocabulary; the rest is replicated):
 
 =====================  ======================  ============================================
 kind                   dtype                   split over TP
@@ -17,7 +17,7 @@ dense MLP (layers 0-2)  NVFP4: 0.5 B + 1/16 B    intermediate dim
 routed experts          NVFP4                   intermediate dim of every expert
 shared experts          NVFP4                   intermediate dim
 router                  fp32 weight + bias       replicated
-embed_tokens, lm_head   bf16                    replicated
+embed_tokens, lm_head   bf16                    vocab rows (when tp divides the vocab)
 norms                   bf16                    replicated
 MTP layer               bf16 (experts too)       like a target layer; embed/head shared
 =====================  ======================  ============================================
@@ -152,6 +152,7 @@ def memory_plan(cfg: ModelConfig | None = None, tp: int = 4, gpu: str = "H200",
     mtp_attn = rep + split / tp
     mtp_moe = (cfg.n_routed_experts + cfg.n_shared_experts) * expert / tp
     mtp_rest = cfg.n_routed_experts * (h + 1) * 2 + (2 * h * h + 5 * h)
+    vocab_split = tp if cfg.vocab_size % tp == 0 else 1  # mla_spec.models.vocab_parallel
     wb = {
         "attention (bf16)": L * (rep + split / tp) * 2,
         "dense MLP (nvfp4)": c["dense_mlp"] / tp * _NVFP4_BYTES,
@@ -159,8 +160,8 @@ def memory_plan(cfg: ModelConfig | None = None, tp: int = 4, gpu: str = "H200",
         "shared experts (nvfp4)": c["shared_experts"] / tp * _NVFP4_BYTES,
         "router (fp32)": c["router"] * 4,
         "norms (bf16)": c["norms"] * 2,
-        "embed_tokens (bf16)": c["embed_tokens"] * 2,
-        "lm_head (bf16)": c["lm_head"] * 2,
+        "embed_tokens (bf16)": c["embed_tokens"] * 2 / vocab_split,
+        "lm_head (bf16)": c["lm_head"] * 2 / vocab_split,
         "MTP layer (bf16)": cfg.num_nextn_predict_layers * (mtp_attn + mtp_moe) * 2 + mtp_rest * 2
         if cfg.num_nextn_predict_layers else 0,
     }

@@ -36,6 +36,7 @@ __all__ = [
     "tp_rank",
     "tp_size",
     "tp_all_reduce",
+    "tp_all_gather",
     "ReplicatedLinear",  # noqa: F822 - lazy, see __getattr__
     "ColumnParallelLinear",  # noqa: F822 - lazy, see __getattr__
     "RowParallelLinear",  # noqa: F822 - lazy, see __getattr__
@@ -129,6 +130,21 @@ def tp_all_reduce(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
         return x.copy_(y)
     dist.all_reduce(x)
     return x
+
+
+def tp_all_gather(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dimension (rank order). No-op at TP 1.
+    Inference only, like :func:`tp_all_reduce`; every rank receives the same bits."""
+    n = tp_size() if size is None else size
+    if n == 1:
+        return x
+    if x.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError("training under tensor parallelism is not supported: run at "
+                                  "TP 1, or under torch.no_grad() for evaluation")
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x)
+    return torch.cat(parts, dim=-1)
 
 
 # Re-exported lazily (PEP 562): the linears live in ``mla_spec.models.linear`` and the process

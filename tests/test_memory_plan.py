@@ -28,7 +28,10 @@ def test_kv_bytes_and_tp_split():
     assert p8.kv_bytes_per_token == 62 * 576
     assert p8.weight_bytes["routed experts (nvfp4)"] == pytest.approx(
         p1.weight_bytes["routed experts (nvfp4)"] / 8)
-    assert p8.weight_bytes["lm_head (bf16)"] == p1.weight_bytes["lm_head (bf16)"]  # replicated
+    # vocab-parallel: 129280 rows split 8 ways (mla_spec.models.vocab_parallel)
+    assert p8.weight_bytes["lm_head (bf16)"] == pytest.approx(p1.weight_bytes["lm_head (bf16)"] / 8)
+    assert p8.weight_bytes["embed_tokens (bf16)"] == pytest.approx(
+        p1.weight_bytes["embed_tokens (bf16)"] / 8)
     assert p1.max_tokens == 0  # 671B in FP4 does not fit one H200
     assert 300_000 < memory_plan(V3, tp=4, gpu="H200").max_tokens < 2_000_000
     assert memory_plan(V3, tp=4, gpu="B200").max_tokens > memory_plan(V3, tp=4).max_tokens

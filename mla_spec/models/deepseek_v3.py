@@ -14,19 +14,19 @@ Two entry points share every weight:
   attention is the absorbed MLA over the paged KV cache through ``batch.attn_backend``.
   Returns the hidden state **after** the final norm ``[N, hidden]`` (SGLang's convention: what
   the MTP layer consumes); ``compute_logits(hidden)`` -> fp32 ``[N, vocab]``, identical on all
-  ranks (embeddings and lm_head are replicated).
+  ranks (embedding and lm_head are vocab-parallel: ``mla_spec.models.vocab_parallel``).
 - ``forward_train(input_ids [B, T])``: dense causal attention, differentiable, same math.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mla_spec.models.mla import MLAAttention
 from mla_spec.models.moe import DeepseekV3MoE, DenseMLP
 from mla_spec.models.norm import RMSNorm
+from mla_spec.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 __all__ = ["DeepseekV3DecoderLayer", "DeepseekV3Model", "DeepseekV3ForCausalLM"]
 
@@ -85,11 +85,12 @@ class DeepseekV3DecoderLayer(nn.Module):
 class DeepseekV3Model(nn.Module):
     """``embed_tokens``, ``num_hidden_layers`` decoder layers, final ``norm``."""
 
-    def __init__(self, cfg, *, quant_cfg=None, tp_size: int = 1, dtype=torch.float32,
-                 device=None) -> None:
+    def __init__(self, cfg, *, quant_cfg=None, tp_rank: int = 0, tp_size: int = 1,
+                 dtype=torch.float32, device=None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
+                                                   tp_rank=tp_rank, tp_size=tp_size,
+                                                   dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DeepseekV3DecoderLayer(cfg, i, quant_cfg=quant_cfg, tp_size=tp_size, dtype=dtype,
                                    device=device)
@@ -117,17 +118,17 @@ class DeepseekV3ForCausalLM(nn.Module):
             raise ValueError(f"tp_rank {tp_rank} must be in [0, tp_size {tp_size})")
         self.cfg, self.quant_cfg = cfg, quant_cfg
         self.tp_rank, self.tp_size, self.dtype = tp_rank, tp_size, dtype
-        self.model = DeepseekV3Model(cfg, quant_cfg=quant_cfg, tp_size=tp_size, dtype=dtype,
-                                     device=device)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dtype,
-                                 device=device)
+        self.model = DeepseekV3Model(cfg, quant_cfg=quant_cfg, tp_rank=tp_rank,
+                                     tp_size=tp_size, dtype=dtype, device=device)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp_rank=tp_rank,
+                                      tp_size=tp_size, dtype=dtype, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_scales: dict[int, tuple[float, float]] = {}  # set by the loader (fp8 KV)
 
     # ---- convenience views ---------------------------------------------------------------
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens
 
     @property
@@ -157,10 +158,10 @@ class DeepseekV3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> fp32 logits ``[..., vocab]`` (same bits on every rank).
 
-        The matmul runs in the weight dtype (fp32 accumulate on GPU), then casts to fp32.
+        The matmul runs in the weight dtype (fp32 accumulate on GPU), then casts to fp32; under
+        TP each rank computes its vocabulary slice and an all-gather joins them.
         """
-        w = self.lm_head.weight
-        return F.linear(hidden.to(w.dtype), w).float()
+        return self.lm_head.logits(hidden)
 
     # ---- training ------------------------------------------------------------------------
     def forward_train(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None

@@ -20,12 +20,12 @@ step feeds back as ``target_hidden``.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer
 from mla_spec.models.linear import ReplicatedLinear
 from mla_spec.models.norm import RMSNorm
+from mla_spec.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
 
 __all__ = ["DeepseekV3MTP"]
 
@@ -49,8 +49,8 @@ class DeepseekV3MTP(nn.Module):
     """
 
     def __init__(self, cfg, quant_cfg=None, tp_rank: int = 0, tp_size: int = 1,
-                 dtype=torch.float32, device=None, *, embed_tokens: nn.Embedding | None = None,
-                 lm_head: nn.Linear | None = None, kv_layer_id: int = 0) -> None:
+                 dtype=torch.float32, device=None, *, embed_tokens: nn.Module | None = None,
+                 lm_head: nn.Module | None = None, kv_layer_id: int = 0) -> None:
         super().__init__()
         del quant_cfg
         self.cfg, self.tp_rank, self.tp_size, self.dtype = cfg, tp_rank, tp_size, dtype
@@ -66,21 +66,21 @@ class DeepseekV3MTP(nn.Module):
         self.shared_head = _SharedHead(cfg, dtype, device)
         # Shared modules are held outside the module tree so state_dict() has only MTP weights.
         self._shared = {
-            "embed_tokens": embed_tokens
-            or nn.Embedding(cfg.vocab_size, h, dtype=dtype, device=device),
-            "lm_head": lm_head or nn.Linear(h, cfg.vocab_size, bias=False, dtype=dtype,
-                                            device=device),
+            "embed_tokens": embed_tokens or VocabParallelEmbedding(
+                cfg.vocab_size, h, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype, device=device),
+            "lm_head": lm_head or ParallelLMHead(h, cfg.vocab_size, tp_rank=tp_rank,
+                                                 tp_size=tp_size, dtype=dtype, device=device),
         }
 
     @property
-    def embed_tokens(self) -> nn.Embedding:
+    def embed_tokens(self) -> nn.Module:
         return self._shared["embed_tokens"]
 
     @property
-    def lm_head(self) -> nn.Linear:
+    def lm_head(self) -> nn.Module:
         return self._shared["lm_head"]
 
-    def set_embed_and_head(self, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+    def set_embed_and_head(self, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
         """Share the target's embedding and head (SGLang's ``set_embed_and_head``)."""
         self._shared = {"embed_tokens": embed_tokens, "lm_head": lm_head}
 
@@ -116,5 +116,4 @@ class DeepseekV3MTP(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> fp32 logits through the shared ``lm_head``."""
-        w = self.lm_head.weight
-        return F.linear(hidden.to(w.dtype), w).float()
+        return lm_head_logits(self.lm_head, hidden)

@@ -1,0 +1,98 @@
+"""Vocab-parallel embedding and lm_head: each TP rank holds ``vocab / tp_size`` rows.
+
+DeepSeek-V3's vocabulary (129,280 x 7,168) costs 1.85 GB per copy in bf16, twice (embedding and
+lm_head); replicated on every rank of TP 4 that is 3.7 GB per GPU, sharded 0.9 GB. SGLang shards
+both by vocabulary rows; so do we:
+
+- ``VocabParallelEmbedding``: rank ``r`` owns ids ``[r * V/tp, (r + 1) * V/tp)``. A lookup
+  zeroes the rows of ids it does not own, then one all-reduce sums the ranks' partial rows (each
+  row has exactly one non-zero contribution, so the sum is exact: same bits as TP 1).
+- ``ParallelLMHead``: rank ``r`` computes the logits of its vocabulary slice ``[N, V/tp]``;
+  an all-gather along the vocabulary returns ``[N, V]`` fp32, identical on every rank.
+
+The split is the loader's contiguous one (``tp_shard_dims = {"weight": 0}``). A vocabulary that
+``tp_size`` does not divide stays replicated (``sharded`` is False), as at TP 1. Training runs
+at TP 1 (the collectives raise under autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mla_spec.parallel import tp_all_gather, tp_all_reduce
+
+__all__ = ["VocabParallelEmbedding", "ParallelLMHead", "lm_head_logits"]
+
+
+def _shard(vocab: int, tp_rank: int, tp_size: int) -> tuple[bool, int, int]:
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} must be in [0, tp_size {tp_size})")
+    sharded = tp_size > 1 and vocab % tp_size == 0
+    local = vocab // tp_size if sharded else vocab
+    return sharded, local, (tp_rank * local if sharded else 0)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``ids [...]`` int -> ``[..., dim]``; ``weight [vocab / tp_size, dim]`` on each rank."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0,
+                 tp_size: int = 1, dtype=torch.float32, device=None) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.tp_size = tp_size
+        self.sharded, local, self.vocab_start = _shard(num_embeddings, tp_rank, tp_size)
+        self.weight = nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype, device=device))
+        nn.init.normal_(self.weight)
+        self.tp_shard_dims = {"weight": 0} if self.sharded else {}
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.sharded:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(torch.where(mine, local, torch.zeros_like(local)), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return tp_all_reduce(out, self.tp_size)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}"
+                + (f", rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0]}"
+                   if self.sharded else ""))
+
+
+class ParallelLMHead(nn.Module):
+    """``weight [vocab / tp_size, hidden]``; :meth:`logits` gathers the full vocabulary."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, *, tp_rank: int = 0, tp_size: int = 1,
+                 dtype=torch.float32, device=None) -> None:
+        super().__init__()
+        self.vocab_size, self.tp_size = vocab_size, tp_size
+        self.sharded, local, self.vocab_start = _shard(vocab_size, tp_rank, tp_size)
+        self.weight = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device))
+        nn.init.normal_(self.weight, std=hidden_size ** -0.5)
+        self.tp_shard_dims = {"weight": 0} if self.sharded else {}
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> fp32 ``[..., vocab]``, the same bits on every rank. The matmul
+        runs in the weight dtype (fp32 accumulate on GPU), then casts to fp32."""
+        part = F.linear(hidden.to(self.weight.dtype), self.weight).float()
+        if not self.sharded:
+            return part
+        with torch.no_grad():  # logits for sampling / evaluation; training runs at TP 1 (the
+            return tp_all_gather(part, self.tp_size)  # embedding's all-reduce raises there)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[1]} -> {self.vocab_size}" + (
+            f" (rows {self.vocab_start}..{self.vocab_start + self.weight.shape[0]})"
+            if self.sharded else "")
+
+
+def lm_head_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """fp32 logits through a ``ParallelLMHead`` or any module with a ``weight [vocab, hidden]``
+    (e.g. a plain ``nn.Linear`` a benchmark shares with the MTP layer)."""
+    if isinstance(lm_head, ParallelLMHead):
+        return lm_head.logits(hidden)
+    w = lm_head.weight
+    return F.linear(hidden.to(w.dtype), w).float()
