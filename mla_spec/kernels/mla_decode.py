@@ -47,6 +47,7 @@ from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
     block_rows,
     check_mla_inputs,
+    online_softmax,
     request_rows,
     split_window,
 )
@@ -130,11 +131,7 @@ def _mla_fwd_kernel(
             s = s * row_scale[:, None]
             vis = (offs_n[None, :] < bound[:, None]) & mask_n[None, :]
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
             if DOT_F32:
                 pv = tl.dot(p, kv_op, input_precision="ieee")
             else:

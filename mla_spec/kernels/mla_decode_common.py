@@ -19,7 +19,8 @@ use it, so the kernels differ only in how they load and multiply tiles:
 Two more serve the page-granular kernels (``mla_decode_paged``, ``mla_decode_swapab``):
 :func:`kv_descriptors` (the TMA boxes), :func:`load_kv_tile` (one page-contiguous KV tile,
 by TMA or pointer loads, converted for the dots) and :func:`fp16_prescaled` (the FP8 path's
-exact power-of-two query scaling).
+exact power-of-two query scaling). :func:`online_softmax` is the log2-domain softmax update of
+every row-major kernel (generic, paged, V-split); the swap-AB kernel reduces over the other axis.
 
 They are ``@triton.jit`` functions returning tuples; Triton inlines them, so the kernels compile
 to the same instructions as with the code written out (checked on sm_90 with Triton 3.6: same
@@ -36,7 +37,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["block_rows", "request_rows", "split_window", "check_mla_inputs", "kv_descriptors",
-           "load_kv_tile", "fp16_prescaled"]
+           "load_kv_tile", "fp16_prescaled", "online_softmax"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -178,3 +179,16 @@ def fp16_prescaled(q0, q1, qp, row_scale):
     ipw = ((127 - e) << 23).to(tl.float32, bitcast=True)
     return ((q0f * pw).to(tl.float16), (q1f * pw).to(tl.float16), (qpf * pw).to(tl.float16),
             row_scale * ipw)
+
+
+@triton.jit
+def online_softmax(s, m_i, l_i):
+    """One online-softmax step (log2 domain) over masked scores ``s [BLOCK_M, BLOCK_N]``
+    (``-inf`` where invisible): ``(p, alpha, m_new, l_i)``, where ``alpha`` rescales the running
+    accumulator and ``p`` the tile's unnormalized probabilities. A row with nothing visible yet
+    keeps ``m = -inf`` and gets ``p = 0``, ``alpha = 1`` (never NaN)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)

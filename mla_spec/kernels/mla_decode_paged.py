@@ -59,6 +59,7 @@ from mla_spec.kernels.mla_decode_common import (
     fp16_prescaled,
     kv_descriptors,
     load_kv_tile,
+    online_softmax,
     request_rows,
 )
 from mla_spec.kernels.mla_decode_swapab import launch_swapab
@@ -145,11 +146,7 @@ def _mla_paged_kernel(
             offs_n = start + offs_r
             vis = (offs_n[None, :] < bound[:, None]) & (offs_n[None, :] < hi)
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
             acc0 = acc0 * alpha[:, None]
             acc1 = acc1 * alpha[:, None]
             if DOT_F32:

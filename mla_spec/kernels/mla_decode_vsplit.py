@@ -44,7 +44,12 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels.mla_decode_combine import combine_splits
-from mla_spec.kernels.mla_decode_common import block_rows, request_rows, split_window
+from mla_spec.kernels.mla_decode_common import (
+    block_rows,
+    online_softmax,
+    request_rows,
+    split_window,
+)
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
 
 __all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
@@ -187,11 +192,7 @@ def _mla_vsplit_kernel(
             offs_n = start + offs_r
             vis = (offs_n[None, :] < bound[:, None]) & (offs_n[None, :] < hi)
             s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = online_softmax(s, m_i, l_i)
             if DOT_F32:
                 acc0 = tl.dot(p, ka, acc0 * alpha[:, None], input_precision="ieee")
                 if OWN == 2:
