@@ -45,8 +45,9 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
         res = eng.generate(prompts, max_new_tokens=args.max_new_tokens)
         wall = time.perf_counter() - t0
         grew = new_compiles(before)
+        keys_after = kernel_keys() if grew else {}
         for name in grew:  # what the new binaries were specialized for (why they compiled)
-            for key in sorted(kernel_keys().get(name, set()) - keys_before.get(name, set())):
+            for key in sorted(keys_after.get(name, set()) - keys_before.get(name, set())):
                 print(f"  new binary of {name}: {key[:700]}", flush=True)
             for key in sorted(keys_before.get(name, set()))[:2]:
                 print(f"  (earlier binary: {key[:700]})", flush=True)
