@@ -17,6 +17,8 @@ at TP 1 (the collectives raise under autograd).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = tp_size
         self.sharded, local, self.vocab_start = _shard(num_embeddings, tp_rank, tp_size)
         self.weight = nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype, device=device))
-        nn.init.normal_(self.weight)
+        nn.init.normal_(self.weight)  # nn.Embedding's default init
         self.tp_shard_dims = {"weight": 0} if self.sharded else {}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -71,7 +73,8 @@ class ParallelLMHead(nn.Module):
         self.vocab_size, self.tp_size = vocab_size, tp_size
         self.sharded, local, self.vocab_start = _shard(vocab_size, tp_rank, tp_size)
         self.weight = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device))
-        nn.init.normal_(self.weight, std=hidden_size ** -0.5)
+        # nn.Linear's default init (same RNG draws as the replicated head it replaced at TP 1)
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.tp_shard_dims = {"weight": 0} if self.sharded else {}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
