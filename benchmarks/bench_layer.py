@@ -424,8 +424,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="start no new (bs, ctx) point after this many seconds")
     p.add_argument("--no-graphs", action="store_true", help="time eagerly")
-    p.add_argument("--fused-router", action="store_true",
-                   help="ours routes with the fused Triton router kernel (opt-in, untimed so far)")
+    p.add_argument("--torch-router", action="store_true",
+                   help="both stacks route with torch ops instead of the fused Triton router")
     return p.parse_args(argv)
 
 
@@ -498,12 +498,13 @@ def main(argv=None) -> dict:
     with _Shims(device, smoke) as shims, torch.no_grad():
         notes += shims.notes
         sides, env = _build(args, cfg, device, dtype, bs_list, ctx_list, notes)
-        if args.fused_router:  # ours routes with the one-program-per-token Triton kernel
-            for mod in (sides[0].layer, sides[0].mtp):
-                for m in mod.modules():
-                    if isinstance(m, MoEGate):
-                        m.fused_router = True
-            notes.append("ours: --fused-router (mla_spec.kernels.moe_router); base: torch routing")
+        if args.torch_router:  # the router is shared by both stacks, like the norms
+            for side in sides:
+                for mod in (side.layer, side.mtp):
+                    for m in mod.modules():
+                        if isinstance(m, MoEGate):
+                            m.fused_router = False
+            notes.append("--torch-router: both stacks route with torch ops")
         print(f"[{time.perf_counter() - t0:6.1f} s] built: ours "
               f"{type(sides[0].backends['target']).__name__} / base "
               f"{type(sides[1].backends['target']).__name__}", flush=True)

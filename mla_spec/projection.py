@@ -10,11 +10,12 @@ whole model on 4 GPUs runs, per target forward:
     + 1 all-gather of the logits of the rows that are sampled (``[rows, 129280]`` bf16)
 
 The GPUs run the layers in lock step, so one GPU's layer time is the model's layer time. The
-collectives are *estimated*, not measured: a ring all-reduce moves ``2 (tp-1)/tp * bytes`` per GPU
-and an all-gather ``(tp-1)/tp * bytes``, over a link of stated bandwidth, plus a fixed latency
-per collective. For the H200's NVLink 4 (through NVSwitch) we assume ~450 GB/s per direction per
-GPU and 5-10 us of small-message latency (NCCL, inside a CUDA graph); at batch 1 the messages
-are 14 KB, so latency is what counts: 123 collectives x 8 us ~ 1 ms per forward.
+collectives are *estimated* by default (or measured, see below): a ring all-reduce moves ``2
+(tp-1)/tp * bytes`` per GPU and an all-gather ``(tp-1)/tp * bytes``, over a link of stated
+bandwidth, plus a fixed latency per collective. For the H200's NVLink 4 (through NVSwitch) we
+assume ~450 GB/s per direction per GPU and 5-10 us of small-message latency (NCCL, inside a CUDA
+graph); at batch 1 the messages are 14 KB, so latency is what counts: 123 collectives x 8 us ~ 1
+ms per forward.
 
 Speculative decoding with the MTP layer (spec v2, topk 1, ``num_steps`` drafts, ``ndt =
 num_steps + 1`` rows per request) runs one *cycle* per ``accept_length`` tokens:
@@ -30,14 +31,25 @@ default (CUDA graphs and an overlapped scheduler hide most of it). The seed's ba
 ``test_bs_1_speed``) are for 4 B200s: > 75 tok/s without MTP, > 150 with. :func:`b200_scaled`
 gives a crude bandwidth-scaled view of the same layer times, to separate "our kernels" from "the
 H200 is a slower machine".
+
+Measured collectives. ``benchmarks/bench_allreduce.py`` times the real all-reduce / all-gather
+over NCCL on the GPUs at hand; :func:`load_measured_link` turns its JSON into a
+:class:`MeasuredLink` (a table bytes -> us, interpolated linearly in bytes). Everything that takes
+a ``link`` accepts either: a link is anything with ``allreduce_us(nbytes, tp)`` and
+``allgather_us(nbytes_total, tp)`` methods and a ``name``.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 __all__ = [
     "LinkSpec",
+    "MeasuredLink",
+    "load_measured_link",
     "ModelShape",
     "ForwardTimes",
     "Projection",
@@ -75,6 +87,118 @@ class LinkSpec:
     def __post_init__(self) -> None:
         if not self.bandwidth_gb_s > 0 or self.latency_us < 0:
             raise ValueError(f"{self}: bandwidth must be > 0 and latency >= 0")
+
+    @property
+    def measured(self) -> bool:
+        return False
+
+    def allreduce_us(self, nbytes: float, tp_size: int) -> float:
+        """Ring all-reduce: ``lat + 2 (tp-1)/tp * bytes / bw`` (``tp_size >= 2``)."""
+        return self.latency_us + 2 * (tp_size - 1) / tp_size * nbytes / _bytes_per_us(self)
+
+    def allgather_us(self, nbytes_total: float, tp_size: int) -> float:
+        """All-gather whose result is ``nbytes_total``: ``lat + (tp-1)/tp * bytes / bw``."""
+        return self.latency_us + (tp_size - 1) / tp_size * nbytes_total / _bytes_per_us(self)
+
+    def describe(self) -> str:
+        return (f"estimated on {self.name}: {self.bandwidth_gb_s:g} GB/s/direction, "
+                f"{self.latency_us:g} us each")
+
+
+def _interp(table: tuple[tuple[float, float], ...], x: float) -> float:
+    """Piecewise-linear in bytes through ``(bytes, us)`` points sorted by bytes. Below the first
+    point: its time (the latency floor). Above the last: the slope of the last two points (the
+    bandwidth-bound regime), never below the last time."""
+    if len(table) == 1 or x <= table[0][0]:
+        return table[0][1]
+    for (x0, y0), (x1, y1) in zip(table, table[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = table[-2], table[-1]
+    return max(y1, y1 + (y1 - y0) * (x - x1) / (x1 - x0))
+
+
+def _table(points: Sequence[tuple[float, float]], what: str) -> tuple[tuple[float, float], ...]:
+    merged: dict[float, float] = {}
+    for b, us in points:
+        if not (b >= 0 and us >= 0):
+            raise ValueError(f"{what}: ({b}, {us}) must be bytes >= 0 and us >= 0")
+        merged[float(b)] = float(us)
+    if not merged:
+        raise ValueError(f"{what}: no measurements")
+    return tuple(sorted(merged.items()))
+
+
+@dataclass(frozen=True)
+class MeasuredLink:
+    """Measured collective times on ``tp_size`` GPUs: ``(bytes, us)`` points per collective.
+
+    ``allreduce``: bytes of the reduced tensor; ``allgather``: bytes of the gathered result.
+    Times between points are interpolated linearly in bytes (see ``_interp`` for the ends).
+    Only valid at the measured ``tp_size`` (0 at TP 1): another TP size raises ValueError.
+    """
+
+    name: str
+    tp_size: int
+    allreduce: tuple[tuple[float, float], ...]
+    allgather: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 2:
+            raise ValueError(f"tp_size {self.tp_size}: collectives are measured on >= 2 GPUs")
+        object.__setattr__(self, "allreduce", _table(self.allreduce, "allreduce"))
+        object.__setattr__(self, "allgather", _table(self.allgather, "allgather"))
+
+    @property
+    def measured(self) -> bool:
+        return True
+
+    def _check(self, tp_size: int) -> None:
+        if tp_size != self.tp_size:
+            raise ValueError(f"{self.name} was measured at TP {self.tp_size}, not TP {tp_size}; "
+                             "measure at that TP size or use the estimate (LinkSpec)")
+
+    def allreduce_us(self, nbytes: float, tp_size: int) -> float:
+        self._check(tp_size)
+        return _interp(self.allreduce, nbytes)
+
+    def allgather_us(self, nbytes_total: float, tp_size: int) -> float:
+        self._check(tp_size)
+        return _interp(self.allgather, nbytes_total)
+
+    def describe(self) -> str:
+        return (f"measured on {self.name} (TP {self.tp_size}; {len(self.allreduce)} all-reduce "
+                f"and {len(self.allgather)} all-gather sizes)")
+
+
+#: What every ``link`` parameter accepts (duck-typed: ``allreduce_us`` / ``allgather_us``).
+Link = LinkSpec | MeasuredLink
+
+
+def load_measured_link(path: str | Path, mode: str = "graph") -> MeasuredLink:
+    """A :class:`MeasuredLink` from ``benchmarks/bench_allreduce.py``'s JSON.
+
+    ``mode``: ``"graph"`` (per collective inside a replayed CUDA graph, what the served forward
+    pays; rows without a graph time fall back to eager) or ``"eager"``.
+    """
+    if mode not in ("graph", "eager"):
+        raise ValueError(f"mode {mode!r}: supported 'graph', 'eager'")
+    d = json.loads(Path(path).read_text())
+
+    def points(rows):
+        out = []
+        for r in rows:
+            us = r.get(f"{mode}_us")
+            if us is None:
+                us = r.get("eager_us")
+            if us is not None:
+                out.append((r["bytes"], us))
+        return out
+
+    meta = d.get("meta", {})
+    name = f"{meta.get('device', 'GPUs')} x{meta['world']} ({meta.get('backend', 'nccl')}, {mode})"
+    return MeasuredLink(name, int(meta["world"]), tuple(points(d["allreduce"])),
+                        tuple(points(d["allgather"])))
 
 
 #: NVLink 4 on the H200 (18 links x 25 GB/s per direction). An estimate, not a measurement.
@@ -138,29 +262,29 @@ def _bytes_per_us(link: LinkSpec) -> float:
     return link.bandwidth_gb_s * 1e3  # GB/s -> bytes/us
 
 
-def allreduce_us(nbytes: float, tp_size: int, link: LinkSpec = NVLINK4_H200) -> float:
-    """Ring all-reduce of ``nbytes`` over ``tp_size`` GPUs: ``lat + 2 (tp-1)/tp * bytes / bw``.
-
-    0 for ``tp_size == 1`` (nothing to reduce).
+def allreduce_us(nbytes: float, tp_size: int, link: Link = NVLINK4_H200) -> float:
+    """All-reduce of ``nbytes`` over ``tp_size`` GPUs: ``link.allreduce_us`` (the estimate:
+    ring, ``lat + 2 (tp-1)/tp * bytes / bw``; or a measured table). 0 for ``tp_size == 1``.
     """
     if tp_size < 1 or nbytes < 0:
         raise ValueError(f"tp_size {tp_size} must be >= 1 and nbytes {nbytes} >= 0")
     if tp_size == 1:
         return 0.0
-    return link.latency_us + 2 * (tp_size - 1) / tp_size * nbytes / _bytes_per_us(link)
+    return link.allreduce_us(nbytes, tp_size)
 
 
-def allgather_us(nbytes_total: float, tp_size: int, link: LinkSpec = NVLINK4_H200) -> float:
-    """All-gather whose result is ``nbytes_total``: ``lat + (tp-1)/tp * bytes / bw``."""
+def allgather_us(nbytes_total: float, tp_size: int, link: Link = NVLINK4_H200) -> float:
+    """All-gather whose result is ``nbytes_total``: ``link.allgather_us`` (estimate: ``lat +
+    (tp-1)/tp * bytes / bw``). 0 for ``tp_size == 1``."""
     if tp_size < 1 or nbytes_total < 0:
         raise ValueError(f"tp_size {tp_size} must be >= 1 and nbytes {nbytes_total} >= 0")
     if tp_size == 1:
         return 0.0
-    return link.latency_us + (tp_size - 1) / tp_size * nbytes_total / _bytes_per_us(link)
+    return link.allgather_us(nbytes_total, tp_size)
 
 
 def _collectives_us(rows: int, logit_rows: int, num_layers: int, shape: ModelShape,
-                    link: LinkSpec) -> float:
+                    link: Link) -> float:
     ar = allreduce_us(rows * shape.hidden_size * shape.act_bytes, shape.tp_size, link)
     ag = allgather_us(logit_rows * shape.vocab_size * shape.logit_bytes, shape.tp_size, link)
     return num_layers * shape.allreduces_per_layer * ar + ag
@@ -168,7 +292,7 @@ def _collectives_us(rows: int, logit_rows: int, num_layers: int, shape: ModelSha
 
 def target_forward_us(t: ForwardTimes, rows: int, logit_rows: int,
                       shape: ModelShape = ModelShape(),
-                      link: LinkSpec = NVLINK4_H200) -> dict[str, float]:
+                      link: Link = NVLINK4_H200) -> dict[str, float]:
     """One forward of the target model: ``{"layers", "lm_head", "collectives", "total"}`` (us).
 
     ``rows`` = bs * q_len (all-reduce size); ``logit_rows`` = rows whose logits are gathered.
@@ -181,7 +305,7 @@ def target_forward_us(t: ForwardTimes, rows: int, logit_rows: int,
 
 def mtp_forward_us(mtp_layer_us: float, lm_head_us: float, rows: int, logit_rows: int,
                    shape: ModelShape = ModelShape(),
-                   link: LinkSpec = NVLINK4_H200) -> dict[str, float]:
+                   link: Link = NVLINK4_H200) -> dict[str, float]:
     """One forward of the MTP draft layer (+ shared lm_head): same keys as the target's."""
     comm = _collectives_us(rows, logit_rows, 1, shape, link)
     return {"layers": mtp_layer_us, "lm_head": lm_head_us, "collectives": comm,
@@ -194,7 +318,7 @@ def _sum(*parts: dict[str, float]) -> dict[str, float]:
 
 
 def project_no_mtp(decode: ForwardTimes, bs: int = 1, shape: ModelShape = ModelShape(),
-                   link: LinkSpec = NVLINK4_H200, overhead_us: float = 0.0) -> Projection:
+                   link: Link = NVLINK4_H200, overhead_us: float = 0.0) -> Projection:
     """Plain decoding: one target forward (q_len 1) per token.
 
     Parameters
@@ -209,7 +333,7 @@ def project_no_mtp(decode: ForwardTimes, bs: int = 1, shape: ModelShape = ModelS
 
 def project_mtp(decode: ForwardTimes, verify: ForwardTimes, accept_length: float,
                 num_steps: int = 3, bs: int = 1, shape: ModelShape = ModelShape(),
-                link: LinkSpec = NVLINK4_H200, overhead_us: float = 0.0) -> Projection:
+                link: Link = NVLINK4_H200, overhead_us: float = 0.0) -> Projection:
     """MTP speculative decoding (spec v2, topk 1): ``accept_length`` tokens per cycle.
 
     Parameters
@@ -249,17 +373,22 @@ def b200_scaled(t: ForwardTimes, factor: float = H200_HBM_TB_S / B200_HBM_TB_S) 
 
 def projection_report(decode: ForwardTimes, verify: ForwardTimes | None,
                       accept_lengths=(2.04, 2.5, 3.0), num_steps: int = 3, bs: int = 1,
-                      shape: ModelShape = ModelShape(), link: LinkSpec = NVLINK4_H200,
+                      shape: ModelShape = ModelShape(), link: Link = NVLINK4_H200,
                       latency_range=(5.0, 10.0)) -> list[str]:
     """Human-readable lines: tokens/s per user with and without MTP next to the seed's bars.
 
-    ``latency_range`` reprints each number with the link latency at its low and high end.
+    ``latency_range`` reprints each number with the link latency at its low and high end (an
+    estimated ``LinkSpec`` only; a ``MeasuredLink`` has no range: the brackets repeat it).
     """
-    lo, hi = (replace(link, latency_us=v) for v in latency_range)
+    if isinstance(link, LinkSpec):
+        lo, hi = (replace(link, latency_us=v) for v in latency_range)
+        rng = f" (range {latency_range[0]:g}-{latency_range[1]:g} us)"
+    else:
+        lo = hi = link
+        rng = ""
     lines = [f"PROJECTION (not a measurement): DeepSeek-V3, {shape.num_dense_layers} dense + "
              f"{shape.num_moe_layers} MoE layers + lm_head, TP {shape.tp_size}, bs {bs}; "
-             f"collectives estimated on {link.name}: {link.bandwidth_gb_s:g} GB/s/direction, "
-             f"{link.latency_us:g} us each (range {latency_range[0]:g}-{latency_range[1]:g} us)"]
+             f"collectives {link.describe()}{rng}"]
 
     def row(name, fn, bar):
         p, plo, phi = fn(link), fn(hi), fn(lo)

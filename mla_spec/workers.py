@@ -21,6 +21,14 @@ Two ways to start ranks:
   (uninterruptible C++) only once all have: one that dies while starting is an error at once,
   not after the timeout. A :class:`Workers` watchdog thread then polls the children.
 
+Under NCCL a dead peer does not fail the survivors' collectives: their kernels spin and the host
+thread waiting on them is stuck in a CUDA sync, out of reach of ``KeyboardInterrupt``. So the
+watchdog first aborts the NCCL communicators (:mod:`mla_spec.nccl_abort`), which returns the
+blocked call, then interrupts the main thread. A CLI or script may also ask for a last resort:
+``hard_exit_after_s`` (or ``MLA_SPEC_HARD_EXIT_S`` in the environment) kills the workers and
+leaves the process with exit code 1 if rank 0 has not shut the workers down by then. Every child
+also leaves on its own once its parent is gone (no orphan keeps a GPU busy).
+
 Workers leave with ``os._exit`` (never blocking in process-group teardown) after running the
 multiprocessing finalizers, so semaphores they created (tqdm's lock, queues) are released.
 Everything here is re-exported by :mod:`mla_spec.parallel`.
@@ -44,11 +52,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from mla_spec.nccl_abort import abort_nccl_bounded, release_aborted_group
 from mla_spec.parallel import default_timeout_s, init_distributed, rank_device, resolve_backend
 
-__all__ = ["launch", "spawn_workers", "Workers", "RankFailedError"]
+__all__ = ["launch", "spawn_workers", "Workers", "RankFailedError", "HARD_EXIT_ENV"]
 
 log = logging.getLogger(__name__)
+
+#: Environment variable read by :func:`spawn_workers` when ``hard_exit_after_s`` is not given.
+HARD_EXIT_ENV = "MLA_SPEC_HARD_EXIT_S"
 
 
 class RankFailedError(RuntimeError):
@@ -97,8 +109,21 @@ def _exit_now(code: int) -> None:
         os._exit(code)
 
 
+def _exit_when_orphaned(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Leave this child (exit code 1) once its parent is gone: a rank-0 process killed hard
+    (SIGKILL, a time limit) must not leave ranks spinning in NCCL kernels on their GPUs."""
+
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
 def _child(rank, world_size, backend, init_method, timeout_s, fn, args, results) -> None:
     code = 0
+    _exit_when_orphaned(os.getppid())
     if backend == "gloo":  # CPU ranks share the cores: avoid oversubscribing them (as torchrun)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
@@ -168,13 +193,23 @@ def launch(
     try:
         return _collect(procs, results, world_size, run_timeout_s)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
+        _stop_processes(procs, timeout_s=5.0)
         results.close()
         results.join_thread()
+
+
+def _stop_processes(procs, timeout_s: float) -> None:
+    """Terminate the live ones, wait up to ``timeout_s`` in all, then kill the stragglers."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=1)
 
 
 _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
@@ -242,6 +277,7 @@ def _worker_main(rank, world_size, backend, init_method, timeout_s, worker_fn, a
                  started) -> None:
     if backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    _exit_when_orphaned(os.getppid())
     started.send(rank)  # up: rank 0 may start its (uninterruptible) rendezvous
     started.close()
     code = 0
@@ -260,8 +296,12 @@ class Workers:
     """Ranks ``1..N-1`` running in child processes; the caller is rank 0.
 
     A watchdog thread polls the children every 0.2 s. When one dies with a non-zero exit code
-    it records :attr:`failure`, logs it, and (``interrupt_main``) raises ``KeyboardInterrupt`` in
-    the main thread so rank 0 stops instead of waiting for a collective that cannot complete.
+    it records :attr:`failure` and logs it; under NCCL it aborts the communicators (rank 0 may be
+    blocked in a CUDA sync on a collective that cannot complete: the abort returns it;
+    :attr:`aborted` names the call that did it); then (``interrupt_main``) it raises
+    ``KeyboardInterrupt`` in the main thread. With ``hard_exit_after_s`` set, a rank 0 that has
+    not called :meth:`shutdown` that long after the failure is ended: workers killed, then
+    ``os._exit(1)`` (for CLIs and scripts only; a notebook keeps its kernel).
     Call :meth:`check` at safe points to turn a failure into :class:`RankFailedError`.
     """
 
@@ -270,6 +310,8 @@ class Workers:
     device: torch.device
     processes: list = field(default_factory=list)
     failure: str | None = None
+    aborted: str | None = None
+    hard_exit_after_s: float | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def check(self) -> None:
@@ -284,23 +326,41 @@ class Workers:
                 if not p.is_alive() and p.exitcode not in (0, None):
                     self.failure = f"rank {r} died (exit code {p.exitcode})"
                     log.error("%s; stopping rank 0", self.failure)
-                    if interrupt_main:
-                        _thread.interrupt_main()
+                    self._on_failure(interrupt_main, _thread.interrupt_main)
                     return
 
+    def _on_failure(self, interrupt_main: bool, interrupt) -> None:
+        if self.backend == "nccl":
+            self.aborted = abort_nccl_bounded(timeout_s=5.0)
+        if interrupt_main:
+            interrupt()
+        if self.hard_exit_after_s is not None and not self._stop.wait(self.hard_exit_after_s):
+            log.error("%s and rank 0 is still not unblocked %.0f s later: killing the workers "
+                      "and exiting (hard_exit_after_s)", self.failure, self.hard_exit_after_s)
+            for p in self.processes:
+                if p.is_alive():
+                    p.kill()
+            for h in logging.getLogger().handlers:
+                h.flush()
+            os._exit(1)
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the watchdog, join the workers for up to ``timeout_s`` in all (then terminate
-        the stragglers), destroy the group."""
+        """Stop the watchdog, join the workers for up to ``timeout_s`` in all (1 s after a
+        failure: survivors may be stuck in a collective), terminate then kill the stragglers,
+        and release the group (after a failure under NCCL: without waiting for the dead peer).
+        """
         self._stop.set()
-        deadline = time.monotonic() + timeout_s
+        failed = self.failure is not None
+        deadline = time.monotonic() + (min(timeout_s, 1.0) if failed else timeout_s)
         for p in self.processes:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.processes:
-            if p.is_alive():
-                p.terminate()
-        for p in self.processes:
-            p.join(timeout=1)
-        if dist.is_initialized():
+        _stop_processes(self.processes, timeout_s=5.0)
+        if not dist.is_initialized():
+            return
+        if failed and self.backend == "nccl":
+            if not release_aborted_group(timeout_s=10.0):
+                log.error("the aborted NCCL process group could not be released")
+        else:
             dist.destroy_process_group()
 
 
@@ -312,12 +372,18 @@ def spawn_workers(
     backend: str = "auto",
     timeout_s: float | None = None,
     interrupt_main: bool = True,
+    hard_exit_after_s: float | None = None,
 ) -> Workers:
     """Start ``worker_fn(rank, world_size, *args)`` on ranks 1..N-1; make this process rank 0.
 
     Returns a :class:`Workers` handle (``.device`` is rank 0's device). Rank 0's process group is
     initialized on return; call ``workers.shutdown()`` when done.
+
+    ``hard_exit_after_s``: for CLIs and scripts only, see :class:`Workers`. None (the default)
+    reads ``MLA_SPEC_HARD_EXIT_S`` from the environment; unset or empty means never.
     """
+    if hard_exit_after_s is None and os.environ.get(HARD_EXIT_ENV, "").strip():
+        hard_exit_after_s = float(os.environ[HARD_EXIT_ENV])
     if world_size < 1:
         raise ValueError(f"world_size {world_size}: must be >= 1")
     if dist.is_initialized():
@@ -325,7 +391,8 @@ def spawn_workers(
     backend = resolve_backend(backend, world_size)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
-    workers = Workers(world_size, backend, rank_device(0, backend))
+    workers = Workers(world_size, backend, rank_device(0, backend),
+                      hard_exit_after_s=hard_exit_after_s)
     started = []  # read ends: a worker sends one message once it is up, before its rendezvous
     try:
         for r in range(1, world_size):

@@ -17,10 +17,10 @@ Shapes: ``router_logits [N, E]`` (fp32, any row stride) -> ``topk_weights [N, to
 ``topk_ids [N, top_k]`` int64, ids in descending score order. ``E`` a power of two and a
 multiple of ``n_group`` (DeepSeek-V3: 256 experts, 8 groups, top-4 groups, top-8).
 
-Opt-in (``mla_spec.models.moe.FUSED_ROUTER``): the kernel is checked against its twin under the
-CPU interpreter and compiles for sm_90 with Triton 3.6 (30 registers, no spills, at DeepSeek's
-256 / 8 / 4 / 8), but has not run on a GPU yet (``benchmarks/bench_layer.py --fused-router``
-measures it beside the torch path).
+On by default for CUDA tensors (``mla_spec.models.moe.FUSED_ROUTER``). Checked against its twin
+under the CPU interpreter and on the H200; there it replaced torch's ~12 routing kernels and
+took the MoE block at bs 1 from 147 to 107 µs (docs/bench_layer.md). 30 registers, no spills,
+at DeepSeek's 256 / 8 / 4 / 8.
 """
 
 from __future__ import annotations
