@@ -417,6 +417,9 @@ def parse_args(argv=None):
     p.add_argument("--accept", default="2.04,2.5,3.0", help="MTP accept lengths to project")
     p.add_argument("--link-gbps", type=float, default=450.0, help="NVLink GB/s/direction")
     p.add_argument("--link-latency-us", type=float, default=8.0, help="per collective")
+    p.add_argument("--allreduce-json", default=None, help="benchmarks/bench_allreduce.py's JSON: "
+                   "project with the measured collectives (CUDA-graph times) instead of the "
+                   "estimate")
     p.add_argument("--ours-attn", default=None, help="default triton (GPU) / torch (CPU)")
     p.add_argument("--base-attn", default=None, help="default flashinfer (GPU) / torch (CPU)")
     p.add_argument("--page-size", type=int, default=None, help="default 64 (16 on CPU)")
@@ -525,9 +528,19 @@ def main(argv=None) -> dict:
             f"grouped GEMM + FlashInfer MLA on BF16 KV")
     text = head + "\n" + tables(rows, device.type == "cuda")
     print(text)
+    proj_lines: list[str] = []
     link = proj.LinkSpec("NVLink 4 (H200, estimate)", args.link_gbps, args.link_latency_us)
+    if args.allreduce_json:
+        measured = proj.load_measured_link(args.allreduce_json)
+        if measured.tp_size == TP:
+            link = measured
+        else:
+            notes.append(f"--allreduce-json measured at TP {measured.tp_size}, the projection "
+                         f"is TP {TP}: collectives estimated instead")
+    comm = "measured" if getattr(link, "measured", False) else "estimated"
+    proj_lines.append(f"collectives: {comm} ({link.describe()})")
     accepts = tuple(float(a) for a in args.accept.split(","))
-    projection, proj_lines = {}, []
+    projection = {"collectives": comm, "link": link.name}
     pbs = 1 if 1 in bs_list else bs_list[0]
     for side in ("ours", "base"):
         ft = forward_times(rec, side, pbs, proj_ctx)

@@ -14,7 +14,12 @@ Implementations (all move the same bytes: the real rows, read + written; padded 
   program per (padded row, 64-head tile, 64-dim tile), masked, contiguous tensors, launched through
   the normal Triton path with its ints specialized.
 - torch: index computation (searchsorted) + ``index_copy_`` (pad) / ``index_select`` (unpad).
-- copy_: ``dst[:n].copy_(src[:n])`` of the same bytes: the ceiling.
+- copy_: ``dst[:n].copy_(src[:n])`` of the same bytes: the ceiling (in a CUDA graph a memcpy
+  node, not a kernel).
+- floors of any Triton kernel on this host, through ours' direct launch path: ``tcopy`` = a
+  bare flat copy of the same bytes (4 KB per program, no index logic) and ``noop`` = an empty
+  one-program kernel. ours - tcopy is what the ragged index logic costs; tcopy - copy_ is what
+  being a kernel node costs.
 
 Times: eager = host loop of plain calls / call (Python launch cost included); graph = per call in
 a replayed CUDA graph of 20 calls (median of ``triton.testing.do_bench``). Inputs rotate over
@@ -35,8 +40,37 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels import draft_extend_pad as dep
+from mla_spec.kernels.triton_launch import TritonLauncher
 
 GRAPH_CALLS = 20
+
+
+# ---- floors: a bare Triton copy of the same bytes and an empty kernel, same launch path ----------
+@triton.jit
+def _flat_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit
+def _noop_kernel(x_ptr):
+    pass
+
+
+_TCOPY = TritonLauncher(_flat_copy_kernel)
+_NOOP = TritonLauncher(_noop_kernel)
+_TCOPY_BLOCK = 2048  # bf16 elements: the small variant's 4 KB per program
+
+
+def tcopy(src, dst):
+    n = src.numel()
+    key = (src.dtype, src.data_ptr() % 16, dst.data_ptr() % 16, n % 16, n == 1)
+    ptrs = (src.data_ptr(), dst.data_ptr())
+    _TCOPY(-(-n // _TCOPY_BLOCK), key, (src, dst), ptrs, (n, _TCOPY_BLOCK), 4)
+
+
+def noop(x):
+    _NOOP(1, (), (x,), (x.data_ptr(),), (), 4)
 
 
 # ---- the SGLang-style peer (per (row, 64-head tile, 64-dim tile) program, masked) --------------
@@ -165,7 +199,9 @@ def _impls(op, sets, seq, cu, max_q, total):
     n_el = sets[0]["flat"].numel()
     src_flat = [s["src"].view(-1)[:n_el] for s in sets]
     copy = lambda i: sets[i]["flat"].copy_(src_flat[i])
-    return {"ours": ours, "sglang": sgl, "torch": tch, "copy_": copy,
+    bare = lambda i: tcopy(src_flat[i], sets[i]["flat"])
+    empty = lambda i: noop(sets[i]["flat"])
+    return {"ours": ours, "sglang": sgl, "torch": tch, "copy_": copy, "tcopy": bare, "noop": empty,
             "small": _ours(op, sets, seq, cu, max_q, total, "small"),
             "large": _ours(op, sets, seq, cu, max_q, total, "large")}
 
@@ -221,6 +257,7 @@ def bench_shape(op, h, bs, max_q, seed=0):
             assert dep.compile_count() == before, f"{name} recompiled during timing"
     row["ours_GBps"] = moved / row["ours_graph_us"] / 1e3
     row["copy_GBps"] = moved / row["copy__graph_us"] / 1e3
+    row["x_tcopy_graph"] = row["tcopy_graph_us"] / row["ours_graph_us"]
     row["pct_copy"] = 100 * row["copy__graph_us"] / row["ours_graph_us"]
     row["x_sgl_graph"] = row["sglang_graph_us"] / row["ours_graph_us"]
     row["x_sgl_eager"] = row["sglang_eager_us"] / row["ours_eager_us"]
@@ -233,9 +270,11 @@ def bench_shape(op, h, bs, max_q, seed=0):
 
 COLS = [("op", "{}"), ("H", "{}"), ("bs", "{}"), ("max_q", "{}"), ("MB", "{:.2f}"),
         ("variant", "{}"), ("ours_eager_us", "{:.2f}"), ("sglang_eager_us", "{:.2f}"),
-        ("torch_eager_us", "{:.1f}"), ("copy__eager_us", "{:.2f}"), ("ours_graph_us", "{:.2f}"),
+        ("torch_eager_us", "{:.1f}"), ("copy__eager_us", "{:.2f}"), ("tcopy_eager_us", "{:.2f}"),
+        ("noop_eager_us", "{:.2f}"), ("ours_graph_us", "{:.2f}"),
         ("small_graph_us", "{:.2f}"), ("large_graph_us", "{:.2f}"),
         ("sglang_graph_us", "{:.2f}"), ("torch_graph_us", "{:.2f}"), ("copy__graph_us", "{:.2f}"),
+        ("tcopy_graph_us", "{:.2f}"), ("noop_graph_us", "{:.2f}"), ("x_tcopy_graph", "{:.2f}"),
         ("ours_GBps", "{:.0f}"), ("pct_copy", "{:.0f}"), ("x_sgl_graph", "{:.2f}"),
         ("x_sgl_eager", "{:.2f}"), ("x_copy_eager", "{:.2f}"), ("small_vs_large", "{:.2f}")]
 
@@ -267,6 +306,12 @@ def summary(rows):
         lines.append(f"calls < 1 MB eager: ours median {med('ours_eager_us'):.2f} us, copy_ "
                      f"{med('copy__eager_us'):.2f} us, sglang-style "
                      f"{med('sglang_eager_us'):.2f} us")
+        lines.append(f"floors, calls < 1 MB: bare Triton copy of the same bytes "
+                     f"{med('tcopy_graph_us'):.2f} us in a graph / {med('tcopy_eager_us'):.2f} us "
+                     f"eager; empty Triton kernel {med('noop_graph_us'):.2f} / "
+                     f"{med('noop_eager_us'):.2f} us; ours/tcopy in a graph: max "
+                     f"x{max(1 / r['x_tcopy_graph'] for r in small):.2f}, median "
+                     f"x{statistics.median(1 / r['x_tcopy_graph'] for r in small):.2f}")
     lines.append("small vs large variant (graph, large/small): " + ", ".join(
         f"{lo}-{hi} MB x{statistics.median(r['small_vs_large'] for r in grp):.2f}"
         for lo, hi in ((0, 1), (1, 4), (4, 16), (16, 64), (64, 1e9))

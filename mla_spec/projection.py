@@ -10,12 +10,12 @@ whole model on 4 GPUs runs, per target forward:
     + 1 all-gather of the logits of the rows that are sampled (``[rows, 129280]`` bf16)
 
 The GPUs run the layers in lock step, so one GPU's layer time is the model's layer time. The
-collectives are *estimated* by default (or measured, see below): a ring all-reduce moves ``2
-(tp-1)/tp * bytes`` per GPU and an all-gather ``(tp-1)/tp * bytes``, over a link of stated
+collectives are *estimated* by default (or measured, see below): a ring all-reduce moves
+``2 (tp-1)/tp * bytes`` per GPU and an all-gather ``(tp-1)/tp * bytes``, over a link of stated
 bandwidth, plus a fixed latency per collective. For the H200's NVLink 4 (through NVSwitch) we
 assume ~450 GB/s per direction per GPU and 5-10 us of small-message latency (NCCL, inside a CUDA
-graph); at batch 1 the messages are 14 KB, so latency is what counts: 123 collectives x 8 us ~ 1
-ms per forward.
+graph); at batch 1 the messages are 14 KB, so latency is what counts: 123 collectives x 8 us ~
+1 ms per forward.
 
 Speculative decoding with the MTP layer (spec v2, topk 1, ``num_steps`` drafts, ``ndt =
 num_steps + 1`` rows per request) runs one *cycle* per ``accept_length`` tokens:

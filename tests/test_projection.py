@@ -116,14 +116,14 @@ def _load_bench():
     return mod
 
 
-@pytest.mark.parametrize("extra", [[], ["--fused-router"]])
+@pytest.mark.parametrize("extra", [[], ["--torch-router"]])
 def test_bench_layer_cpu_smoke(extra, tmp_path, monkeypatch, capsys):
     bench = _load_bench()
     monkeypatch.setenv("OUT", str(tmp_path))
     result = bench.main(["--cpu-smoke", *extra])
     out = capsys.readouterr().out
     assert "PROJECTION" in out and "ratio" in out
-    assert ("--fused-router" in out) == bool(extra)
+    assert ("--torch-router" in out) == bool(extra)
     rows = result["rows"]
     assert {r["mode"] for r in rows} >= {"DECODE", "TARGET_VERIFY", "DRAFT_EXTEND_V2"}
     for r in rows:
