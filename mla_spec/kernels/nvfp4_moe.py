@@ -282,6 +282,8 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     block_k: int = 256, fast_dequant: bool = True, path: str = "auto",
                     gemv_block_n: int = 128, gemv_split: int | None = None,
                     gemv_warps: int = 1, sorted_kernel: str = "mmab",
+                    gemv_block_n2: int | None = None, gemv_warps2: int | None = None,
+                    gemv_g: int = 2,
                     mmab_config: NVFP4MmaConfig | None = None) -> torch.Tensor:
     """Routed experts with NVFP4 weights (see the module docstring for shapes).
 
@@ -290,11 +292,11 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     winner there; the sorted path wins from 16 tokens on, 2.6x). ``block_n`` / ``block_k`` /
     ``fast_dequant`` tune the sorted path (``fast_dequant``: the packed PTX decoder, validated
     on the H200; False = portable; never used in the interpreter or below sm_90), ``gemv_*``
-    the gemv path (its decoder follows ``nvfp4_gemv.GEMV_FAST``). ``sorted_kernel``: "mmab"
-    (standard orientation, ``_moe_mma_kernel``, tiles from ``mmab_config``: default
-    ``MOE_MMAB_CONFIG``; its ``block_m`` 0 = by the mean rows per active expert, ``split_k``
-    must be 1) or "mma" (the swap-AB ``_moe_gemm_kernel``, tiles from ``block_n`` /
-    ``block_k``).
+    the gemv path (its decoder follows ``nvfp4_gemv.GEMV_FAST``; ``gemv_*2``: its w2 launch;
+    ``gemv_g``: int64 words per row per step). ``sorted_kernel``: "mmab" (standard orientation,
+    ``_moe_mma_kernel``, tiles from ``mmab_config``: default ``MOE_MMAB_CONFIG``; its
+    ``block_m`` 0 = by the mean rows per active expert, ``split_k`` must be 1) or "mma" (the
+    swap-AB ``_moe_gemm_kernel``, tiles from ``block_n`` / ``block_k``).
 
     Returns ``[M, K]`` in x's dtype. Triton kernels when ``use_triton(x)``, else ``fused_moe_ref``.
     """
@@ -321,7 +323,8 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
         return moe_gemv(x2, topk_ids.reshape(-1).to(torch.int32), topk_weights.reshape(-1)
                         .float().contiguous(), w13, w2, _scale2_strides(w13.weight_scale_2, True),
                         _scale2_strides(w2.weight_scale_2, False), act_dtype, gemv_block_n,
-                        gemv_split, gemv_warps, not interp and nvfp4_gemv.GEMV_FAST)
+                        gemv_split, gemv_warps, not interp and nvfp4_gemv.GEMV_FAST,
+                        gemv_block_n2, gemv_warps2, gemv_g)
     mean_rows = triton.cdiv(p, min(e, p))  # rows per active expert, at most
     mmab = sorted_kernel == "mmab"
     bm = (mcfg.block_m or mma_block_m(mean_rows)) if mmab else block_m_for(mean_rows)

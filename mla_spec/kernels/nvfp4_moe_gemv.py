@@ -138,16 +138,22 @@ def _w64(w: torch.Tensor) -> torch.Tensor:
 def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
              s13: tuple[torch.Tensor, int, int], s2: tuple[torch.Tensor, int, int],
              act_dtype: torch.dtype, block_n: int = 128, split13: int | None = None,
-             num_warps: int = 1, fast: bool = True) -> torch.Tensor:
+             num_warps: int = 1, fast: bool = True, block_n2: int | None = None,
+             num_warps2: int | None = None, g: int = 2) -> torch.Tensor:
     """Routed experts without sorting (see the module docstring). ``ids`` / ``tw`` flat
-    ``[M * topk]`` int32 / fp32; ``s13`` / ``s2``: (scale_2, stride per expert, gate/up)."""
+    ``[M * topk]`` int32 / fp32; ``s13`` / ``s2``: (scale_2, stride per expert, gate/up).
+
+    ``block_n`` / ``num_warps``: rows and warps per program of the w13 launch; ``block_n2`` /
+    ``num_warps2`` of the w2 launch (default: the same); ``g``: 16-element blocks (int64 words)
+    per row per loop step, both launches."""
+    block_n2 = block_n if block_n2 is None else block_n2
+    num_warps2 = num_warps if num_warps2 is None else num_warps2
     m, k = x.shape
     p = ids.numel()
     topk = p // m
     e, two_i, _ = w13.weight.shape
     inter = two_i // 2
     dev = x.device
-    g = 2
     out = torch.empty((m, k), dtype=x.dtype, device=dev)
     act = torch.empty((p, inter), dtype=act_dtype, device=dev)
     w13w, w2w = _w64(w13.weight), _w64(w2.weight)
@@ -161,17 +167,17 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
     part13 = torch.empty((split13, p, 2 * inter) if split13 > 1 else (1,), dtype=torch.float32,
                          device=dev)
     part2 = torch.empty((topk, m, k) if topk > 1 else (1,), dtype=torch.float32, device=dev)
-    cnt = _counters(dev, max(tiles13 * p, triton.cdiv(k, block_n) * m))
+    cnt = _counters(dev, max(tiles13 * p, triton.cdiv(k, block_n2) * m))
     _moe_gemv_kernel[(tiles13, split13, p)](
         x, w13w, w13.weight_scale, s13[0], act, part13, cnt, ids, tw,
         inter, kb13, e, topk, p, split13, x.stride(0), w13w.stride(0), w13w.stride(1),
         w13.weight_scale.stride(0), w13.weight_scale.stride(1), s13[1], s13[2], act.stride(0),
         GATED=True, BN=bn13, G=g, SPLIT_K=split13 > 1, EVEN=kb13 % g == 0, FAST=fast,
         num_warps=num_warps)
-    _moe_gemv_kernel[(triton.cdiv(k, block_n), topk, m)](
+    _moe_gemv_kernel[(triton.cdiv(k, block_n2), topk, m)](
         act, w2w, w2.weight_scale, s2[0], out, part2, cnt, ids, tw,
         k, kb2, e, topk, m, topk, act.stride(0), w2w.stride(0), w2w.stride(1),
         w2.weight_scale.stride(0), w2.weight_scale.stride(1), s2[1], 0, out.stride(0),
-        GATED=False, BN=block_n, G=g, SPLIT_K=topk > 1, EVEN=kb2 % g == 0, FAST=fast,
-        num_warps=num_warps)
+        GATED=False, BN=block_n2, G=g, SPLIT_K=topk > 1, EVEN=kb2 % g == 0, FAST=fast,
+        num_warps=num_warps2)
     return out

@@ -78,15 +78,20 @@ def _experts(e, k, inter, device):
 
 
 @needs_triton
-@pytest.mark.parametrize("m,topk,split", [(1, 2, None), (3, 3, 2), (2, 1, 1)])
-def test_moe_gemv_matches_twin(m, topk, split, device):
+@pytest.mark.parametrize("m,topk,split,tiles", [
+    (1, 2, None, {}), (3, 3, 2, {}), (2, 1, 1, {}),
+    (1, 3, None, dict(gemv_g=4, gemv_block_n2=32, gemv_warps2=2)),  # g 4: K/16 = 3, masked
+    (2, 2, 2, dict(gemv_block_n2=16, gemv_warps=2)),
+])
+def test_moe_gemv_matches_twin(m, topk, split, tiles, device):
     e, k, inter = 4, 48, 32
     w13, w2 = _experts(e, k, inter, device)
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     ids = torch.randint(0, e, (m, topk), device=device)
     ids[0, 0] = -1  # another rank's expert: skipped
     tw = torch.rand(m, topk, device=device)
-    y = fused_moe_nvfp4(x, ids, tw, w13, w2, path="gemv", gemv_block_n=16, gemv_split=split)
+    y = fused_moe_nvfp4(x, ids, tw, w13, w2, path="gemv", gemv_block_n=16, gemv_split=split,
+                        **tiles)
     ref = fused_moe_ref(x, ids, tw, w13, w2)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2,
                                atol=2e-2 * ref.abs().max().item())
