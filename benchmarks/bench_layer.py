@@ -124,22 +124,32 @@ def moe_grouped_bf16(x, topk_weights, topk_ids, w13, w2):
 
 
 class BenchMoE(nn.Module):
-    """The model's router and shared expert; routed experts stacked for one fused call."""
+    """The model's router and shared expert; routed experts stacked for one fused call.
 
-    def __init__(self, moe: nn.Module, w13, w2) -> None:
+    ``shared_row`` (NVFP4 only): the stacked tensors hold one more expert, run in the fused
+    launch as the shared expert (weight 1.0 for every token), as ``DeepseekV3MoE`` does with
+    ``FUSE_SHARED_EXPERTS``; the separate shared MLP is then skipped.
+    """
+
+    def __init__(self, moe: nn.Module, w13, w2, shared_row: bool = False) -> None:
         super().__init__()
         self.gate, self.shared_experts = moe.gate, moe.shared_experts
         self.w13, self.w2 = w13, w2  # NVFP4Tensor (ours) or bf16 [E, 2I, K] / [E, K, I]
+        self.shared_row = shared_row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         topk_weights, topk_ids = self.gate(x)
         if isinstance(self.w13, NVFP4Tensor):
+            if self.shared_row:
+                n, e = x.shape[0], self.w13.weight.shape[0] - 1
+                topk_ids = torch.cat((topk_ids, topk_ids.new_full((n, 1), e)), 1)
+                topk_weights = torch.cat((topk_weights, topk_weights.new_ones(n, 1)), 1)
             out = fused_moe_nvfp4(x, topk_ids, topk_weights, self.w13, self.w2)
         else:
             out = moe_grouped_bf16(x, topk_weights, topk_ids, self.w13, self.w2)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not self.shared_row:
             out = out + self.shared_experts(x)
         return out.view(shape)  # NOTE: the TP all-reduce is in the projection, not here
 
@@ -148,16 +158,17 @@ class Side:
     """One stack (ours or base): MoE layer, dense MLP, MTP, their KV pools and backends."""
 
     def __init__(self, name, cfg, *, nvfp4, bf16_experts, embed, lm_head, kv_dtype, attn,
-                 r2t, num_pages, page_size, dtype, device):
+                 r2t, num_pages, page_size, dtype, device, shared_fusion=True):
         self.name = name
         moe_cfg = replace(cfg, first_k_dense_replace=0)
         q = OURS_QUANT if nvfp4 else None
         e, inter, hid = cfg.n_routed_experts, cfg.moe_intermediate_size // TP, cfg.hidden_size
         self.layer = DeepseekV3DecoderLayer(moe_cfg, 0, quant_cfg=q, tp_size=TP, dtype=dtype,
                                             device=device)
-        experts = ((_random_nvfp4((e,), 2 * inter, hid, device),
-                    _random_nvfp4((e,), hid, inter, device)) if nvfp4 else bf16_experts)
-        self.layer.mlp = BenchMoE(self.layer.mlp, *experts)
+        fuse = nvfp4 and shared_fusion and cfg.n_shared_experts == 1
+        experts = ((_random_nvfp4((e + fuse,), 2 * inter, hid, device),
+                    _random_nvfp4((e + fuse,), hid, inter, device)) if nvfp4 else bf16_experts)
+        self.layer.mlp = BenchMoE(self.layer.mlp, *experts, shared_row=fuse)
         _randomize_(self.layer)
         self.dense = DenseMLP(hid, cfg.intermediate_size, prefix="model.layers.0.mlp",
                               quantized=q.is_quantized if q else None, tp_size=TP, dtype=dtype,
@@ -427,6 +438,8 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=180.0,
                    help="start no new (bs, ctx) point after this many seconds")
     p.add_argument("--no-graphs", action="store_true", help="time eagerly")
+    p.add_argument("--no-shared-fusion", action="store_true",
+                   help="ours runs the shared expert as its own NVFP4 MLP, not in the MoE launch")
     p.add_argument("--torch-router", action="store_true",
                    help="both stacks route with torch ops instead of the fused Triton router")
     return p.parse_args(argv)
@@ -454,7 +467,7 @@ def _build(args, cfg, device, dtype, bs_list, ctx_list, notes):
             ("base", False, torch.bfloat16, args.base_attn or ("flashinfer" if gpu else "torch"))):
         kw = dict(nvfp4=nvfp4, bf16_experts=experts, embed=embed, lm_head=lm_head,
                   kv_dtype=kv_dtype, r2t=r2t, num_pages=num_pages, page_size=page,
-                  dtype=dtype, device=device)
+                  dtype=dtype, device=device, shared_fusion=not args.no_shared_fusion)
         try:
             sides.append(Side(name, cfg, attn=attn, **kw))
         except Exception as e:  # e.g. FlashInfer not importable: say so, keep the run going

@@ -255,21 +255,21 @@ class Engine:
         broadcast_plan(self._queues, plan)
         try:
             out = self.worker.execute(plan)
+            # the first host sync of the step: under NCCL an aborted collective surfaces here
+            if out.accept is not None:
+                predict, accept = out.predict.tolist(), out.accept.tolist()
+                new = [p[:a] for p, a in zip(predict, accept)]
+            else:
+                accept, new = None, [[t] for t in out.next_ids.tolist()]
         except Exception as e:
-            if isinstance(e, RuntimeError):
+            if self.tp_size > 1:
                 try:
                     self._raise_if_rank_died(e)
                 except RankFailedError:
                     self.shutdown()
                     raise
-            if self.tp_size > 1:  # the other ranks ran the same plan: they are mid-step too
-                self.shutdown()
+                self.shutdown()  # the other ranks ran the same plan: they are mid-step too
             raise
-        if out.accept is not None:
-            predict, accept = out.predict.tolist(), out.accept.tolist()
-            new = [p[:a] for p, a in zip(predict, accept)]
-        else:
-            accept, new = None, [[t] for t in out.next_ids.tolist()]
         seconds = time.perf_counter() - t0
         n_new = 0
         for i, (req, toks) in enumerate(zip(reqs, new)):

@@ -125,13 +125,13 @@ def abort_nccl_bounded(timeout_s: float = 5.0) -> str | None:
 def _release() -> str:
     import torch.distributed as dist
 
-    abort_nccl()  # again: a no-op if the watchdog already did it
     if not dist.is_initialized():
         return "already released"
     c10d_abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if c10d_abort is not None:
-        c10d_abort()  # unregisters every group without flushing (shutdown would wait)
+        c10d_abort()  # aborts (again: a no-op on aborted communicators) and unregisters
         return "_abort_process_group"
+    abort_nccl()  # then destroy skips the aborted communicators instead of flushing them
     dist.destroy_process_group()
     return "destroy_process_group"
 

@@ -196,7 +196,8 @@ def load_measured_link(path: str | Path, mode: str = "graph") -> MeasuredLink:
         return out
 
     meta = d.get("meta", {})
-    name = f"{meta.get('device', 'GPUs')} x{meta['world']} ({meta.get('backend', 'nccl')}, {mode})"
+    used = mode if meta.get("graphs", True) else "eager"
+    name = f"{meta.get('device', 'GPUs')} x{meta['world']} ({meta.get('backend', 'nccl')}, {used})"
     return MeasuredLink(name, int(meta["world"]), tuple(points(d["allreduce"])),
                         tuple(points(d["allgather"])))
 

@@ -349,15 +349,17 @@ class Workers:
         failure: survivors may be stuck in a collective), terminate then kill the stragglers,
         and release the group (after a failure under NCCL: without waiting for the dead peer).
         """
-        self._stop.set()
-        failed = self.failure is not None
+        self._stop.set()  # the watchdog stops: look for dead workers here too
+        failed = self.failure is not None or any(
+            not p.is_alive() and p.exitcode not in (0, None) for p in self.processes)
         deadline = time.monotonic() + (min(timeout_s, 1.0) if failed else timeout_s)
         for p in self.processes:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         _stop_processes(self.processes, timeout_s=5.0)
         if not dist.is_initialized():
             return
-        if failed and self.backend == "nccl":
+        if self.backend == "nccl" and any(p.exitcode != 0 for p in self.processes):
+            # a peer died or was stopped: a normal destroy would wait for its collectives
             if not release_aborted_group(timeout_s=10.0):
                 log.error("the aborted NCCL process group could not be released")
         else:

@@ -15,10 +15,13 @@ lossless under greedy decoding).
 
 from __future__ import annotations
 
+import importlib
 import os
+import pkgutil
 
 import pytest
 
+import mla_spec.kernels
 from mla_spec.eval import format_table, heldout_problems
 from mla_spec.eval.sweep import EMBEDDED_MODEL, EvalConfig, dequantize_checkpoint, run_config
 
@@ -36,6 +39,11 @@ pytestmark = pytest.mark.skipif(
 def reports(tmp_path_factory):
     """The served run, its no-speculation twin and the BF16 TP-1 reference (computed once)."""
     # CPU runs use the torch paths; the Triton interpreter would take hours for 200 questions.
+    # The worker ranks inherit TRITON_INTERPRET=0; rank 0 is this process, whose kernels must
+    # be decorated (imported) under the interpreter first, or later tests would get kernels
+    # bound to a GPU driver this machine lacks.
+    for mod in pkgutil.iter_modules(mla_spec.kernels.__path__):
+        importlib.import_module(f"mla_spec.kernels.{mod.name}")
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"
     try:

@@ -15,10 +15,12 @@ from mla_spec.projection import (
     SEED_BARS,
     ForwardTimes,
     LinkSpec,
+    MeasuredLink,
     ModelShape,
     allgather_us,
     allreduce_us,
     b200_scaled,
+    load_measured_link,
     mtp_forward_us,
     project_mtp,
     project_no_mtp,
@@ -106,6 +108,56 @@ def test_b200_scaled_and_report():
     assert f"seed bar {SEED_BARS['mtp']:g}" in text and f"seed bar {SEED_BARS['no_mtp']:g}" in text
 
 
+# ---- measured collectives (benchmarks/bench_allreduce.py's JSON) -----------------------------
+def _measured_json(tmp_path, world=4):
+    """A bench_allreduce-shaped result: all-reduce 10 us up to 14 KB then +1 us per 14 KB."""
+    d = {"meta": {"world": world, "device": "H200", "backend": "nccl"},
+         "allreduce": [{"rows": r, "bytes": r * 14336, "eager_us": 30.0 + r,
+                        "graph_us": 10.0 + max(0, r - 1)} for r in (1, 2, 8)],
+         "allgather": [{"rows": 1, "bytes": 258560, "eager_us": 40.0, "graph_us": None},
+                       {"rows": 4, "bytes": 4 * 258560, "eager_us": 50.0, "graph_us": 20.0}]}
+    path = tmp_path / "bench_allreduce.json"
+    path.write_text(json.dumps(d))
+    return path
+
+
+def test_measured_link_interpolates_in_bytes(tmp_path):
+    link = load_measured_link(_measured_json(tmp_path))
+    assert link.measured and link.tp_size == 4 and "H200" in link.name
+    assert allreduce_us(14336, 4, link) == pytest.approx(10.0)  # a measured point (graph)
+    assert allreduce_us(1.5 * 14336, 4, link) == pytest.approx(10.5)  # halfway 1 -> 2 rows
+    assert allreduce_us(100, 4, link) == pytest.approx(10.0)  # below the table: its floor
+    # above the table: the slope of the last two points (1 us per 14336 B)
+    assert allreduce_us(10 * 14336, 4, link) == pytest.approx(19.0)
+    assert allreduce_us(10**9, 1, link) == 0.0  # nothing to reduce at TP 1
+    # the graph time is missing for 1 row: the eager one stands in
+    assert allgather_us(258560, 4, link) == pytest.approx(40.0)
+    assert allgather_us(4 * 258560, 4, link) == pytest.approx(20.0)
+    eager = load_measured_link(tmp_path / "bench_allreduce.json", mode="eager")
+    assert allreduce_us(14336, 4, eager) == pytest.approx(31.0)
+    with pytest.raises(ValueError, match="measured at TP 4"):
+        allreduce_us(14336, 2, link)
+    with pytest.raises(ValueError):
+        load_measured_link(tmp_path / "bench_allreduce.json", mode="nope")
+    with pytest.raises(ValueError):
+        MeasuredLink("empty", 4, (), ((1, 1.0),))
+
+
+def test_projection_with_measured_link():
+    """A measured table equal to the LAT10 estimate gives the same projection."""
+    flat = MeasuredLink("flat", 4, ((0, 10.0), (10**9, 10.0)), ((0, 10.0), (10**9, 10.0)))
+    t = ForwardTimes(moe_layer_us=100.0, dense_layer_us=80.0, lm_head_us=50.0,
+                     mtp_layer_us=60.0)
+    assert target_forward_us(t, 1, 1, link=flat) == target_forward_us(t, 1, 1, link=LAT10)
+    assert (project_mtp(t, t, 2.5, link=flat).step_us
+            == pytest.approx(project_mtp(t, t, 2.5, link=LAT10).step_us))
+    text = "\n".join(projection_report(t, t, accept_lengths=(2.04,), link=flat))
+    assert "measured on flat" in text and "range" not in text.split("\n")[0]
+    assert "estimated on" in projection_report(t, None)[0]
+    # LinkSpec's methods are the module functions' formula
+    assert NVLINK4_H200.allreduce_us(14336, 4) == allreduce_us(14336, 4)
+
+
 # ---- the --cpu-smoke path of benchmarks/bench_layer.py ----------------------------------------
 def _load_bench():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer.py"
@@ -132,3 +184,13 @@ def test_bench_layer_cpu_smoke(extra, tmp_path, monkeypatch, capsys):
     saved = json.loads((tmp_path / "bench_layer.json").read_text())
     assert len(saved["rows"]) == len(rows)
     assert (tmp_path / "bench_layer.md").exists()
+    assert "collectives: estimated" in out and result["projection"]["collectives"] == "estimated"
+
+
+def test_bench_layer_cpu_smoke_measured(tmp_path, monkeypatch, capsys):
+    bench = _load_bench()
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    result = bench.main(["--cpu-smoke", "--allreduce-json", str(_measured_json(tmp_path))])
+    out = capsys.readouterr().out
+    assert "collectives: measured" in out and "measured on H200" in out
+    assert result["projection"]["collectives"] == "measured"

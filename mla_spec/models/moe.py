@@ -15,6 +15,16 @@ MoE output: ``sum_k w_k * expert_{id_k}(x) + shared_experts(x)``, summed locally
 slice of every expert's intermediate dim, then one all-reduce. Experts are kept as modules named
 like the checkpoint (``experts.{e}.{gate,up,down}_proj``); the loop runs only the experts some
 row chose (differentiable, so the trainer uses the same code).
+
+NVFP4 experts are also stacked (``w13 [E', 2I, K/2]``, ``w2 [E', K, I/2]``, scales alike) for
+one ``fused_moe_nvfp4`` launch; the per-expert buffers are views of that storage, so the
+loader's in-place copies fill it. **Shared-experts fusion**: with one shared expert quantized
+like the routed ones (``n_shared_experts == 1``: same ``[I, K]`` shapes per rank) it is stacked
+as expert ``E' - 1 = n_routed_experts`` and, on the fused path, every token also selects it
+with weight 1.0 (the routed weights already carry ``routed_scaling_factor``; the shared output
+is added unscaled). That folds the shared MLP (three NVFP4 GEMMs, SiLU, mul and the add: 6+
+launches per layer) into the routed launch, for two small ``cat`` calls on the top-k tensors.
+``FUSE_SHARED_EXPERTS`` / ``DeepseekV3MoE.fuse_shared_experts`` switch it.
 """
 
 from __future__ import annotations
@@ -27,13 +37,20 @@ from mla_spec.device import use_triton
 from mla_spec.models.linear import ColumnParallelLinear, RowParallelLinear
 from mla_spec.parallel import tp_all_reduce
 
-__all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "FUSED_ROUTER"]
+__all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "FUSED_ROUTER",
+           "FUSE_SHARED_EXPERTS"]
 
 #: Route CUDA tensors with the one-program-per-token Triton kernel (``kernels.moe_router``).
 #: On the H200 it took the MoE block at bs 1 from 147 to 107 µs (docs/bench_layer.md). CPU
 #: tensors keep ``route_tokens`` (the interpreter would only be slower); a gate's
 #: ``fused_router`` attribute overrides both (True: wherever Triton runs, interpreter included).
 FUSED_ROUTER = True
+
+#: Run the shared expert inside the fused NVFP4 MoE launch as expert ``n_routed_experts`` that
+#: every token selects with weight 1.0 (when it was stacked there: ``shared_fused``). Read at
+#: forward time; a MoE's ``fuse_shared_experts`` attribute (True / False) overrides it. Paths
+#: other than the fused kernel (CPU loop, masked, BF16 experts) always call the shared MLP.
+FUSE_SHARED_EXPERTS = True
 
 
 class DenseMLP(nn.Module):
@@ -134,7 +151,12 @@ class MoEGate(nn.Module):
 
 
 class DeepseekV3MoE(nn.Module):
-    """Router + ``n_routed_experts`` experts + shared experts; one all-reduce at the end."""
+    """Router + ``n_routed_experts`` experts + shared experts; one all-reduce at the end.
+
+    With NVFP4 experts, ``_fused`` holds the stacked weights ``fused_moe_nvfp4`` reads;
+    ``shared_fused`` says the (single, NVFP4, routed-shaped) shared expert is their last row,
+    so the fused path runs it as one more top-k column (see the module docstring).
+    """
 
     def __init__(self, cfg, *, prefix: str = "", quantized=None, tp_size: int = 1,
                  dtype=torch.float32, device=None) -> None:
@@ -157,20 +179,47 @@ class DeepseekV3MoE(nn.Module):
         # BF16 experts), elsewhere the loop over active experts. "never" / "always" / "masked"
         # force a path (tests, CUDA-graph capture).
         self.fused_mode = "auto"
+        self.fuse_shared_experts: bool | None = None  # None: the module-level FUSE_SHARED_EXPERTS
+        self.shared_fused = False  # set by _stack_nvfp4_experts
         self._fused = self._stack_nvfp4_experts()
+
+    def _shared_stackable(self, g0, d0) -> bool:
+        """The shared expert is NVFP4 with exactly the routed experts' per-rank shapes
+        (``n_shared_experts == 1``; 2 would be ``[2I, K]`` and stays a separate MLP)."""
+        se = self.shared_experts
+        if se is None:
+            return False
+        trio = (se.gate_proj, se.up_proj, se.down_proj)
+        return all(lin.quantized for lin in trio) and all(
+            getattr(lin, n).shape == getattr(ref, n).shape
+            and getattr(lin, n).dtype == getattr(ref, n).dtype
+            and getattr(lin, n).device == getattr(ref, n).device
+            for lin, ref in zip(trio, (g0, g0, d0)) for n in ("weight", "weight_scale"))
 
     def _stack_nvfp4_experts(self):
         """Stack the NVFP4 experts into ``w13`` / ``w2`` tensors for ``fused_moe_nvfp4``.
 
         The per-expert buffers become *views* of the stacked storage, so the loader's in-place
-        copies fill both and nothing is duplicated. Returns None for non-quantized experts.
+        copies fill both and nothing is duplicated. A stackable shared expert (see
+        ``_shared_stackable``) becomes row ``E = n_routed_experts`` the same way
+        (``shared_fused``). ``input_scale`` stays per module (the kernel is weight-only).
+        Returns None for non-quantized experts.
         """
         lins = [(e.gate_proj, e.up_proj, e.down_proj) for e in self.experts]
         if not lins or not all(lin.quantized for trio in lins for lin in trio):
             return None
         g0, _, d0 = lins[0]
-        E, inter = len(lins), g0.out_features
         dev = g0.weight.device
+        if self._shared_stackable(g0, d0):
+            se = self.shared_experts
+            lins.append((se.gate_proj, se.up_proj, se.down_proj))
+            self.shared_fused = True
+            # the extra top-k column (id E, weight 1.0), broadcast into a cat on every call
+            self.register_buffer("_shared_topk_id", torch.full((1, 1), len(self.experts),
+                                                               device=dev), persistent=False)
+            self.register_buffer("_shared_topk_w", torch.ones((1, 1), device=dev),
+                                 persistent=False)
+        E, inter = len(lins), g0.out_features
 
         def stacked(ref, rows):
             return torch.zeros((E, rows, *ref.shape[1:]), dtype=ref.dtype, device=dev)
@@ -189,17 +238,36 @@ class DeepseekV3MoE(nn.Module):
             d._buffers["weight_scale_2"] = s2[e]
         return w13, s13, w2, s2
 
+    def _fuse_shared(self) -> bool:
+        """Run the shared expert as fused row ``E`` (only meaningful on the fused path)."""
+        want = FUSE_SHARED_EXPERTS if self.fuse_shared_experts is None \
+            else self.fuse_shared_experts
+        return self.shared_fused and bool(want)
+
     def _use_fused(self, x: torch.Tensor) -> bool:
         if self._fused is None or self.fused_mode == "never":
             return False
         return self.fused_mode == "always" or (x.is_cuda and not torch.is_grad_enabled())
 
-    def fused_experts_forward(self, x, topk_weights, topk_ids, kernel=None) -> torch.Tensor:
-        """Routed experts through ``fused_moe_nvfp4`` (or ``kernel``, e.g. ``fused_moe_ref``)."""
+    def fused_experts_forward(self, x, topk_weights, topk_ids, kernel=None, *,
+                              with_shared: bool = False) -> torch.Tensor:
+        """Routed experts through ``fused_moe_nvfp4`` (or ``kernel``, e.g. ``fused_moe_ref``).
+
+        ``with_shared`` (needs ``shared_fused``): also the shared expert, as top-k column
+        ``k`` = expert ``E`` with weight 1.0 for every token (``[N, k] -> [N, k + 1]``).
+        """
         from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
         from mla_spec.quant.nvfp4 import NVFP4Tensor
 
         w13, s13, w2, s2 = self._fused
+        if with_shared:
+            if not self.shared_fused:
+                raise ValueError("with_shared needs the shared expert stacked (shared_fused)")
+            n = topk_ids.shape[0]
+            topk_ids = torch.cat((topk_ids, self._shared_topk_id.to(topk_ids.dtype)
+                                  .expand(n, 1)), 1)
+            topk_weights = torch.cat((topk_weights, self._shared_topk_w.to(topk_weights.dtype)
+                                      .expand(n, 1)), 1)
         fn = kernel or fused_moe_nvfp4
         return fn(x, topk_ids, topk_weights, NVFP4Tensor(w13["weight"], w13["weight_scale"], s13),
                   NVFP4Tensor(w2["weight"], w2["weight_scale"], s2))
@@ -234,14 +302,16 @@ class DeepseekV3MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         topk_weights, topk_ids = self.gate(x)
+        shared_done = False
         if self._use_fused(x):
-            out = self.fused_experts_forward(x, topk_weights, topk_ids)
+            shared_done = self._fuse_shared()
+            out = self.fused_experts_forward(x, topk_weights, topk_ids, with_shared=shared_done)
         elif self.fused_mode == "masked" or (
             self.fused_mode == "auto" and x.is_cuda and not torch.is_grad_enabled()
         ):
             out = self.masked_experts_forward(x, topk_weights, topk_ids)
         else:
             out = self.experts_forward(x, topk_weights, topk_ids)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and not shared_done:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out, self.tp_size).view(shape)
