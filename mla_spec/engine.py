@@ -136,8 +136,11 @@ class Engine:
         self.stop_token_ids = tuple(stop_token_ids or ([] if eos is None else [eos]))
         self.metrics = EngineMetrics()
         self._requests: dict[int, Req] = {}
+        logger.info("rank 0: shard loaded on %s", runner.device)
         if self._use_graphs(cuda_graph):
             attach_graphs(runner, self.worker, graph_batch_sizes)
+            logger.info("rank 0: %d CUDA graphs (%s)", len(runner.graphs.graphs),
+                        runner.graphs.disabled_reason or "captured")
 
     def _use_graphs(self, cuda_graph: bool | None) -> bool:
         on_gpu = self.runner.device.type == "cuda"
@@ -251,6 +254,7 @@ class Engine:
         if plan is None:
             return None
         reqs = self._plan_reqs(plan)
+        logger.debug("step %d: %s, bs %d", len(self.metrics.steps), plan.kind, plan.batch_size)
         t0 = time.perf_counter()
         broadcast_plan(self._queues, plan)
         try:

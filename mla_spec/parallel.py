@@ -68,6 +68,23 @@ def rank_device(rank: int, backend: str) -> torch.device:
     return torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
 
 
+def _debug_hooks() -> None:
+    """Opt-in diagnostics for multi-rank runs, read from the environment on every rank:
+    ``MLA_SPEC_STACK_DUMP_S=N`` dumps every thread's Python stack to stderr every N seconds
+    (where a hang sits), ``MLA_SPEC_LOG_LEVEL=INFO`` turns on this package's progress logs."""
+    every = os.environ.get("MLA_SPEC_STACK_DUMP_S")
+    if every:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(every), repeat=True)
+    level = os.environ.get("MLA_SPEC_LOG_LEVEL")
+    if level:
+        import logging
+
+        logging.basicConfig(format=f"%(asctime)s pid {os.getpid()} %(name)s: %(message)s")
+        logging.getLogger("mla_spec").setLevel(level.upper())
+
+
 def init_distributed(
     rank: int | None = None,
     world_size: int | None = None,
@@ -84,6 +101,7 @@ def init_distributed(
     """
     if dist.is_initialized():
         return dist.get_backend()
+    _debug_hooks()
     rank = int(os.environ["RANK"]) if rank is None else rank
     world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
     backend = resolve_backend(backend, world_size)

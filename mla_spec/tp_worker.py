@@ -16,6 +16,7 @@ graphs on GPU), then loops on plans.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +25,8 @@ from mla_spec.config import SpecConfig
 from mla_spec.model_runner import ModelRunner
 from mla_spec.scheduler import StepPlan
 from mla_spec.spec.eagle import EagleWorker
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["plan_queues", "start_tp_workers", "broadcast_plan", "stop_tp_workers",
            "attach_graphs"]
@@ -104,11 +107,15 @@ def _tp_worker(rank: int, world_size: int, queue, runner_kw: dict, spec: SpecCon
         device = rank_device(rank, resolve_backend("auto", world_size))
     runner = ModelRunner.from_checkpoint(**runner_kw, device=device, tp_rank=rank,
                                          tp_size=world_size, with_draft=spec.enabled)
+    logger.info("rank %d: shard loaded on %s", rank, device)
     worker = EagleWorker(runner, spec)
     if graphs:
         attach_graphs(runner, worker, sizes)
+        logger.info("rank %d: %d CUDA graphs (%s)", rank, len(runner.graphs.graphs),
+                    runner.graphs.disabled_reason or "captured")
     while True:
         plan = queue.get()
+        logger.debug("rank %d: plan %s, bs %d", rank, plan.kind, plan.batch_size)
         worker.execute(plan)
         runner.timer.collect()
         if plan.kind == "stop":

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from mla_spec.device import use_triton
 
-__all__ = ["fused_route", "fused_route_ref"]
+__all__ = ["fused_route", "fused_route_ref", "fused_route_supports"]
 
 
 @triton.jit
@@ -82,6 +82,14 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale,
     ok = slots < K
     tl.store(w_ptr + row * K + slots, ws * scale, mask=ok)
     tl.store(id_ptr + row * K + slots, ids, mask=ok)
+
+
+def fused_route_supports(num_experts: int, n_group: int, topk_group: int, top_k: int) -> bool:
+    """Whether the kernel handles this routing shape (E a power of two in ``n_group`` groups of
+    a power-of-two size, ``top_k`` within the kept groups); else ``route_tokens`` must run."""
+    e, g = num_experts, n_group
+    return (e > 0 and not e & (e - 1) and g >= 1 and not e % g and not (e // g) & (e // g - 1)
+            and 1 <= topk_group <= g and 1 <= top_k <= topk_group * (e // g))
 
 
 def _check(router_logits, bias, top_k, n_group, topk_group, scoring_func):

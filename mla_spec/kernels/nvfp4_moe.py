@@ -42,7 +42,7 @@ from mla_spec.kernels.nvfp4_gemm import (
     ptx_decoder_ok,
     sum_rows,
 )
-from mla_spec.kernels.nvfp4_moe_gemv import MOE_GEMV_MAX_M, moe_gemv
+from mla_spec.kernels.nvfp4_moe_gemv import MOE_GEMV_MAX_M, moe_gemv, moe_gemv_tiles
 from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4
 
 __all__ = ["fused_moe_nvfp4", "fused_moe_ref", "moe_align", "MOE_MMAB_CONFIG"]
@@ -280,10 +280,10 @@ def _check_moe(x, topk_ids, topk_weights, w13: NVFP4Tensor, w2: NVFP4Tensor) -> 
 def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                     w13: NVFP4Tensor, w2: NVFP4Tensor, block_n: int = 32,
                     block_k: int = 256, fast_dequant: bool = True, path: str = "auto",
-                    gemv_block_n: int = 128, gemv_split: int | None = None,
-                    gemv_warps: int = 1, sorted_kernel: str = "mmab",
+                    gemv_block_n: int | None = None, gemv_split: int | None = None,
+                    gemv_warps: int | None = None, sorted_kernel: str = "mmab",
                     gemv_block_n2: int | None = None, gemv_warps2: int | None = None,
-                    gemv_g: int = 2,
+                    gemv_g: int | None = None,
                     mmab_config: NVFP4MmaConfig | None = None) -> torch.Tensor:
     """Routed experts with NVFP4 weights (see the module docstring for shapes).
 
@@ -293,9 +293,11 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     ``fast_dequant`` tune the sorted path (``fast_dequant``: the packed PTX decoder, validated
     on the H200; False = portable; never used in the interpreter or below sm_90), ``gemv_*``
     the gemv path (its decoder follows ``nvfp4_gemv.GEMV_FAST``; ``gemv_*2``: its w2 launch;
-    ``gemv_g``: int64 words per row per step). ``sorted_kernel``: "mmab" (standard orientation,
-    ``_moe_mma_kernel``, tiles from ``mmab_config``: default ``MOE_MMAB_CONFIG``; its
-    ``block_m`` 0 = by the mean rows per active expert, ``split_k`` must be 1) or "mma" (the
+    ``gemv_g``: int64 words per row per step; None: ``MOE_GEMV_TILES`` by token count; a
+    ``gemv_block_n`` / ``gemv_warps`` given alone also sets the w2 launch's, as before).
+    ``sorted_kernel``: "mmab" (standard orientation, ``_moe_mma_kernel``, tiles from
+    ``mmab_config``: default ``MOE_MMAB_CONFIG``; its ``block_m`` 0 = by the mean rows per
+    active expert, ``split_k`` must be 1) or "mma" (the
     swap-AB ``_moe_gemm_kernel``, tiles from ``block_n`` / ``block_k``).
 
     Returns ``[M, K]`` in x's dtype. Triton kernels when ``use_triton(x)``, else ``fused_moe_ref``.
@@ -320,6 +322,14 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     act_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     if path == "gemv" or (path == "auto" and m <= MOE_GEMV_MAX_M):
         x2 = x if x.stride(-1) == 1 else x.contiguous()
+        t = moe_gemv_tiles(m)
+        if gemv_block_n is not None or gemv_warps is not None:  # explicit w13 tiles: w2 alike
+            t = (gemv_block_n or t[0], gemv_warps or t[1], gemv_block_n or t[0],
+                 gemv_warps or t[1], 2)
+        gemv_block_n, gemv_warps = t[0], t[1]
+        gemv_block_n2 = t[2] if gemv_block_n2 is None else gemv_block_n2
+        gemv_warps2 = t[3] if gemv_warps2 is None else gemv_warps2
+        gemv_g = t[4] if gemv_g is None else gemv_g
         return moe_gemv(x2, topk_ids.reshape(-1).to(torch.int32), topk_weights.reshape(-1)
                         .float().contiguous(), w13, w2, _scale2_strides(w13.weight_scale_2, True),
                         _scale2_strides(w2.weight_scale_2, False), act_dtype, gemv_block_n,

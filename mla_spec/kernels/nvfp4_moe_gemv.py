@@ -27,12 +27,30 @@ import triton.language as tl
 
 from mla_spec.kernels.nvfp4_gemv import _counters, block_dot16
 
-__all__ = ["moe_gemv", "MOE_GEMV_MAX_M"]
+__all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES"]
 
 # tokens; above, the sorted (moe_align) path reads each expert once. H200, 256 experts top-8:
 # this path 58 / 208 / 1100 µs at M = 1 / 4 / 16 (1.86x / 2.0x / 1.27x the bf16 GEMMs); the
 # first pass's sorted path took 257 / 462 / 1342 µs (docs/bench_nvfp4.md).
-MOE_GEMV_MAX_M = 4  # H200: tie at 4 tokens (203 µs), sorted "mmab" 2.6x faster at 16
+MOE_GEMV_MAX_M = 4  # H200: 123 µs at 4 tokens vs 203 for sorted "mmab", which is 2.6x faster at 16
+
+# Tiles per token count (bucket: the smallest key >= M): (block_n, num_warps) of the w13 launch,
+# (block_n2, num_warps2) of the w2 launch, g words per step. benchmarks/sweep_moe_gemv.py on the
+# H200 (2026-11-29, 256 experts top-8, K 7168, I 512): 1 token 59.0 -> 40.8 µs, 2 tokens
+# 100.4 -> 69.6, 4 tokens 202.7 -> 123.1 (2.65x / 3.14x / 3.35x the bf16 cuBLAS GEMMs).
+MOE_GEMV_TILES: dict[int, tuple[int, int, int, int, int]] = {
+    1: (256, 4, 16, 1, 4),
+    2: (64, 1, 128, 2, 4),
+    4: (64, 1, 128, 2, 4),
+}
+
+
+def moe_gemv_tiles(m: int) -> tuple[int, int, int, int, int]:
+    """``(block_n, num_warps, block_n2, num_warps2, g)`` for ``m`` tokens (``MOE_GEMV_TILES``)."""
+    for bucket in sorted(MOE_GEMV_TILES):
+        if m <= bucket:
+            return MOE_GEMV_TILES[bucket]
+    return MOE_GEMV_TILES[max(MOE_GEMV_TILES)]
 
 
 @triton.jit(do_not_specialize=["R"])  # token x top-k rows follow the batch

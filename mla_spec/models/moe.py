@@ -141,8 +141,13 @@ class MoEGate(nn.Module):
         kw = dict(top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
                   norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.scale,
                   scoring_func=self.scoring_func)
-        fused = (FUSED_ROUTER and logits.is_cuda) if self.fused_router is None \
-            else self.fused_router
+        if self.fused_router is None:  # by default only where the kernel handles the shape
+            from mla_spec.kernels.moe_router import fused_route_supports
+
+            fused = FUSED_ROUTER and logits.is_cuda and fused_route_supports(
+                logits.shape[1], self.n_group, self.topk_group, self.top_k)
+        else:
+            fused = self.fused_router
         if fused and use_triton(logits) and not torch.is_grad_enabled():
             from mla_spec.kernels.moe_router import fused_route
 
