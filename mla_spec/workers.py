@@ -347,7 +347,7 @@ class Workers:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the watchdog, join the workers for up to ``timeout_s`` in all (1 s after a
         failure: survivors may be stuck in a collective), terminate then kill the stragglers,
-        and release the group (after a failure under NCCL: without waiting for the dead peer).
+        and release the group (under NCCL: aborted locally, without waiting for any peer).
         """
         self._stop.set()  # the watchdog stops: look for dead workers here too
         failed = self.failure is not None or any(
@@ -358,10 +358,12 @@ class Workers:
         _stop_processes(self.processes, timeout_s=5.0)
         if not dist.is_initialized():
             return
-        if self.backend == "nccl" and any(p.exitcode != 0 for p in self.processes):
-            # a peer died or was stopped: a normal destroy would wait for its collectives
+        if self.backend == "nccl":
+            # The workers left without a collective teardown (os._exit), and a peer may have
+            # died: destroy_process_group would wait for them (on the H200s it hung after a
+            # run with CUDA graphs). Abort the communicators locally and forget the groups.
             if not release_aborted_group(timeout_s=10.0):
-                log.error("the aborted NCCL process group could not be released")
+                log.error("the NCCL process group could not be released")
         else:
             dist.destroy_process_group()
 
