@@ -360,6 +360,8 @@ class Engine:
         thread outlives the engine.
         """
         workers, self.workers = self.workers, None
+        if workers is not None and getattr(self, "runner", None) is not None:
+            self.runner.release_graphs()  # before the group: see ModelRunner.release_graphs
         stop_tp_workers(workers, self._queues)
         self._queues = []
         if self._threads is not None:

@@ -22,6 +22,7 @@ graph for the modes and batch sizes it holds.
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,18 @@ class ModelRunner:
             self.req_to_token[row, start:stop] = slots.to(self.device, torch.int32)
 
     # ---- one forward -------------------------------------------------------------------------
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graphs and wait for the GPU. Under tensor parallelism this
+        must come before the process group goes: NCCL keeps a communicator whose collectives
+        sit in a graph alive until the graph is destroyed, so a destroy or abort of the group
+        would block (seen on 4 H200s)."""
+        if self.graphs is None:
+            return
+        self.graphs = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def prepare(self, which: str, batch: ForwardBatch, row_req: list[int] | None = None,
                 *, plan: bool = True) -> ForwardBatch:
         """Attach ``out_cache_loc``, pool and backend to ``batch`` and plan its attention.

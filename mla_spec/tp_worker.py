@@ -119,4 +119,5 @@ def _tp_worker(rank: int, world_size: int, queue, runner_kw: dict, spec: SpecCon
         worker.execute(plan)
         runner.timer.collect()
         if plan.kind == "stop":
+            runner.release_graphs()  # before the process exits and rank 0 drops the group
             return
