@@ -56,7 +56,7 @@ from mla_spec.forward_mode import ForwardMode  # noqa: E402
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4  # noqa: E402
 from mla_spec.kv_cache import MLATokenToKVPool  # noqa: E402
 from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer  # noqa: E402
-from mla_spec.models.moe import DenseMLP, MoEGate  # noqa: E402
+from mla_spec.models.moe import DenseMLP, MoEGate, shared_fusion_pays  # noqa: E402
 from mla_spec.models.mtp import DeepseekV3MTP  # noqa: E402
 from mla_spec.models.norm import RMSNorm  # noqa: E402
 from mla_spec.models.quant_config import QuantConfig  # noqa: E402
@@ -128,7 +128,8 @@ class BenchMoE(nn.Module):
 
     ``shared_row`` (NVFP4 only): the stacked tensors hold one more expert, run in the fused
     launch as the shared expert (weight 1.0 for every token), as ``DeepseekV3MoE`` does with
-    ``FUSE_SHARED_EXPERTS``; the separate shared MLP is then skipped.
+    ``FUSE_SHARED_EXPERTS`` (where ``shared_fusion_pays``); the separate shared MLP is then
+    skipped.
     """
 
     def __init__(self, moe: nn.Module, w13, w2, shared_row: bool = False) -> None:
@@ -141,15 +142,17 @@ class BenchMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         topk_weights, topk_ids = self.gate(x)
+        fused = False
         if isinstance(self.w13, NVFP4Tensor):
-            if self.shared_row:
+            fused = self.shared_row and shared_fusion_pays(x.shape[0])
+            if fused:
                 n, e = x.shape[0], self.w13.weight.shape[0] - 1
                 topk_ids = torch.cat((topk_ids, topk_ids.new_full((n, 1), e)), 1)
                 topk_weights = torch.cat((topk_weights, topk_weights.new_ones(n, 1)), 1)
             out = fused_moe_nvfp4(x, topk_ids, topk_weights, self.w13, self.w2)
         else:
             out = moe_grouped_bf16(x, topk_weights, topk_ids, self.w13, self.w2)
-        if self.shared_experts is not None and not self.shared_row:
+        if self.shared_experts is not None and not fused:
             out = out + self.shared_experts(x)
         return out.view(shape)  # NOTE: the TP all-reduce is in the projection, not here
 

@@ -9,12 +9,15 @@
 installed) at TP 4 with MTP speculative decoding (v2) over an FP8 KV cache, shows a progress bar,
 then prints accuracy, average accept length, tokens/s and the time per forward mode. Flags that
 cannot work together are refused before anything starts, with a message saying what would work.
+At TP > 1 a rank that dies ends the run with an error naming it; if rank 0 stays blocked in the
+GPU, the process exits 15 s later (``MLA_SPEC_HARD_EXIT_S``, see ``mla_spec.workers``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -141,6 +144,9 @@ def _engine(args, model: Path, spec, dev):
     from mla_spec.config import CacheConfig
     from mla_spec.engine import Engine
 
+    # A command-line run is disposable: if a rank dies and rank 0 stays blocked in the GPU
+    # (NCCL cannot abort a communicator that captured CUDA graphs hold), exit 15 s later.
+    os.environ.setdefault("MLA_SPEC_HARD_EXIT_S", "15")
     return Engine(model, tp_size=args.tp, spec=spec,
                   cache=CacheConfig(page_size=args.page_size, kv_dtype=args.kv_dtype),
                   attention_backend=args.attention_backend, device=dev,

@@ -38,7 +38,7 @@ from mla_spec.models.linear import ColumnParallelLinear, RowParallelLinear
 from mla_spec.parallel import tp_all_reduce
 
 __all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "FUSED_ROUTER",
-           "FUSE_SHARED_EXPERTS"]
+           "FUSE_SHARED_EXPERTS", "shared_fusion_pays"]
 
 #: Route CUDA tensors with the one-program-per-token Triton kernel (``kernels.moe_router``).
 #: On the H200 it took the MoE block at bs 1 from 147 to 107 µs (docs/bench_layer.md). CPU
@@ -51,6 +51,19 @@ FUSED_ROUTER = True
 #: forward time; a MoE's ``fuse_shared_experts`` attribute (True / False) overrides it. Paths
 #: other than the fused kernel (CPU loop, masked, BF16 experts) always call the shared MLP.
 FUSE_SHARED_EXPERTS = True
+
+
+def shared_fusion_pays(num_tokens: int) -> bool:
+    """Whether the shared expert should ride in the fused launch for ``num_tokens`` rows.
+
+    The per-pair GEMV path (2..``MOE_GEMV_MAX_M`` tokens) would read the shared expert's
+    weights once per token; the separate NVFP4 MLP reads them once. H200, DeepSeek-V3 TP 4
+    (bench_layer): 1 token 89.7 -> 78.1 µs per MoE block with fusion, 4 tokens 186.3 -> 203.2.
+    One token and the sorted path (more tokens: the shared expert is one expert with every
+    row) fuse."""
+    from mla_spec.kernels.nvfp4_moe_gemv import MOE_GEMV_MAX_M
+
+    return num_tokens <= 1 or num_tokens > MOE_GEMV_MAX_M
 
 
 class DenseMLP(nn.Module):
@@ -309,7 +322,7 @@ class DeepseekV3MoE(nn.Module):
         topk_weights, topk_ids = self.gate(x)
         shared_done = False
         if self._use_fused(x):
-            shared_done = self._fuse_shared()
+            shared_done = self._fuse_shared() and shared_fusion_pays(x.shape[0])
             out = self.fused_experts_forward(x, topk_weights, topk_ids, with_shared=shared_done)
         elif self.fused_mode == "masked" or (
             self.fused_mode == "auto" and x.is_cuda and not torch.is_grad_enabled()
