@@ -142,14 +142,17 @@ RECORDED_H200 = [
          bf16_us=5.13, speedup_vs_bf16=0.95, pinned='mmab bm64 bn64 bk128 w4 st4 s1'),
 ]
 
-# Same runs: fused MoE, 256 experts, top-8, K 7168, I 512 (TP4), random routing; bf16 = cuBLAS
-# GEMMs of the active experts only (rows pre-gathered). M <= 4: gemv path (one program per
-# token-expert pair), above: the sorted path with the "mmab" grouped kernel.
+# Fused MoE, 256 experts, top-8, K 7168, I 512 (TP4), random routing; bf16 = cuBLAS GEMMs of the
+# active experts only (rows pre-gathered). M <= 4: gemv path (one program per token-expert pair;
+# third session, benchmarks/sweep_moe_gemv.py, per-M tiles; default_us = the second session's
+# single tile), above: the sorted path with the "mmab" grouped kernel (second session).
 RECORDED_H200_MOE = [
-    dict(shape='moe_256e_top8_tp4', m=1, ours_us=63.08, bf16_gemms_us=112.08,
-         speedup_vs_bf16=1.78, active_experts=8.0, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=4, ours_us=202.97, bf16_gemms_us=397.45,
-         speedup_vs_bf16=1.96, active_experts=29.5, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=1, ours_us=40.81, default_us=58.96, bf16_gemms_us=108.28,
+         speedup_vs_bf16=2.65, active_experts=8.0, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=2, ours_us=69.55, default_us=100.38, bf16_gemms_us=218.54,
+         speedup_vs_bf16=3.14, active_experts=15.9, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=4, ours_us=123.06, default_us=202.71, bf16_gemms_us=412.72,
+         speedup_vs_bf16=3.35, active_experts=30.1, path='gemv'),
     dict(shape='moe_256e_top8_tp4', m=16, ours_us=416.85, bf16_gemms_us=1369.79,
          speedup_vs_bf16=3.29, active_experts=100.5, path='sorted'),
     dict(shape='moe_256e_top8_tp4', m=32, ours_us=604.8, bf16_gemms_us=2234.1,
