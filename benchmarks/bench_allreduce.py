@@ -72,22 +72,28 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _eager_us(fn, device, inner: int, repeats: int) -> float:
+def _timed_us(call, device, repeats: int, n: int, per: int) -> float:
+    """Median over ``repeats`` of (µs for ``n`` calls of ``call``) / ``per``, every repeat
+    starting together on all ranks (a barrier between two device syncs)."""
     import torch.distributed as dist
 
-    for _ in range(3):
-        fn()
     times = []
     for _ in range(repeats):
         _sync(device)
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
+        for _ in range(n):
+            call()
         _sync(device)
-        times.append((time.perf_counter() - t0) * 1e6 / inner)
+        times.append((time.perf_counter() - t0) * 1e6 / per)
     return statistics.median(times)
+
+
+def _eager_us(fn, device, inner: int, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    return _timed_us(fn, device, repeats, inner, inner)
 
 
 def _graph_us(fn, device, iters: int, repeats: int, replays: int = 5):
@@ -115,18 +121,9 @@ def _graph_us(fn, device, iters: int, repeats: int, replays: int = 5):
     if ok.item() < 1.0:
         return None, err or "capture failed on another rank"
     graph.replay()  # warm-up replay
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        dist.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        for _ in range(replays):
-            graph.replay()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e6 / (replays * iters))
+    us = _timed_us(graph.replay, device, repeats, replays, replays * iters)
     del graph
-    return statistics.median(times), None
+    return us, None
 
 
 def _rank_bench(rank, world, ar_rows, ag_rows, inner, repeats, graph_iters, graphs) -> dict:

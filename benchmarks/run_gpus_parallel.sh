@@ -9,13 +9,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=${RES:-/tmp/mla_spec_parallel}; mkdir -p "$RES"
-if [ -z "${PYTHONPATH:-}" ]; then
-  if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site/flashinfer ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  fi
-  export PYTHONPATH=$PWD:/tmp/site
-fi
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu_env.sh  # wheels, PYTHONPATH, NVLink multicast off
 NGPU=$(nvidia-smi --query-gpu=index --format=csv,noheader | wc -l)
 LIMIT=${LIMIT:-300}
 start=$(date +%s)

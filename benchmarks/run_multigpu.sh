@@ -14,13 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=${RES:-/tmp/mla_spec_multigpu}; mkdir -p "$RES"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-  export PYTHONPATH=$PWD:/tmp/site
-else
-  export PYTHONPATH=$PWD
-fi
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source benchmarks/gpu_env.sh  # wheels, PYTHONPATH, NVLink multicast off
 # a CLI whose rank died and whose rank 0 stays stuck leaves after this long (mla_spec.workers)
 export MLA_SPEC_HARD_EXIT_S=${MLA_SPEC_HARD_EXIT_S:-15}
 start=$(date +%s)
