@@ -11,8 +11,8 @@ gloo otherwise), the rank's device, and :func:`tp_all_reduce`. Collectives time 
 ``timeout_s``: by default 300 s under gloo (CPU ranks sharing a couple of busy cores can be that
 far apart: one rank still loading while another waits in its first all-reduce) and 30 s under
 NCCL. Starting the ranks as processes and failing fast when one dies is
-:mod:`mla_spec.workers` (:func:`launch`, :func:`spawn_workers`, :class:`RankFailedError`); those
-names are re-exported here.
+:mod:`mla_spec.workers` (:func:`spawn_workers`, :class:`RankFailedError`) and
+:mod:`mla_spec.launch` (:func:`launch`); those names are re-exported here.
 """
 
 from __future__ import annotations
@@ -166,9 +166,10 @@ def tp_all_gather(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
 
 
 # Re-exported lazily (PEP 562): the linears live in ``mla_spec.models.linear`` and the process
-# management in ``mla_spec.workers``; both import this module, so eager imports would be cycles.
+# management in ``mla_spec.workers`` / ``mla_spec.launch``; they import this module, so eager
+# imports would be cycles.
 _LINEARS = ("ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear")
-_WORKERS = ("launch", "spawn_workers", "Workers", "RankFailedError")
+_WORKERS = ("spawn_workers", "Workers", "RankFailedError")
 
 
 def __getattr__(name: str):
@@ -180,4 +181,8 @@ def __getattr__(name: str):
         from mla_spec import workers
 
         return getattr(workers, name)
+    if name == "launch":
+        from mla_spec.launch import launch
+
+        return launch
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
