@@ -22,10 +22,13 @@ Kernels, two variants per op, picked on the host from sizes known without a sync
 (:func:`choose_variant`, threshold :data:`SMALL_CALL_BYTES`; ``variant=`` forces one):
 
 - ``large`` (bandwidth-optimal): one program per (padded slot, chunk of the flattened ``H * D``
-  row). A program reads its request's length / offset, then moves the row (two dependent memory
-  round trips) and never touches a padded slot it need not write.
-- ``small`` (latency-optimal, one round trip, what a ``copy_`` pays): the unpad loads its slot
-  (always in bounds) together with the length / offset and stores real rows only; the pad is
+  row) on a 3-d grid ``(chunk, slot, request)``, so ``(s, b)`` come from the program ids (up to
+  65535 requests). A program reads its request's length / offset, then moves the row (two
+  dependent memory round trips) and never touches a padded slot it need not write.
+- ``small`` (latency-optimal, one round trip, what a ``copy_`` pays): the unpad (same 3-d grid;
+  with the old 1-d grid a division by the runtime ``max_q`` put ~30 sm_90 instructions before its
+  first load, now 9) loads its slot (always in bounds) together with the length / offset and
+  stores real rows only; the pad is
   token-major, one program per (row ``t`` of q, chunk): the row load does not depend on any
   index, so it goes out together with one vector load of ``cu_seqlens_q[0 : bs + 1]`` (128 or
   1024 requests per binary, not bs): the request ``b`` with ``cu[b] <= t < cu[b + 1]`` and
@@ -116,15 +119,14 @@ def _pad_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
                 D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
                 EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
                 ALIGN_END: tl.constexpr, FILL: tl.constexpr):
-    # slot-major (large calls): one program per (padded slot, chunk); lengths, then the row
-    pid = tl.program_id(0)
-    row = pid // NCHUNK  # padded row b * max_q + s
-    b = row // max_q
-    s = row - b * max_q
+    # slot-major (large calls): one program per (chunk, slot s, request b) on a 3-d grid (no
+    # division by the runtime max_q before the first load); lengths, then the row
+    s = tl.program_id(1)
+    b = tl.program_id(2)
     length = tl.load(seq_lens_ptr + b)
     start = tl.load(cu_ptr + b)
     j = s - (max_q - length) if ALIGN_END else s  # row inside the request
-    offs = (pid % NCHUNK) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     dst = _row_ptr(out_ptr, b.to(tl.int64) * o_sb + s.to(tl.int64) * o_ss, offs, o_sh, o_sd, D,
                    DST_CONTIG)
     if (j >= 0) & (j < length):
@@ -182,14 +184,14 @@ def _unpad_kernel(raw_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
                   D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
                   EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
                   ALIGN_END: tl.constexpr, PREFETCH: tl.constexpr):
-    # one program per (padded slot, chunk). PREFETCH (small calls): load the slot (always in
-    # bounds) together with its request's length and offset, one round trip; otherwise read
-    # the lengths first and padded slots are never read (large calls: no wasted bandwidth).
-    pid = tl.program_id(0)
-    row = pid // NCHUNK
-    b = row // max_q
-    s = row - b * max_q
-    offs = (pid % NCHUNK) * BLOCK + tl.arange(0, BLOCK)
+    # one program per (chunk, slot s, request b) on a 3-d grid: the indices come straight from
+    # the program ids (a division by the runtime max_q cost ~30 instructions on sm_90 before the
+    # first load). PREFETCH (small calls): load the slot (always in bounds) together with its
+    # request's length and offset, one round trip; otherwise read the lengths first and padded
+    # slots are never read (large calls: no wasted bandwidth).
+    s = tl.program_id(1)
+    b = tl.program_id(2)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     src = _row_ptr(raw_ptr, b.to(tl.int64) * r_sb + s.to(tl.int64) * r_ss, offs, r_sh, r_sd, D,
                    SRC_CONTIG)
     if PREFETCH:
@@ -254,7 +256,18 @@ def _variant(variant, nbytes, bs, op):
     return "large" if op == "pad" and bs > _CU_BLOCKS[1] else variant
 
 
-def _launch(launcher, grid0, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, ints, consts, warps):
+_GRID_YZ_MAX = 65535  # CUDA's limit on grid axes 1 and 2
+
+
+def _slot_grid(nchunk: int, max_q: int, bs: int) -> tuple[int, int, int]:
+    """(chunks, slots, requests): the slot-major kernels read (s, b) from their program ids."""
+    if max_q > _GRID_YZ_MAX or bs > _GRID_YZ_MAX:
+        raise ValueError(f"bs = {bs}, max_q = {max_q}: the slot-major pad / unpad kernels "
+                         f"support up to {_GRID_YZ_MAX} of each (CUDA grid axes 1 and 2)")
+    return nchunk, max_q, bs
+
+
+def _launch(launcher, grid, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, ints, consts, warps):
     """Shared tail of both launchers: the spec key, the bit views under the interpreter."""
     tensors = (src, dst, seq_lens_q, cu_seqlens_q)
     ptrs = (src.data_ptr(), dst.data_ptr(), seq_lens_q.data_ptr(), cu_seqlens_q.data_ptr())
@@ -262,7 +275,7 @@ def _launch(launcher, grid0, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, ints, c
            ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, ptrs[3] & 15, warps)
     if not src.is_cuda:
         tensors = (_as_bits(src), _as_bits(dst), seq_lens_q, cu_seqlens_q)
-    launcher(grid0, key, tensors, ptrs, (*ints, *ss, *ds, *consts), warps)
+    launcher(grid, key, tensors, ptrs, (*ints, *ss, *ds, *consts), warps)
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:
@@ -310,8 +323,8 @@ def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", o
     qs, os_, el, fill = q.stride(), out.stride(), q.element_size(), bool(fill_padding)
     if _variant(variant, max(n_rows, bs * max_q) * h * d * el, bs, "pad") == "large":
         consts = _consts(h, d, el, qs[1:], os_[2:], _TARGET_BYTES, align == "end", fill)
-        _launch(_PAD, bs * max_q * consts[3], q, out, qs, os_, seq_lens_q, cu_seqlens_q,
-                (max_q,), consts, _NUM_WARPS)
+        _launch(_PAD, _slot_grid(consts[3], max_q, bs), q, out, qs, os_, seq_lens_q,
+                cu_seqlens_q, (max_q,), consts, _NUM_WARPS)
         return out
     cu_block = _CU_BLOCKS[0] if bs <= _CU_BLOCKS[0] else _CU_BLOCKS[1]
     consts = _consts(h, d, el, qs[1:], os_[2:], _SMALL_TARGET_BYTES, align == "end", fill,
@@ -393,7 +406,8 @@ def unpad_draft_extend_output(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, ali
     small = _variant(variant, nbytes, bs, "unpad") == "small"
     consts = _consts(h, d, raw_out.element_size(), rs[2:], os_[1:],
                      _SMALL_TARGET_BYTES if small else _TARGET_BYTES, align == "end", small)
-    _launch(_UNPAD, bs * max_q * consts[3], raw_out, out, rs, os_, seq_lens_q, cu_seqlens_q,
+    _launch(_UNPAD, _slot_grid(consts[3], max_q, bs), raw_out, out, rs, os_, seq_lens_q,
+            cu_seqlens_q,
             (max_q,), consts, _SMALL_NUM_WARPS if small else _NUM_WARPS)
     return out
 

@@ -32,7 +32,7 @@ __all__ = ["TritonLauncher", "hooks_unset"]
 
 
 class TritonLauncher:
-    """Launch one ``@triton.jit`` kernel on a 1-d grid; on CUDA relaunch its compiled binary.
+    """Launch one ``@triton.jit`` kernel on a 1-3-d grid; on CUDA relaunch its compiled binary.
 
     Parameters
     ----------
@@ -48,17 +48,20 @@ class TritonLauncher:
         self.direct = True
         self.interp_keys: set = set()  # specializations launched under the interpreter
 
-    def __call__(self, grid0: int, key: tuple, tensors: tuple, ptrs: tuple, scalars: tuple,
-                 num_warps: int) -> None:
-        """Launch ``fn[(grid0,)](*tensors, *scalars)``. ``key`` must identify Triton's
-        specialization of the arguments; ``ptrs`` are the tensors' ``data_ptr()`` values, passed
-        as plain ints on the direct path (Triton's launcher then skips a
+    def __call__(self, grid: int | tuple, key: tuple, tensors: tuple, ptrs: tuple,
+                 scalars: tuple, num_warps: int) -> None:
+        """Launch ``fn[grid](*tensors, *scalars)`` (``grid``: an int or up to 3 ints; CUDA
+        allows 2**31 - 1 programs on axis 0 and 65535 on axes 1 and 2). ``key`` must identify
+        Triton's specialization of the arguments; ``ptrs`` are the tensors' ``data_ptr()``
+        values, passed as plain ints on the direct path (Triton's launcher then skips a
         ``cuPointerGetAttribute`` driver call per tensor)."""
+        grid = (grid,) if isinstance(grid, int) else tuple(grid)
         entry = self.binaries.get(key)
         if entry is not None and self.direct and hooks_unset():
             try:
                 run, function, metadata = entry
-                run(grid0, 1, 1, torch._C._cuda_getCurrentRawStream(tensors[0].get_device()),
+                gx, gy, gz = (*grid, 1, 1)[:3]
+                run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(tensors[0].get_device()),
                     function, metadata, None, None, None, *ptrs, *scalars)
                 return
             except Exception:  # noqa: BLE001 - an unexpected Triton ABI: use the normal launch
@@ -69,9 +72,9 @@ class TritonLauncher:
                 (a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor)
                 else (a == 1, a % 16 == 0) if isinstance(a, int) and not isinstance(a, bool)
                 else a for i, a in enumerate(args) if i not in self.unspecialized))
-            self.fn[(grid0,)](*args, num_warps=num_warps)
+            self.fn[grid](*args, num_warps=num_warps)
             return
-        kernel = self.fn[(grid0,)](*args, num_warps=num_warps)
+        kernel = self.fn[grid](*args, num_warps=num_warps)
         if hasattr(kernel, "result"):
             kernel = kernel.result()
         if len(self.binaries) > 256:

@@ -227,6 +227,18 @@ def test_validation_errors():
         unpad_draft_extend_output(raw[:1], seq, cu, 3)
 
 
+def test_slot_major_grid_limit(device):
+    """The slot-major kernels put requests on CUDA grid axis 2: more than 65535 is refused."""
+    bs = 65536
+    seq = torch.zeros(bs, dtype=torch.int32, device=device)
+    cu = torch.zeros(bs + 1, dtype=torch.int32, device=device)
+    cu[-1] = 1
+    seq[-1] = 1
+    with pytest.raises(ValueError, match="up to 65535"):
+        pad_draft_extend_query(torch.randn(1, 1, 16, device=device), seq, cu, 1,
+                               variant="large", validate=False)
+
+
 # ---- compile once --------------------------------------------------------------------------------
 def _random_lens(rng: random.Random, max_q: int, bs_max: int) -> list[int]:
     bs = rng.choice([1, 16, rng.randint(1, bs_max), 16 * rng.randint(1, max(bs_max // 16, 1))])
