@@ -357,7 +357,8 @@ def sweep(shapes, small_shapes):
         print(f"  bytes/program {target:6d} warps {warps}: " + "; ".join(res), flush=True)
     dep._TARGET_BYTES, dep._NUM_WARPS = default[:2]
     print("\nconfig sweep, small variant (ours, graph us per call):")
-    for target, warps, cu_blocks in [(2048, 4, (128, 1024)), (4096, 4, (128, 1024)),
+    for target, warps, cu_blocks in [(4096, 4, (32, 128, 1024)),
+                                     (2048, 4, (128, 1024)), (4096, 4, (128, 1024)),
                                      (8192, 4, (128, 1024)), (2048, 2, (128, 1024)),
                                      (4096, 2, (128, 1024)), (4096, 8, (128, 1024)),
                                      (4096, 4, (1024, 1024))]:

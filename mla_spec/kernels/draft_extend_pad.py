@@ -30,8 +30,8 @@ Kernels, two variants per op, picked on the host from sizes known without a sync
   first load, now 9) loads its slot (always in bounds) together with the length / offset and
   stores real rows only; the pad is
   token-major, one program per (row ``t`` of q, chunk): the row load does not depend on any
-  index, so it goes out together with one vector load of ``cu_seqlens_q[0 : bs + 1]`` (128 or
-  1024 requests per binary, not bs): the request ``b`` with ``cu[b] <= t < cu[b + 1]`` and
+  index, so it goes out together with one vector load of ``cu_seqlens_q[0 : bs + 1]`` (32, 128
+  or 1024 requests per binary, not bs): the request ``b`` with ``cu[b] <= t < cu[b + 1]`` and
   its edge come back from ONE int64 sum over a one-hot (no second memory trip); rows
   ``t >= cu[bs]`` (a static graph buffer larger than total_q) store nothing. ``fill_padding``
   adds slot-major programs to the same launch that zero the padded slots.
@@ -82,7 +82,9 @@ _TARGET_BYTES = 16384  # bytes per program (one chunk of a row), large calls
 SMALL_CALL_BYTES = 1 << 40  # H200: "small" never lost by more than 1.3% (module docstring)
 _SMALL_TARGET_BYTES = 4096  # bytes per program, small calls (spread a few rows over more SMs)
 _SMALL_NUM_WARPS = 4
-_CU_BLOCKS = (128, 1024)  # requests the small pad scans per program: the first >= bs
+# requests the small pad scans per program: the first >= bs. Up to 32 the one-hot search is one
+# warp's shuffles; from 33 on it also crosses warps through shared memory (2 barriers on sm_90).
+_CU_BLOCKS = (32, 128, 1024)
 
 
 # ---- Triton kernels ----------------------------------------------------------------------------
@@ -234,8 +236,8 @@ _UNPAD = _Launcher(_unpad_kernel, unspecialized=(4,))
 def compile_count() -> int:
     """Number of compiled pad + unpad binaries (Triton's JIT cache; launched specializations
     under the interpreter). It must not grow with batch size or lengths: at most
-    2 (pad variants) x 2 (cu blocks, small pad) + 2 (unpad variants) per (dtype, H, D, layout,
-    align, fill)."""
+    1 (large pad) + 3 (small pad, one per cu block) + 2 (unpad variants) per (dtype, H, D,
+    layout, align, fill)."""
     return _PAD.compile_count() + _PAD_SMALL.compile_count() + _UNPAD.compile_count()
 
 
@@ -243,7 +245,7 @@ def choose_variant(nbytes: int, bs: int, op: str = "pad") -> str:
     """``"small"`` (one memory round trip) or ``"large"`` (bandwidth-optimal) for a call whose
     larger tensor holds ``nbytes`` bytes; host-known sizes only, no sync. Small needs
     ``nbytes < SMALL_CALL_BYTES`` and, for the pad, ``bs <= 1024`` (one cu_seqlens_q load)."""
-    if nbytes >= SMALL_CALL_BYTES or (op == "pad" and bs > _CU_BLOCKS[1]):
+    if nbytes >= SMALL_CALL_BYTES or (op == "pad" and bs > _CU_BLOCKS[-1]):
         return "large"
     return "small"
 
@@ -253,7 +255,7 @@ def _variant(variant, nbytes, bs, op):
         return choose_variant(nbytes, bs, op)
     if variant not in ("small", "large"):
         raise ValueError(f"variant = {variant!r}; expected 'auto', 'small' or 'large'")
-    return "large" if op == "pad" and bs > _CU_BLOCKS[1] else variant
+    return "large" if op == "pad" and bs > _CU_BLOCKS[-1] else variant
 
 
 _GRID_YZ_MAX = 65535  # CUDA's limit on grid axes 1 and 2
@@ -326,7 +328,7 @@ def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", o
         _launch(_PAD, _slot_grid(consts[3], max_q, bs), q, out, qs, os_, seq_lens_q,
                 cu_seqlens_q, (max_q,), consts, _NUM_WARPS)
         return out
-    cu_block = _CU_BLOCKS[0] if bs <= _CU_BLOCKS[0] else _CU_BLOCKS[1]
+    cu_block = next(c for c in _CU_BLOCKS if c >= bs)
     consts = _consts(h, d, el, qs[1:], os_[2:], _SMALL_TARGET_BYTES, align == "end", fill,
                      cu_block)
     grid0 = (n_rows + (bs * max_q if fill else 0)) * consts[3]
