@@ -137,9 +137,11 @@ def _release() -> str:
 
 
 def release_aborted_group(timeout_s: float = 10.0) -> bool:
-    """After a peer died under NCCL: abort, then forget the process groups, without waiting for
-    the dead peer. Bounded by ``timeout_s``; True when the groups are gone (a new
-    ``init_distributed`` may then run in this process)."""
+    """Abort, then forget the process groups, without waiting for any peer: after a peer died,
+    and at every NCCL shutdown of rank 0 (the workers leave without a collective teardown; the
+    CUDA graphs must be gone first, see ``ModelRunner.release_graphs``). Bounded by
+    ``timeout_s``; True when the groups are gone (a new ``init_distributed`` may then run in
+    this process)."""
     import torch.distributed as dist
 
     def run():
