@@ -31,6 +31,8 @@ __all__ = [
     "pieces_figure",
     "layer_vs_batch_figure",
     "projection_figure",
+    "load_collectives",
+    "collectives_figure",
 ]
 
 SIDES = ("ours", "base")
@@ -132,4 +134,35 @@ def projection_figure(res: dict, title: str | None = None) -> go.Figure:
     fig.update_layout(barmode="group", yaxis_title="tokens/s per user (projected)",
                       title=title or "Projection from the bs-1 layer times vs the seed's bars "
                                      "(error bars: collective latency 5-10 µs)")
+    return fig
+
+
+def load_collectives(path: str | Path | None = None) -> dict[str, Any]:
+    """``benchmarks/bench_allreduce.py``'s table; ``path`` None reads the 4x H200 run shipped
+    in the package (``mla_spec/data/allreduce_h200x4.json``: NCCL, inside CUDA graphs and
+    eagerly, with the projection's old estimate beside each size)."""
+    if path is None:
+        path = Path(__file__).resolve().parents[1] / "data" / "allreduce_h200x4.json"
+    d = json.loads(Path(path).read_text())
+    for key in ("allreduce", "allgather", "meta"):
+        if key not in d:
+            raise ValueError(f"{path}: not a bench_allreduce result (no {key!r})")
+    return d
+
+
+def collectives_figure(d: dict, title: str | None = None) -> go.Figure:
+    """All-reduce time vs message size (rows of ``[rows, hidden]`` bf16): measured in a CUDA
+    graph, eagerly, and the estimate the projection used before the measurement (log-log)."""
+    rows = d["allreduce"]
+    x = [r["rows"] for r in rows]
+    fig = go.Figure()
+    for key, name, dash in (("graph_us", "in a CUDA graph", None), ("eager_us", "eager", None),
+                            ("estimate_us", "old estimate (8 µs + 450 GB/s)", "dash")):
+        fig.add_scatter(x=x, y=[r.get(key) for r in rows], name=name, mode="lines+markers",
+                        line=dict(dash=dash))
+    m = d["meta"]
+    fig.update_layout(title=title or f"NCCL all-reduce of [rows, {m.get('hidden', 7168)}] bf16 "
+                      f"over {m['world']} x {m.get('device', 'GPU')}",
+                      xaxis=dict(title="rows (bs x q_len)", type="log"),
+                      yaxis=dict(title="µs per all-reduce", type="log"), height=380)
     return fig

@@ -62,3 +62,19 @@ def test_bad_file_is_refused(tmp_path):
     p.write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match="not a bench_layer result"):
         load_layer_results(p)
+
+
+def test_recorded_collectives_load_and_chart(tmp_path):
+    from mla_spec.viz.layer import collectives_figure, load_collectives
+
+    d = load_collectives()
+    assert d["meta"]["world"] == 4 and d["meta"]["backend"] == "nccl"
+    rows = d["allreduce"]
+    assert [r["rows"] for r in rows] == sorted(r["rows"] for r in rows)
+    assert all(r["graph_us"] > 0 and r["eager_us"] > 0 for r in rows)
+    f = collectives_figure(d)
+    assert [t.name for t in f.data][0] == "in a CUDA graph" and len(f.data) == 3
+    bad = tmp_path / "x.json"
+    bad.write_text('{"allreduce": []}')
+    with pytest.raises(ValueError, match="not a bench_allreduce result"):
+        load_collectives(bad)
