@@ -42,7 +42,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 if __package__ in (None, ""):
@@ -57,6 +56,7 @@ from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4  # noqa: E402
 from mla_spec.kv_cache import MLATokenToKVPool  # noqa: E402
 from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer  # noqa: E402
 from mla_spec.models.moe import DenseMLP, MoEGate, shared_fusion_pays  # noqa: E402
+from mla_spec.models.moe_grouped import grouped_experts_forward  # noqa: E402
 from mla_spec.models.mtp import DeepseekV3MTP  # noqa: E402
 from mla_spec.models.norm import RMSNorm  # noqa: E402
 from mla_spec.models.quant_config import QuantConfig  # noqa: E402
@@ -104,25 +104,6 @@ def _randomize_(module: nn.Module) -> None:
             b.normal_(0.0, 0.01)
 
 
-def moe_grouped_bf16(x, topk_weights, topk_ids, w13, w2):
-    """BF16 routed experts via ``torch._grouped_mm`` (no host sync: CUDA-graph safe).
-
-    ``x [M, K]``, ``w13 [E, 2I, K]`` (gate rows, then up), ``w2 [E, K, I]`` -> ``[M, K]``.
-    """
-    m, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(w13.shape[0], dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    tok = order // k
-    h = torch._grouped_mm(x.index_select(0, tok), w13.transpose(-2, -1), offs=offs)
-    g, u = h.chunk(2, dim=-1)
-    y = torch._grouped_mm((F.silu(g) * u).contiguous(), w2.transpose(-2, -1), offs=offs)
-    y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, tok, y)
-
-
 class BenchMoE(nn.Module):
     """The model's router and shared expert; routed experts stacked for one fused call.
 
@@ -151,7 +132,7 @@ class BenchMoE(nn.Module):
                 topk_weights = torch.cat((topk_weights, topk_weights.new_ones(n, 1)), 1)
             out = fused_moe_nvfp4(x, topk_ids, topk_weights, self.w13, self.w2)
         else:
-            out = moe_grouped_bf16(x, topk_weights, topk_ids, self.w13, self.w2)
+            out = grouped_experts_forward(x, topk_weights, topk_ids, self.w13, self.w2)
         if self.shared_experts is not None and not fused:
             out = out + self.shared_experts(x)
         return out.view(shape)  # NOTE: the TP all-reduce is in the projection, not here

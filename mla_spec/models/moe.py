@@ -35,10 +35,16 @@ from torch import nn
 
 from mla_spec.device import use_triton
 from mla_spec.models.linear import ColumnParallelLinear, RowParallelLinear
+from mla_spec.models.moe_grouped import (
+    grouped_experts_forward,
+    grouped_supported,
+    stack_dense_experts,
+    still_stacked,
+)
 from mla_spec.parallel import tp_all_reduce
 
 __all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "FUSED_ROUTER",
-           "FUSE_SHARED_EXPERTS", "shared_fusion_pays"]
+           "FUSE_SHARED_EXPERTS", "GROUPED_BF16_EXPERTS", "shared_fusion_pays"]
 
 #: Route CUDA tensors with the one-program-per-token Triton kernel (``kernels.moe_router``).
 #: On the H200 it took the MoE block at bs 1 from 147 to 107 µs (docs/bench_layer.md). CPU
@@ -51,6 +57,11 @@ FUSED_ROUTER = True
 #: forward time; a MoE's ``fuse_shared_experts`` attribute (True / False) overrides it. Paths
 #: other than the fused kernel (CPU loop, masked, BF16 experts) always call the shared MLP.
 FUSE_SHARED_EXPERTS = True
+
+#: Unquantized experts (the BF16 MTP layer of NVIDIA's FP4 checkpoints) run as two grouped GEMMs
+#: on CUDA at inference (``models.moe_grouped``) instead of every expert on every row. Read when a
+#: MoE is built (it stacks the experts' weights as views); off until it has run on a GPU.
+GROUPED_BF16_EXPERTS = False
 
 
 def shared_fusion_pays(num_tokens: int) -> bool:
@@ -193,13 +204,15 @@ class DeepseekV3MoE(nn.Module):
                      prefix=f"{prefix}.shared_experts", **kw)
             if cfg.n_shared_experts else None
         )
-        # "auto": on CUDA at inference the fused NVFP4 kernel (or the masked all-experts loop for
-        # BF16 experts), elsewhere the loop over active experts. "never" / "always" / "masked"
-        # force a path (tests, CUDA-graph capture).
+        # "auto": on CUDA at inference the fused NVFP4 kernel (or, for BF16 experts, the grouped
+        # GEMMs when stacked, else the masked all-experts loop), elsewhere the loop over active
+        # experts. "never" / "always" / "masked" / "grouped" force a path (tests, graph capture).
         self.fused_mode = "auto"
         self.fuse_shared_experts: bool | None = None  # None: the module-level FUSE_SHARED_EXPERTS
         self.shared_fused = False  # set by _stack_nvfp4_experts
         self._fused = self._stack_nvfp4_experts()
+        self._dense = (stack_dense_experts(self.experts)
+                       if GROUPED_BF16_EXPERTS and self._fused is None else None)
 
     def _shared_stackable(self, g0, d0) -> bool:
         """The shared expert is NVFP4 with exactly the routed experts' per-rank shapes
@@ -261,6 +274,16 @@ class DeepseekV3MoE(nn.Module):
         want = FUSE_SHARED_EXPERTS if self.fuse_shared_experts is None \
             else self.fuse_shared_experts
         return self.shared_fused and bool(want)
+
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        """The grouped BF16 path: stacked experts (``GROUPED_BF16_EXPERTS`` at build time),
+        still stacked, inference, and CUDA under ``fused_mode`` "auto" or any device under
+        "grouped" (tests); shapes and dtypes ``torch._grouped_mm`` takes."""
+        if self._dense is None or torch.is_grad_enabled() or self.fused_mode not in (
+                "auto", "grouped") or (self.fused_mode == "auto" and not x.is_cuda):
+            return False
+        return (still_stacked(self.experts, *self._dense)
+                and grouped_supported(x, self._dense[0]) is None)
 
     def _use_fused(self, x: torch.Tensor) -> bool:
         if self._fused is None or self.fused_mode == "never":
@@ -324,6 +347,8 @@ class DeepseekV3MoE(nn.Module):
         if self._use_fused(x):
             shared_done = self._fuse_shared() and shared_fusion_pays(x.shape[0])
             out = self.fused_experts_forward(x, topk_weights, topk_ids, with_shared=shared_done)
+        elif self._use_grouped(x):
+            out = grouped_experts_forward(x, topk_weights, topk_ids, *self._dense)
         elif self.fused_mode == "masked" or (
             self.fused_mode == "auto" and x.is_cuda and not torch.is_grad_enabled()
         ):
