@@ -35,7 +35,7 @@ def _moe(monkeypatch, dtype=torch.float32) -> DeepseekV3MoE:
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in moe.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5)
+            p.copy_(torch.randn(p.shape, generator=g, device="cpu") * p.shape[-1] ** -0.5)
     return moe
 
 
