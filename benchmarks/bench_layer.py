@@ -55,7 +55,13 @@ from mla_spec.forward_mode import ForwardMode  # noqa: E402
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4  # noqa: E402
 from mla_spec.kv_cache import MLATokenToKVPool  # noqa: E402
 from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer  # noqa: E402
-from mla_spec.models.moe import DenseMLP, MoEGate, shared_fusion_pays  # noqa: E402
+from mla_spec.models.moe import (  # noqa: E402
+    DenseMLP,
+    MoEGate,
+    shared_expert_column,
+    shared_fusion_pays,
+    with_shared_column,
+)
 from mla_spec.models.moe_grouped import grouped_experts_forward  # noqa: E402
 from mla_spec.models.mtp import DeepseekV3MTP  # noqa: E402
 from mla_spec.models.norm import RMSNorm  # noqa: E402
@@ -118,6 +124,8 @@ class BenchMoE(nn.Module):
         self.gate, self.shared_experts = moe.gate, moe.shared_experts
         self.w13, self.w2 = w13, w2  # NVFP4Tensor (ours) or bf16 [E, 2I, K] / [E, K, I]
         self.shared_row = shared_row
+        if shared_row:  # the stacked tensors' last expert is the shared one
+            self.shared_column = shared_expert_column(w13.weight.shape[0] - 1, w13.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -127,9 +135,8 @@ class BenchMoE(nn.Module):
         if isinstance(self.w13, NVFP4Tensor):
             fused = self.shared_row and shared_fusion_pays(x.shape[0])
             if fused:
-                n, e = x.shape[0], self.w13.weight.shape[0] - 1
-                topk_ids = torch.cat((topk_ids, topk_ids.new_full((n, 1), e)), 1)
-                topk_weights = torch.cat((topk_weights, topk_weights.new_ones(n, 1)), 1)
+                topk_ids, topk_weights = with_shared_column(topk_ids, topk_weights,
+                                                            self.shared_column)
             out = fused_moe_nvfp4(x, topk_ids, topk_weights, self.w13, self.w2)
         else:
             out = grouped_experts_forward(x, topk_weights, topk_ids, self.w13, self.w2)

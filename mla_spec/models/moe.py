@@ -44,7 +44,8 @@ from mla_spec.models.moe_grouped import (
 from mla_spec.parallel import tp_all_reduce
 
 __all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "FUSED_ROUTER",
-           "FUSE_SHARED_EXPERTS", "GROUPED_BF16_EXPERTS", "shared_fusion_pays"]
+           "FUSE_SHARED_EXPERTS", "GROUPED_BF16_EXPERTS", "shared_fusion_pays",
+           "shared_expert_column", "with_shared_column"]
 
 #: Route CUDA tensors with the one-program-per-token Triton kernel (``kernels.moe_router``).
 #: On the H200 it took the MoE block at bs 1 from 147 to 107 µs (docs/bench_layer.md). CPU
@@ -75,6 +76,25 @@ def shared_fusion_pays(num_tokens: int) -> bool:
     from mla_spec.kernels.nvfp4_moe_gemv import MOE_GEMV_MAX_M
 
     return num_tokens <= 1 or num_tokens > MOE_GEMV_MAX_M
+
+
+def shared_expert_column(shared_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``[1, 1]`` id (int64) and weight (1.0, fp32) that :func:`with_shared_column` appends;
+    built once per MoE so the hot path only broadcasts them."""
+    return (torch.full((1, 1), shared_id, dtype=torch.int64, device=device),
+            torch.ones((1, 1), device=device))
+
+
+def with_shared_column(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                       column: tuple[torch.Tensor, torch.Tensor]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, k] -> [N, k + 1]``: every token also selects the shared expert (the stacked row of
+    ``column``'s id) with weight 1.0 (the routed weights already carry
+    ``routed_scaling_factor``; the shared output is added unscaled)."""
+    n = topk_ids.shape[0]
+    sid, sw = column
+    return (torch.cat((topk_ids, sid.to(topk_ids.dtype).expand(n, 1)), 1),
+            torch.cat((topk_weights, sw.to(topk_weights.dtype).expand(n, 1)), 1))
 
 
 class DenseMLP(nn.Module):
@@ -158,6 +178,10 @@ class MoEGate(nn.Module):
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.scoring_func = cfg.scoring_func
         self.fused_router: bool | None = None  # None: the module-level FUSED_ROUTER
+        from mla_spec.kernels.moe_router import fused_route_supports
+
+        # the routing shape is fixed: whether the kernel handles it is known once
+        self._kernel_fits = fused_route_supports(E, self.n_group, self.topk_group, self.top_k)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [N, hidden]`` -> ``(topk_weights [N, k] fp32, topk_ids [N, k] int64)``."""
@@ -166,10 +190,7 @@ class MoEGate(nn.Module):
                   norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.scale,
                   scoring_func=self.scoring_func)
         if self.fused_router is None:  # by default only where the kernel handles the shape
-            from mla_spec.kernels.moe_router import fused_route_supports
-
-            fused = FUSED_ROUTER and logits.is_cuda and fused_route_supports(
-                logits.shape[1], self.n_group, self.topk_group, self.top_k)
+            fused = FUSED_ROUTER and logits.is_cuda and self._kernel_fits
         else:
             fused = self.fused_router
         if fused and use_triton(logits) and not torch.is_grad_enabled():
@@ -245,11 +266,7 @@ class DeepseekV3MoE(nn.Module):
             se = self.shared_experts
             lins.append((se.gate_proj, se.up_proj, se.down_proj))
             self.shared_fused = True
-            # the extra top-k column (id E, weight 1.0), broadcast into a cat on every call
-            self.register_buffer("_shared_topk_id", torch.full((1, 1), len(self.experts),
-                                                               device=dev), persistent=False)
-            self.register_buffer("_shared_topk_w", torch.ones((1, 1), device=dev),
-                                 persistent=False)
+            self._shared_column = shared_expert_column(len(self.experts), dev)
         E, inter = len(lins), g0.out_features
 
         def stacked(ref, rows):
@@ -304,11 +321,8 @@ class DeepseekV3MoE(nn.Module):
         if with_shared:
             if not self.shared_fused:
                 raise ValueError("with_shared needs the shared expert stacked (shared_fused)")
-            n = topk_ids.shape[0]
-            topk_ids = torch.cat((topk_ids, self._shared_topk_id.to(topk_ids.dtype)
-                                  .expand(n, 1)), 1)
-            topk_weights = torch.cat((topk_weights, self._shared_topk_w.to(topk_weights.dtype)
-                                      .expand(n, 1)), 1)
+            topk_ids, topk_weights = with_shared_column(topk_ids, topk_weights,
+                                                        self._shared_column)
         fn = kernel or fused_moe_nvfp4
         return fn(x, topk_ids, topk_weights, NVFP4Tensor(w13["weight"], w13["weight_scale"], s13),
                   NVFP4Tensor(w2["weight"], w2["weight_scale"], s2))
