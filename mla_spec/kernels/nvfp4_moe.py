@@ -293,11 +293,10 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     ``fast_dequant`` tune the sorted path (``fast_dequant``: the packed PTX decoder, validated
     on the H200; False = portable; never used in the interpreter or below sm_90), ``gemv_*``
     the gemv path (its decoder follows ``nvfp4_gemv.GEMV_FAST``; ``gemv_*2``: its w2 launch;
-    ``gemv_g``: int64 words per row per step; None: ``MOE_GEMV_TILES`` by token count; a
-    ``gemv_block_n`` / ``gemv_warps`` given alone also sets the w2 launch's, as before).
-    ``sorted_kernel``: "mmab" (standard orientation, ``_moe_mma_kernel``, tiles from
-    ``mmab_config``: default ``MOE_MMAB_CONFIG``; its ``block_m`` 0 = by the mean rows per
-    active expert, ``split_k`` must be 1) or "mma" (the
+    ``gemv_g``: int64 words per row per step; None: by token count, see
+    ``nvfp4_moe_gemv.moe_gemv_tiles``). ``sorted_kernel``: "mmab" (standard orientation,
+    ``_moe_mma_kernel``, tiles from ``mmab_config``: default ``MOE_MMAB_CONFIG``; its
+    ``block_m`` 0 = by the mean rows per active expert, ``split_k`` must be 1) or "mma" (the
     swap-AB ``_moe_gemm_kernel``, tiles from ``block_n`` / ``block_k``).
 
     Returns ``[M, K]`` in x's dtype. Triton kernels when ``use_triton(x)``, else ``fused_moe_ref``.
@@ -322,19 +321,12 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     act_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     if path == "gemv" or (path == "auto" and m <= MOE_GEMV_MAX_M):
         x2 = x if x.stride(-1) == 1 else x.contiguous()
-        t = moe_gemv_tiles(m)
-        if gemv_block_n is not None or gemv_warps is not None:  # explicit w13 tiles: w2 alike
-            t = (gemv_block_n or t[0], gemv_warps or t[1], gemv_block_n or t[0],
-                 gemv_warps or t[1], 2)
-        gemv_block_n, gemv_warps = t[0], t[1]
-        gemv_block_n2 = t[2] if gemv_block_n2 is None else gemv_block_n2
-        gemv_warps2 = t[3] if gemv_warps2 is None else gemv_warps2
-        gemv_g = t[4] if gemv_g is None else gemv_g
+        bn, w, bn2, w2_, g = moe_gemv_tiles(m, gemv_block_n, gemv_warps, gemv_block_n2,
+                                            gemv_warps2, gemv_g)
         return moe_gemv(x2, topk_ids.reshape(-1).to(torch.int32), topk_weights.reshape(-1)
                         .float().contiguous(), w13, w2, _scale2_strides(w13.weight_scale_2, True),
-                        _scale2_strides(w2.weight_scale_2, False), act_dtype, gemv_block_n,
-                        gemv_split, gemv_warps, not interp and nvfp4_gemv.GEMV_FAST,
-                        gemv_block_n2, gemv_warps2, gemv_g)
+                        _scale2_strides(w2.weight_scale_2, False), act_dtype, bn,
+                        gemv_split, w, not interp and nvfp4_gemv.GEMV_FAST, bn2, w2_, g)
     mean_rows = triton.cdiv(p, min(e, p))  # rows per active expert, at most
     mmab = sorted_kernel == "mmab"
     bm = (mcfg.block_m or mma_block_m(mean_rows)) if mmab else block_m_for(mean_rows)

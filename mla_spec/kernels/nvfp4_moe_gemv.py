@@ -45,12 +45,20 @@ MOE_GEMV_TILES: dict[int, tuple[int, int, int, int, int]] = {
 }
 
 
-def moe_gemv_tiles(m: int) -> tuple[int, int, int, int, int]:
-    """``(block_n, num_warps, block_n2, num_warps2, g)`` for ``m`` tokens (``MOE_GEMV_TILES``)."""
-    for bucket in sorted(MOE_GEMV_TILES):
-        if m <= bucket:
-            return MOE_GEMV_TILES[bucket]
-    return MOE_GEMV_TILES[max(MOE_GEMV_TILES)]
+def moe_gemv_tiles(m: int, block_n: int | None = None, num_warps: int | None = None,
+                   block_n2: int | None = None, num_warps2: int | None = None,
+                   g: int | None = None) -> tuple[int, int, int, int, int]:
+    """``(block_n, num_warps, block_n2, num_warps2, g)`` for ``m`` tokens: ``MOE_GEMV_TILES``
+    (the smallest bucket >= m) with the given values over it. A ``block_n`` / ``num_warps``
+    given without their w2 twins sets the w2 launch alike and ``g`` 2 (the single-tile
+    behaviour the sweeps compare against)."""
+    t = next((MOE_GEMV_TILES[b] for b in sorted(MOE_GEMV_TILES) if m <= b),
+             MOE_GEMV_TILES[max(MOE_GEMV_TILES)])
+    if block_n is not None or num_warps is not None:
+        bn, w = block_n or t[0], num_warps or t[1]
+        t = (bn, w, bn, w, 2)
+    return (t[0], t[1], t[2] if block_n2 is None else block_n2,
+            t[3] if num_warps2 is None else num_warps2, t[4] if g is None else g)
 
 
 @triton.jit(do_not_specialize=["R"])  # token x top-k rows follow the batch
