@@ -541,7 +541,7 @@ def main(argv=None) -> dict:
         else:
             notes.append(f"--allreduce-json measured at TP {measured.tp_size}, the projection "
                          f"is TP {TP}: collectives estimated instead")
-    comm = "measured" if getattr(link, "measured", False) else "estimated"
+    comm = "measured" if link.measured else "estimated"
     proj_lines.append(f"collectives: {comm} ({link.describe()})")
     accepts = tuple(float(a) for a in args.accept.split(","))
     projection = {"collectives": comm, "link": link.name}
