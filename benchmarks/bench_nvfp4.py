@@ -36,6 +36,11 @@ SPLITS = [1, 2, 4, 8]
 DEV = "cuda"
 
 
+def rel_err(y, ref) -> float:
+    """max |y - ref| / max |ref|, in fp32."""
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
 def graph_us(calls, warmup=5, rep=25) -> float:
     """Median µs per call of ``calls`` (zero-arg callables) replayed in one CUDA graph."""
     s = torch.cuda.Stream()

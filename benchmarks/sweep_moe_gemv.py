@@ -54,7 +54,7 @@ def run_variant(kw, sets, w13, w2, ref):
     x, t, w = sets[0]
     try:
         y = fused_moe_nvfp4(x, t, w, w13, w2, path="gemv", **kw)
-        err = ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        err = bench.rel_err(y, ref)
         if not err < 2e-2:
             return None, f"error {err:.1e}"
         us = graph_us([lambda x=x, t=t, w=w: fused_moe_nvfp4(x, t, w, w13, w2, path="gemv", **kw)

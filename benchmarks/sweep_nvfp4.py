@@ -65,8 +65,7 @@ def graph_us(calls) -> float:
     return bench.graph_us(calls, warmup=3, rep=15)
 
 
-def rel_err(y, ref) -> float:
-    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+rel_err = bench.rel_err
 
 
 def check() -> dict:
