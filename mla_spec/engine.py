@@ -139,8 +139,6 @@ class Engine:
         logger.info("rank 0: shard loaded on %s", runner.device)
         if self._use_graphs(cuda_graph):
             attach_graphs(runner, self.worker, graph_batch_sizes)
-            logger.info("rank 0: %d CUDA graphs (%s)", len(runner.graphs.graphs),
-                        runner.graphs.disabled_reason or "captured")
 
     def _use_graphs(self, cuda_graph: bool | None) -> bool:
         on_gpu = self.runner.device.type == "cuda"

@@ -37,6 +37,8 @@ def attach_graphs(runner, worker, graph_batch_sizes: Sequence[int] | None) -> No
     from mla_spec.cuda_graph import CudaGraphRunner
 
     runner.graphs = CudaGraphRunner.capture(runner, worker, graph_batch_sizes)
+    logger.info("rank %d: %d CUDA graphs (%s)", runner.tp_rank, len(runner.graphs.graphs),
+                runner.graphs.disabled_reason or "captured")
 
 
 def plan_queues(tp_size: int) -> list:
@@ -111,8 +113,6 @@ def _tp_worker(rank: int, world_size: int, queue, runner_kw: dict, spec: SpecCon
     worker = EagleWorker(runner, spec)
     if graphs:
         attach_graphs(runner, worker, sizes)
-        logger.info("rank %d: %d CUDA graphs (%s)", rank, len(runner.graphs.graphs),
-                    runner.graphs.disabled_reason or "captured")
     while True:
         plan = queue.get()
         logger.debug("rank %d: plan %s, bs %d", rank, plan.kind, plan.batch_size)
