@@ -29,33 +29,24 @@ leftovers() {  # report (never kill) GPU processes still alive after a step
   n=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null | grep -c . || true)
   if [ "${n:-0}" != "0" ]; then echo "WARNING: $n GPU processes still running after $1" | tee -a "$RES/summary.txt"; fi
 }
-step() {  # step NAME SECONDS CMD...   (stdout + stderr -> NAME.log)
-  local name=$1 secs=$2; shift 2
+_run_step() {  # _run_step log|json NAME SECONDS CMD...
+  local kind=$1 name=$2 secs=$3; shift 3
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
   local var="LIMIT_$name"; secs=${!var:-$secs}
-  local t0=$(date +%s)
+  local t0=$(date +%s) log="$RES/$name.log" rc
   echo "=== $name (limit ${secs}s)"
-  OUT=$RES timeout -k 10 "$secs" "$@" > "$RES/$name.log" 2>&1
-  local rc=$?
+  if [ "$kind" = json ]; then
+    OUT=$RES timeout -k 10 "$secs" "$@" > "$RES/$name.json" 2> "$log"; rc=$?
+  else
+    OUT=$RES timeout -k 10 "$secs" "$@" > "$log" 2>&1; rc=$?
+  fi
   echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$RES/summary.txt"
-  tail -n 40 "$RES/$name.log"
+  if [ "$kind" = json ]; then tail -n 15 "$log"; cat "$RES/$name.json"; else tail -n 40 "$log"; fi
   leftovers "$name"
   if [ -n "${OUT:-}" ]; then tar czf "$OUT/results.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"; fi
 }
-step_json() {  # step_json NAME SECONDS CMD...   (stdout -> NAME.json, stderr -> NAME.log)
-  local name=$1 secs=$2; shift 2
-  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
-  local var="LIMIT_$name"; secs=${!var:-$secs}
-  local t0=$(date +%s)
-  echo "=== $name (limit ${secs}s)"
-  OUT=$RES timeout -k 10 "$secs" "$@" > "$RES/$name.json" 2> "$RES/$name.log"
-  local rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - t0 ))s" | tee -a "$RES/summary.txt"
-  tail -n 15 "$RES/$name.log"
-  cat "$RES/$name.json"
-  leftovers "$name"
-  if [ -n "${OUT:-}" ]; then tar czf "$OUT/results.tgz" -C "$(dirname "$RES")" "$(basename "$RES")"; fi
-}
+step() { _run_step log "$@"; }       # step NAME SECONDS CMD...   (stdout + stderr -> NAME.log)
+step_json() { _run_step json "$@"; }  # stdout -> NAME.json, stderr -> NAME.log
 
 step nvidia_smi_topo 15 nvidia-smi topo -m
 step bench_allreduce 60 python3 benchmarks/bench_allreduce.py --world "$NGPU" --json "$RES/bench_allreduce.json"
