@@ -12,11 +12,13 @@ needs no kernel import; the kernel modules re-export them under their usual name
 
 Variant grammar (tokens after the kind, any order)::
 
-    gemv bn<block_n> s<split_k> w<num_warps> st<num_stages> [g<groups>] [pure]
+    gemv bn<block_n> s<split_k> w<num_warps> st<num_stages> [g<groups>] [h2 [pf]] [pure]
     mma  bn<block_n> s<split_k> w<num_warps> st<num_stages> [bk<block_k>] [pure]
     mmab [bm<block_m>] bn<block_n> bk<block_k> w<num_warps> st<num_stages> s<split_k> [pure]
 
-``pure`` selects the portable decoder (default: the PTX decoders, validated on the H200).
+``pure`` selects the portable decoder (default: the PTX decoders, validated on the H200);
+``h2`` the GEMV's packed-fp16 math (``nvfp4_gemv_packed``: two weights per instruction), ``pf``
+its K loop with register double buffering.
 ``mmab`` without ``bm`` takes the token tile from M (``block_m = 0``: 16 / 32 / 64 / 128).
 
 M buckets: a measured M stands for the token counts above the previous bucket, up to itself:
@@ -47,6 +49,8 @@ class GemvConfig:
     num_warps: int = 1
     num_stages: int = 1
     fast_dequant: bool | None = None  # None: nvfp4_gemv.GEMV_FAST
+    packed: bool = False  # fp16x2 math (nvfp4_gemv_packed), bf16 x only
+    prefetch: bool = False  # packed only: next step's loads before this step's math
 
 
 @dataclass(frozen=True)
@@ -84,31 +88,34 @@ M_BUCKETS = (1, 4, 8, 16, 64, 128, 512)
 # docs/bench_nvfp4.md). Entries marked "old default" are the previous heuristic's config where
 # it beat every variant the sweep reached before its deadline.
 PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
+    # M = 1 rows: fourth session (`sweep_gemv.py`, docs/bench_nvfp4.md): the GEMV with
+    # packed-fp16 math ("h2"), wide steps (g 32-64 words: a warp's lanes along K) and register
+    # double buffering ("pf") beats mmab on every shape; mmab keeps M >= 2.
     # H200 sweeps of 2026-11-29, second session (`sweep_nvfp4.py --mma-only`, docs/bench_nvfp4.md):
     # the standard-orientation MMA kernel ("mmab") wins every shape and M, the GEMV included.
     # Comments: µs per call in a CUDA graph (cuBLAS bf16 in the same run); before = old default
-    (9216, 7168, 1): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.5 (cuBLAS 43.23); before 34.19
+    (9216, 7168, 1): "gemv bn8 s1 w2 st1 g64 h2 pf",  # 15.23 (cuBLAS 43.97); mmab 29.59
     (9216, 7168, 4): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.68 (cuBLAS 43.89); before 52.04
     (9216, 7168, 8): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.51 (cuBLAS 44.32); before 92.85
     (9216, 7168, 16): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.35 (cuBLAS 43.97); before 88.88
     (9216, 7168, 64): "mmab bm64 bn128 bk128 w4 st3 s4",  # 51.93 (cuBLAS 39.49); before 317.73
     (9216, 7168, 128): "mmab bm128 bn128 bk128 w4 st4 s4",  # 82.11 (cuBLAS 40.98); before 94.5
     (9216, 7168, 512): "mmab bm128 bn64 bk128 w4 st4 s1",  # 256.55 (cuBLAS 91.36); before 278.41
-    (7168, 4608, 1): "mmab bm16 bn128 bk128 w4 st4 s8",  # 17.32 (cuBLAS 23.62); before 18.51
+    (7168, 4608, 1): "gemv bn8 s1 w2 st1 g64 h2 pf",  # 9.88 (cuBLAS 23.62); mmab 17.39
     (7168, 4608, 4): "mmab bm16 bn64 bk128 w4 st4 s4",  # 17.14 (cuBLAS 23.66); before 28.47
     (7168, 4608, 8): "mmab bm16 bn64 bk128 w4 st4 s4",  # 16.96 (cuBLAS 23.71); before 45.52
     (7168, 4608, 16): "mmab bm16 bn64 bk128 w4 st4 s4",  # 16.66 (cuBLAS 21.6); before 41.88
     (7168, 4608, 64): "mmab bm64 bn64 bk128 w4 st4 s4",  # 26.54 (cuBLAS 21.69); before 140.0
     (7168, 4608, 128): "mmab bm128 bn128 bk128 w8 st3 s4",  # 38.01 (cuBLAS 23.58); before 37.98
     (7168, 4608, 512): "mmab bm128 bn128 bk64 w4 st4 s2",  # 103.1 (cuBLAS 47.4); before 127.1
-    (1024, 7168, 1): "mmab bm16 bn64 bk128 w4 st4 s8",  # 8.88 (cuBLAS 9.33); before 11.42
+    (1024, 7168, 1): "gemv bn4 s4 w1 st1 g64 h2 pf",  # 5.91 (cuBLAS 9.4); mmab 9.01
     (1024, 7168, 4): "mmab bm16 bn64 bk128 w4 st4 s8",  # 8.93 (cuBLAS 9.37); before 21.26
     (1024, 7168, 8): "mmab bm16 bn64 bk128 w4 st4 s8",  # 8.92 (cuBLAS 9.44); before 23.83
     (1024, 7168, 16): "mmab bm16 bn64 bk128 w4 st4 s8",  # 9.09 (cuBLAS 9.53); before 28.77
     (1024, 7168, 64): "mmab bm64 bn64 bk128 w4 st4 s8",  # 11.02 (cuBLAS 10.11); before 159.36
     (1024, 7168, 128): "mmab bm128 bn64 bk128 w4 st4 s8",  # 13.16 (cuBLAS 10.68); before 14.15
     (1024, 7168, 512): "mmab bm128 bn128 bk64 w4 st4 s8",  # 28.53 (cuBLAS 15.28); before 36.56
-    (7168, 512, 1): "mmab bm16 bn64 bk128 w4 st4 s1",  # 5.0 (cuBLAS 4.79); before 6.69
+    (7168, 512, 1): "gemv bn4 s1 w1 st1 g32 h2 pf",  # 3.16 (cuBLAS 4.78); mmab 5.01
     (7168, 512, 4): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.66 (cuBLAS 4.77); before 9.66
     (7168, 512, 8): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.52 (cuBLAS 4.78); before 10.84
     (7168, 512, 16): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.47 (cuBLAS 4.84); before 13.83
@@ -145,6 +152,10 @@ def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig:
         hit = re.fullmatch(r"(bm|bn|bk|st|s|w|g)(\d+)", tok)
         if tok == "pure":
             kw["fast_dequant"] = False
+        elif tok == "h2" and kind == "gemv":
+            kw["packed"] = True
+        elif tok == "pf" and kind == "gemv":
+            kw["prefetch"] = True
         elif hit is None or hit[1] not in _KIND_TOKENS[kind]:
             raise ValueError(f"unsupported token {tok!r} in {kind} variant {name!r}")
         else:
@@ -152,7 +163,8 @@ def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig:
     for field, v in kw.items():
         if field == "block_m" and v not in (16, 32, 64, 128):
             raise ValueError(f"block_m = {v} in {name!r}: must be 16, 32, 64 or 128")
-        if field != "fast_dequant" and (v < 1 or (field in _POW2 and v & (v - 1))):
+        flag = field in ("fast_dequant", "packed", "prefetch")
+        if not flag and (v < 1 or (field in _POW2 and v & (v - 1))):
             raise ValueError(f"{field} = {v} in {name!r}: must be >= 1"
                              + (" and a power of two" if field in _POW2 else ""))
     if kind == "gemv":
@@ -172,6 +184,10 @@ def variant_name(cfg: GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig) -> str:
             f"st{cfg.num_stages}")
     if gemv and cfg.groups != 2:
         name += f" g{cfg.groups}"
+    if gemv and cfg.packed:
+        name += " h2"
+    if gemv and cfg.prefetch:
+        name += " pf"
     if not gemv:
         name += f" bk{cfg.block_k}"
     return name + pure

@@ -39,6 +39,12 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels.nvfp4_configs import GemvConfig, pinned_config
+from mla_spec.kernels.nvfp4_gemv_packed import (
+    PACKED_UNIT,
+    dot16_packed,
+    packed_prefetch_loop,
+    x_pairs,
+)
 
 __all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "GEMV_MAX_M", "GEMV_FAST"]
 
@@ -147,12 +153,48 @@ def block_dot16(wq, xs, xmask, MASKED: tl.constexpr, FAST: tl.constexpr):
     return p
 
 
+@triton.jit
+def block_x(xs, b, ok, MASKED: tl.constexpr, PACKED: tl.constexpr, FAST: tl.constexpr):
+    """The activations of step ``b`` (first 16-block index) as ``block_dot`` takes them: the
+    blocks' x pointers (fp32 path: ``xs`` points at element 0 of each block) or, ``PACKED``,
+    the packed pairs made once per thread from 4 int64 words per block (``xs`` int64)."""
+    if PACKED:
+        xw = xs + b * 4
+        if MASKED:
+            return x_pairs(tl.load(xw, mask=ok, other=0), tl.load(xw + 1, mask=ok, other=0),
+                           tl.load(xw + 2, mask=ok, other=0), tl.load(xw + 3, mask=ok, other=0),
+                           FAST)
+        else:
+            return x_pairs(tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3), FAST)
+    else:
+        return xs + b * 16
+
+
+@triton.jit
+def block_dot(wq, xv, ok, MASKED: tl.constexpr, PACKED: tl.constexpr, FAST: tl.constexpr):
+    """Per-block dot products of int64 weight words ``wq`` with ``block_x``'s activations, in
+    units of ``1 / dot_unit(PACKED)``."""
+    if PACKED:
+        return dot16_packed(wq, xv, FAST)
+    else:
+        return block_dot16(wq, xv, ok, MASKED, FAST)
+
+
+@triton.jit
+def dot_unit(PACKED: tl.constexpr):
+    """The factor that turns ``block_dot``'s sums into E2M1 * x sums."""
+    if PACKED:
+        return PACKED_UNIT
+    else:
+        return 16384.0
+
+
 @triton.jit(do_not_specialize=["M"])  # the token count follows the batch
 def _nvfp4_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, KB, SPLIT, stride_xm, stride_wn, stride_sn, stride_om,
     MP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN: tl.constexpr, FAST: tl.constexpr,
+    EVEN: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -164,25 +206,33 @@ def _nvfp4_gemv_kernel(
     toks = tl.minimum(offs_m, M - 1).to(tl.int64)
     w3 = w_ptr + rows[:, None, None] * stride_wn + offs_g[None, None, :]
     s3 = ws_ptr + rows[:, None, None] * stride_sn + offs_g[None, None, :]
-    x3 = x_ptr + toks[None, :, None] * stride_xm + (16 * offs_g)[None, None, :]
+    if PACKED:  # x as int64 words (4 bf16 each), 4 words per block
+        x3 = x_ptr + toks[None, :, None] * stride_xm + (4 * offs_g)[None, None, :]
+    else:
+        x3 = x_ptr + toks[None, :, None] * stride_xm + (16 * offs_g)[None, None, :]
     n_it = tl.cdiv(KB, G)
     per = tl.cdiv(n_it, SPLIT)
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_it)
     acc = tl.zeros((BN, MP, G), dtype=tl.float32)
-    for it in range(it0, it1):
-        b = it * G
-        if EVEN:
-            wq = tl.load(w3 + b)
-            sc = tl.load(s3 + b).to(tl.float32)
-            p = block_dot16(wq, x3 + b * 16, None, False, FAST)
-        else:
-            ok = (b + offs_g < KB)[None, None, :]
-            wq = tl.load(w3 + b, mask=ok, other=0)
-            sc = tl.load(s3 + b, mask=ok, other=0.0).to(tl.float32)
-            p = block_dot16(wq, x3 + b * 16, ok, True, FAST)
-        acc += p * sc
-    res = tl.sum(acc, axis=2) * (tl.load(ws2_ptr) * 16384.0)  # [BN, MP]
+    if PREFETCH:  # packed only
+        acc = packed_prefetch_loop(w3, s3, x3, it0, it1, KB, offs_g[None, None, :], acc, G,
+                                   FAST)
+    else:
+        for it in range(it0, it1):
+            b = it * G
+            if EVEN:
+                wq = tl.load(w3 + b)
+                sc = tl.load(s3 + b).to(tl.float32)
+                p = block_dot(wq, block_x(x3, b, None, False, PACKED, FAST), None, False, PACKED,
+                              FAST)
+            else:
+                ok = (b + offs_g < KB)[None, None, :]
+                wq = tl.load(w3 + b, mask=ok, other=0)
+                sc = tl.load(s3 + b, mask=ok, other=0.0).to(tl.float32)
+                p = block_dot(wq, block_x(x3, b, ok, True, PACKED, FAST), ok, True, PACKED, FAST)
+            acc += p * sc
+    res = tl.sum(acc, axis=2) * (tl.load(ws2_ptr) * dot_unit(PACKED))  # [BN, MP]
     omask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     optr = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     if not SPLIT_K:
@@ -250,6 +300,9 @@ def nvfp4_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     kb = k // 16
     w64 = weight.view(torch.int64) if weight.stride(0) % 8 == 0 and weight.stride(1) == 1 \
         else weight.contiguous().view(torch.int64)
+    fast = (GEMV_FAST if config.fast_dequant is None else config.fast_dequant) and not interpret
+    packed = config.packed and packed_ok(x2, fast)
+    xk = x2.view(torch.int64) if packed else x2  # 4 bf16 per word
     mp = mp_for(m)
     g = min(config.groups, triton.next_power_of_2(kb))
     split = max(1, min(config.split_k, triton.cdiv(kb, g)))
@@ -260,10 +313,19 @@ def nvfp4_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     else:
         part = cnt = out
     _nvfp4_gemv_kernel[grid](
-        x2, w64, weight_scale, weight_scale_2, out, part, cnt,
-        m, n, kb, split, x2.stride(0), w64.stride(0), weight_scale.stride(0), out.stride(0),
-        MP=mp, BN=config.block_n, G=g, SPLIT_K=split > 1, EVEN=kb % g == 0,
-        FAST=(GEMV_FAST if config.fast_dequant is None else config.fast_dequant)
-        and not interpret, num_warps=config.num_warps,
+        xk, w64, weight_scale, weight_scale_2, out, part, cnt,
+        m, n, kb, split, xk.stride(0), w64.stride(0), weight_scale.stride(0), out.stride(0),
+        MP=mp, BN=config.block_n, G=g, SPLIT_K=split > 1, EVEN=kb % g == 0, FAST=fast,
+        PACKED=packed, PREFETCH=packed and config.prefetch, num_warps=config.num_warps,
         num_stages=config.num_stages)
     return out
+
+
+def packed_ok(x2: torch.Tensor, fast: bool) -> bool:
+    """Whether the packed-fp16 path (``GemvConfig(packed=True)``) can read ``x2``: bf16 rows of
+    whole int64 words, and for the PTX version an sm_89+ GPU (``cvt.rn.f16x2.e4m3x2``).
+    Otherwise the fp32 path runs (same result within the packed path's fp16 rounding)."""
+    if x2.dtype != torch.bfloat16 or x2.stride(1) != 1 or x2.stride(0) % 4 \
+            or x2.data_ptr() % 8:
+        return False
+    return not fast or (x2.is_cuda and torch.cuda.get_device_capability(x2.device) >= (8, 9))

@@ -25,9 +25,19 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.nvfp4_gemv import _counters, block_dot16
+from mla_spec.kernels.nvfp4_gemv import _counters, block_dot, block_x, dot_unit, packed_ok
+from mla_spec.kernels.nvfp4_gemv_packed import dot16_packed, load_w, load_xw, step_mask, x_pairs
 
-__all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES"]
+__all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES", "MOE_GEMV_PACKED",
+           "MOE_GEMV_PREFETCH"]
+
+# Packed-fp16 dot products (nvfp4_gemv_packed) for bf16 activations: with the wide tiles below
+# they won at 1 and 4 tokens on the H200 (fp32 math with the same tiles: slower, its x loads
+# are per row). fp16 x and fp32 x keep the fp32 math.
+MOE_GEMV_PACKED = True
+# The packed K loop with register double buffering (won 20.3 -> 15.2 µs on the dense gate/up
+# GEMV at 1 token); off until the MoE sweep measures it.
+MOE_GEMV_PREFETCH = False
 
 # tokens; above, the sorted (moe_align) path reads each expert once. H200, 256 experts top-8:
 # this path 58 / 208 / 1100 µs at M = 1 / 4 / 16 (1.86x / 2.0x / 1.27x the bf16 GEMMs); the
@@ -35,13 +45,17 @@ __all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES"]
 MOE_GEMV_MAX_M = 4  # H200: 123 µs at 4 tokens vs 203 for sorted "mmab", which is 2.6x faster at 16
 
 # Tiles per token count (bucket: the smallest key >= M): (block_n, num_warps) of the w13 launch,
-# (block_n2, num_warps2) of the w2 launch, g words per step. benchmarks/sweep_moe_gemv.py on the
-# H200 (2026-11-29, 256 experts top-8, K 7168, I 512): 1 token 59.0 -> 40.8 µs, 2 tokens
-# 100.4 -> 69.6, 4 tokens 202.7 -> 123.1 (2.65x / 3.14x / 3.35x the bf16 cuBLAS GEMMs).
+# (block_n2, num_warps2) of the w2 launch, g words per step. H200 sweeps (256 experts top-8,
+# K 7168, I 512), µs per MoE call in a CUDA graph:
+# - third session (benchmarks/sweep_moe_gemv.py, fp32 math, g 2-4: lanes across rows):
+#   1 token 59.0 -> 40.8, 2 tokens 100.4 -> 69.6, 4 tokens 202.7 -> 123.1;
+# - fourth session (benchmarks/sweep_gemv.py --moe, packed math, g 16: lanes along K, each warp
+#   streaming 256 contiguous bytes of a row): 1 token 40.6 -> 34.7 (3.12x the bf16 cuBLAS
+#   GEMMs), 4 tokens 123.5 -> 100.7 (4.14x). 2 tokens takes the same tile (not measured alone).
 MOE_GEMV_TILES: dict[int, tuple[int, int, int, int, int]] = {
-    1: (256, 4, 16, 1, 4),
-    2: (64, 1, 128, 2, 4),
-    4: (64, 1, 128, 2, 4),
+    1: (16, 4, 16, 4, 16),
+    2: (16, 4, 16, 4, 16),
+    4: (16, 4, 16, 4, 16),
 }
 
 
@@ -61,13 +75,40 @@ def moe_gemv_tiles(m: int, block_n: int | None = None, num_warps: int | None = N
             t[3] if num_warps2 is None else num_warps2, t[4] if g is None else g)
 
 
+@triton.jit
+def _prefetch_loop(wrow, srow, xb, up_w, up_s, it0, it1, KB, goffs, acc, acc_u,
+                   GATED: tl.constexpr, G: tl.constexpr, FAST: tl.constexpr):
+    """The packed K loop with the next step's loads (gate, up and x words) issued before this
+    step's math, as ``nvfp4_gemv_packed.packed_prefetch_loop``; ``up_w`` / ``up_s``: the
+    offsets of the up rows (GATED)."""
+    ok = step_mask(it0, it1, KB, goffs, G)
+    wq, sc = load_w(wrow, srow, it0 * G, ok)
+    wu, su = wq, sc
+    if GATED:
+        wu, su = load_w(wrow + up_w, srow + up_s, it0 * G, ok)
+    xa, xb_, xc, xd = load_xw(xb, it0 * G, ok)
+    for it in range(it0, it1):
+        ok = step_mask(it + 1, it1, KB, goffs, G)
+        nwq, nsc = load_w(wrow, srow, (it + 1) * G, ok)
+        nwu, nsu = nwq, nsc
+        if GATED:
+            nwu, nsu = load_w(wrow + up_w, srow + up_s, (it + 1) * G, ok)
+        nxa, nxb, nxc, nxd = load_xw(xb, (it + 1) * G, ok)
+        xp = x_pairs(xa, xb_, xc, xd, FAST)
+        acc += dot16_packed(wq, xp, FAST) * sc
+        if GATED:
+            acc_u += dot16_packed(wu, xp, FAST) * su
+        wq, sc, wu, su, xa, xb_, xc, xd = nwq, nsc, nwu, nsu, nxa, nxb, nxc, nxd
+    return acc, acc_u
+
+
 @triton.jit(do_not_specialize=["R"])  # token x top-k rows follow the batch
 def _moe_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, tw_ptr,
     N, KB, E, TOPK, R, SPLIT,
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_s2e, stride_s2h, stride_om,
     GATED: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN: tl.constexpr, FAST: tl.constexpr,
+    EVEN: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -89,7 +130,10 @@ def _moe_gemv_kernel(
     rows = tl.minimum(offs_n, N - 1).to(tl.int64)
     wrow = w_ptr + e64 * stride_we + rows[:, None] * stride_wn + offs_g[None, :]
     srow = ws_ptr + e64 * stride_se + rows[:, None] * stride_sn + offs_g[None, :]
-    xb = x_ptr + xrow.to(tl.int64) * stride_xm + (16 * offs_g)[None, :]
+    if PACKED:  # int64 words of 4 bf16
+        xb = x_ptr + xrow.to(tl.int64) * stride_xm + (4 * offs_g)[None, :]
+    else:
+        xb = x_ptr + xrow.to(tl.int64) * stride_xm + (16 * offs_g)[None, :]
     n_it = tl.cdiv(KB, G)
     if GATED:
         per = tl.cdiv(n_it, SPLIT)
@@ -100,29 +144,35 @@ def _moe_gemv_kernel(
         it1 = tl.where(valid, n_it, 0)
     acc = tl.zeros((BN, G), dtype=tl.float32)
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
-    for it in range(it0, it1):
-        b = it * G
-        if EVEN:
-            wq = tl.load(wrow + b)
-            sc = tl.load(srow + b).to(tl.float32)
-            acc += block_dot16(wq, xb + b * 16, None, False, FAST) * sc
-            if GATED:
-                wq = tl.load(wrow + N * stride_wn + b)
-                sc = tl.load(srow + N * stride_sn + b).to(tl.float32)
-                acc_u += block_dot16(wq, xb + b * 16, None, False, FAST) * sc
-        else:
-            ok = (b + offs_g < KB)[None, :]
-            wq = tl.load(wrow + b, mask=ok, other=0)
-            sc = tl.load(srow + b, mask=ok, other=0.0).to(tl.float32)
-            acc += block_dot16(wq, xb + b * 16, ok, True, FAST) * sc
-            if GATED:
-                wq = tl.load(wrow + N * stride_wn + b, mask=ok, other=0)
-                sc = tl.load(srow + N * stride_sn + b, mask=ok, other=0.0).to(tl.float32)
-                acc_u += block_dot16(wq, xb + b * 16, ok, True, FAST) * sc
+    if PREFETCH:  # packed only
+        acc, acc_u = _prefetch_loop(wrow, srow, xb, N * stride_wn, N * stride_sn, it0, it1, KB,
+                                    offs_g[None, :], acc, acc_u, GATED, G, FAST)
+    else:
+        for it in range(it0, it1):
+            b = it * G
+            if EVEN:
+                xv = block_x(xb, b, None, False, PACKED, FAST)
+                wq = tl.load(wrow + b)
+                sc = tl.load(srow + b).to(tl.float32)
+                acc += block_dot(wq, xv, None, False, PACKED, FAST) * sc
+                if GATED:
+                    wq = tl.load(wrow + N * stride_wn + b)
+                    sc = tl.load(srow + N * stride_sn + b).to(tl.float32)
+                    acc_u += block_dot(wq, xv, None, False, PACKED, FAST) * sc
+            else:
+                ok = (b + offs_g < KB)[None, :]
+                xv = block_x(xb, b, ok, True, PACKED, FAST)
+                wq = tl.load(wrow + b, mask=ok, other=0)
+                sc = tl.load(srow + b, mask=ok, other=0.0).to(tl.float32)
+                acc += block_dot(wq, xv, ok, True, PACKED, FAST) * sc
+                if GATED:
+                    wq = tl.load(wrow + N * stride_wn + b, mask=ok, other=0)
+                    sc = tl.load(srow + N * stride_sn + b, mask=ok, other=0.0).to(tl.float32)
+                    acc_u += block_dot(wq, xv, ok, True, PACKED, FAST) * sc
     s2 = ws2_ptr + e64 * stride_s2e
-    res = tl.sum(acc, axis=1) * (tl.load(s2) * 16384.0)
+    res = tl.sum(acc, axis=1) * (tl.load(s2) * dot_unit(PACKED))
     if GATED:
-        res_u = tl.sum(acc_u, axis=1) * (tl.load(s2 + stride_s2h) * 16384.0)
+        res_u = tl.sum(acc_u, axis=1) * (tl.load(s2 + stride_s2h) * dot_unit(PACKED))
         prow = 2 * N
     else:
         res = res * tl.load(tw_ptr + pair).to(tl.float32)
@@ -165,13 +215,16 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
              s13: tuple[torch.Tensor, int, int], s2: tuple[torch.Tensor, int, int],
              act_dtype: torch.dtype, block_n: int = 128, split13: int | None = None,
              num_warps: int = 1, fast: bool = True, block_n2: int | None = None,
-             num_warps2: int | None = None, g: int = 2) -> torch.Tensor:
+             num_warps2: int | None = None, g: int = 2, packed: bool | None = None,
+             prefetch: bool | None = None) -> torch.Tensor:
     """Routed experts without sorting (see the module docstring). ``ids`` / ``tw`` flat
     ``[M * topk]`` int32 / fp32; ``s13`` / ``s2``: (scale_2, stride per expert, gate/up).
 
     ``block_n`` / ``num_warps``: rows and warps per program of the w13 launch; ``block_n2`` /
     ``num_warps2`` of the w2 launch (default: the same); ``g``: 16-element blocks (int64 words)
-    per row per loop step, both launches."""
+    per row per loop step, both launches; ``packed``: the packed-fp16 math of
+    ``nvfp4_gemv_packed`` where ``packed_ok`` (None: ``MOE_GEMV_PACKED``); ``prefetch``: its
+    double-buffered K loop (None: ``MOE_GEMV_PREFETCH``)."""
     block_n2 = block_n if block_n2 is None else block_n2
     num_warps2 = num_warps if num_warps2 is None else num_warps2
     m, k = x.shape
@@ -194,16 +247,21 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
                          device=dev)
     part2 = torch.empty((topk, m, k) if topk > 1 else (1,), dtype=torch.float32, device=dev)
     cnt = _counters(dev, max(tiles13 * p, triton.cdiv(k, block_n2) * m))
+    packed = MOE_GEMV_PACKED if packed is None else packed
+    prefetch = MOE_GEMV_PREFETCH if prefetch is None else prefetch
+    pk13, pk2 = packed and packed_ok(x, fast), packed and packed_ok(act, fast)
+    x13 = x.view(torch.int64) if pk13 else x
+    a2 = act.view(torch.int64) if pk2 else act
     _moe_gemv_kernel[(tiles13, split13, p)](
-        x, w13w, w13.weight_scale, s13[0], act, part13, cnt, ids, tw,
-        inter, kb13, e, topk, p, split13, x.stride(0), w13w.stride(0), w13w.stride(1),
+        x13, w13w, w13.weight_scale, s13[0], act, part13, cnt, ids, tw,
+        inter, kb13, e, topk, p, split13, x13.stride(0), w13w.stride(0), w13w.stride(1),
         w13.weight_scale.stride(0), w13.weight_scale.stride(1), s13[1], s13[2], act.stride(0),
         GATED=True, BN=bn13, G=g, SPLIT_K=split13 > 1, EVEN=kb13 % g == 0, FAST=fast,
-        num_warps=num_warps)
+        PACKED=pk13, PREFETCH=pk13 and prefetch, num_warps=num_warps)
     _moe_gemv_kernel[(triton.cdiv(k, block_n2), topk, m)](
-        act, w2w, w2.weight_scale, s2[0], out, part2, cnt, ids, tw,
-        k, kb2, e, topk, m, topk, act.stride(0), w2w.stride(0), w2w.stride(1),
+        a2, w2w, w2.weight_scale, s2[0], out, part2, cnt, ids, tw,
+        k, kb2, e, topk, m, topk, a2.stride(0), w2w.stride(0), w2w.stride(1),
         w2.weight_scale.stride(0), w2.weight_scale.stride(1), s2[1], 0, out.stride(0),
         GATED=False, BN=block_n2, G=g, SPLIT_K=topk > 1, EVEN=kb2 % g == 0, FAST=fast,
-        num_warps=num_warps2)
+        PACKED=pk2, PREFETCH=pk2 and prefetch, num_warps=num_warps2)
     return out

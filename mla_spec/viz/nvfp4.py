@@ -102,38 +102,40 @@ def gemm_speed_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
-# Measured by `benchmarks/sweep_nvfp4.py --mma-only` on an H200 (2026-11-29, second session;
+# M = 1 rows: `benchmarks/sweep_gemv.py` on an H200 (2026-11-29, fourth session): the packed,
+# wide, double-buffered GEMV now pinned; default_us = the mmab pin it replaced, same day.
+# Other rows: `benchmarks/sweep_nvfp4.py --mma-only` on an H200 (2026-11-29, second session;
 # torch 2.11, triton 3.6, PTX decoders; docs/bench_nvfp4.md): µs per call inside a CUDA graph,
 # weights rotated past L2. ours_us: the config now pinned (nvfp4_configs.PINNED_CONFIGS, the
 # standard-orientation "mmab" kernel everywhere); default_us: the previous default (GEMV / swap-AB
 # MMA pins of the first session); bf16_us: cuBLAS bf16 in the same run.
 RECORDED_H200 = [
-    dict(shape='dense_gate_up_tp4', m=1, ours_us=29.5, default_us=34.19,
-         bf16_us=43.23, speedup_vs_bf16=1.47, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
+    dict(shape='dense_gate_up_tp4', m=1, ours_us=15.23, default_us=29.59,
+         bf16_us=43.97, speedup_vs_bf16=2.89, pinned='gemv bn8 s1 w2 st1 g64 h2 pf'),
     dict(shape='dense_gate_up_tp4', m=4, ours_us=29.68, default_us=52.04,
          bf16_us=43.89, speedup_vs_bf16=1.48, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
     dict(shape='dense_gate_up_tp4', m=16, ours_us=29.35, default_us=88.88,
          bf16_us=43.97, speedup_vs_bf16=1.5, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
     dict(shape='dense_gate_up_tp4', m=64, ours_us=51.93, default_us=317.73,
          bf16_us=39.49, speedup_vs_bf16=0.76, pinned='mmab bm64 bn128 bk128 w4 st3 s4'),
-    dict(shape='dense_down_tp4', m=1, ours_us=17.32, default_us=18.51,
-         bf16_us=23.62, speedup_vs_bf16=1.36, pinned='mmab bm16 bn128 bk128 w4 st4 s8'),
+    dict(shape='dense_down_tp4', m=1, ours_us=9.88, default_us=17.39,
+         bf16_us=23.62, speedup_vs_bf16=2.39, pinned='gemv bn8 s1 w2 st1 g64 h2 pf'),
     dict(shape='dense_down_tp4', m=4, ours_us=17.14, default_us=28.47,
          bf16_us=23.66, speedup_vs_bf16=1.38, pinned='mmab bm16 bn64 bk128 w4 st4 s4'),
     dict(shape='dense_down_tp4', m=16, ours_us=16.66, default_us=41.88,
          bf16_us=21.6, speedup_vs_bf16=1.3, pinned='mmab bm16 bn64 bk128 w4 st4 s4'),
     dict(shape='dense_down_tp4', m=64, ours_us=26.54, default_us=140.0,
          bf16_us=21.69, speedup_vs_bf16=0.82, pinned='mmab bm64 bn64 bk128 w4 st4 s4'),
-    dict(shape='expert_w13_tp4', m=1, ours_us=8.88, default_us=11.42,
-         bf16_us=9.33, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
+    dict(shape='expert_w13_tp4', m=1, ours_us=5.91, default_us=9.01,
+         bf16_us=9.4, speedup_vs_bf16=1.59, pinned='gemv bn4 s4 w1 st1 g64 h2 pf'),
     dict(shape='expert_w13_tp4', m=4, ours_us=8.93, default_us=21.26,
          bf16_us=9.37, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
     dict(shape='expert_w13_tp4', m=16, ours_us=9.09, default_us=28.77,
          bf16_us=9.53, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
     dict(shape='expert_w13_tp4', m=64, ours_us=11.02, default_us=159.36,
          bf16_us=10.11, speedup_vs_bf16=0.92, pinned='mmab bm64 bn64 bk128 w4 st4 s8'),
-    dict(shape='expert_w2_tp4', m=1, ours_us=5.0, default_us=6.69,
-         bf16_us=4.79, speedup_vs_bf16=0.96, pinned='mmab bm16 bn64 bk128 w4 st4 s1'),
+    dict(shape='expert_w2_tp4', m=1, ours_us=3.16, default_us=5.01,
+         bf16_us=4.78, speedup_vs_bf16=1.51, pinned='gemv bn4 s1 w1 st1 g32 h2 pf'),
     dict(shape='expert_w2_tp4', m=4, ours_us=4.66, default_us=9.66,
          bf16_us=4.77, speedup_vs_bf16=1.02, pinned='mmab bm16 bn64 bk128 w4 st4 s1'),
     dict(shape='expert_w2_tp4', m=16, ours_us=4.47, default_us=13.83,

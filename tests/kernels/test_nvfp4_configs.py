@@ -83,15 +83,16 @@ def test_m_buckets():
 
 def test_defaults_pick_the_table_for_listed_shapes():
     gate_up, down, w13, w2 = (9216, 7168), (7168, 4608), (1024, 7168), (7168, 512)
-    # the H200 sweep pinned the standard-orientation MMA kernel at every M, M = 1 included
-    assert auto_config(1, *gate_up) == parse_variant("mmab bm16 bn128 bk256 w4 st3 s4")
+    # M = 1: the packed-math GEMV with wide steps (fourth session); above: the MMA kernel
+    assert auto_config(1, *gate_up) == parse_variant("gemv bn8 s1 w2 st1 g64 h2 pf")
+    assert auto_config(1, *w2).packed and auto_config(1, *w2).groups == 32
     assert auto_config(3, *down) == parse_variant("mmab bm16 bn64 bk128 w4 st4 s4")  # bucket 4
     assert auto_config(40, *down) == parse_variant("mmab bm64 bn64 bk128 w4 st4 s4")
     assert auto_config(12, *w13) == parse_variant("mmab bm16 bn64 bk128 w4 st4 s8")
     assert auto_config(64, *w2) == parse_variant("mmab bm64 bn64 bk128 w4 st4 s1")
     assert auto_config(300, *gate_up) == parse_variant("mmab bm128 bn64 bk128 w4 st4 s1")
-    # no GEMV pin left: the GEMV's own default is its heuristic
     assert isinstance(default_gemv_config(1, *down), GemvConfig)
+    assert isinstance(default_gemv_config(4, *down), GemvConfig)  # mmab pin: the heuristic
     # an "mmab" entry is not a swap-AB config: that kernel's default falls back to its heuristic
     assert isinstance(default_gemm_config(1, *gate_up), NVFP4GemmConfig)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mla_spec.device import use_triton
+from mla_spec.kernels.nvfp4_configs import parse_variant, variant_name
 from mla_spec.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemm_ref
 from mla_spec.kernels.nvfp4_gemv import _COUNTERS, GemvConfig, default_gemv_config
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref
@@ -39,8 +40,53 @@ def test_gemv_matches_twin(m, n, k, tile, device):
         assert int(_COUNTERS[x.device].abs().sum()) == 0
 
 
+@needs_triton
+@pytest.mark.parametrize("m,n,k,tile", CASES)
+def test_packed_gemv_matches_twin(m, n, k, tile, device):
+    """The packed-fp16 path (``h2``): its indexing (x as int64 words) on CPU through the
+    portable twin; on a GPU the PTX version, within fp16 rounding of the block sums."""
+    q = quantize_nvfp4(torch.randn(n, k, device=device) * 0.05)
+    x = torch.randn(m, k, device=device).to(torch.bfloat16)
+    ref = nvfp4_gemm_ref(x, q.weight, q.weight_scale, q.weight_scale_2, torch.float32)
+    tol = 2e-3 if x.is_cuda else 1e-4
+    for prefetch in (False, True):
+        cfg = GemvConfig(*tile, packed=True, prefetch=prefetch)
+        y = nvfp4_gemm(x, q.weight, q.weight_scale, q.weight_scale_2, torch.float32, cfg)
+        torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
+    xs = torch.randn(m, k + 4, device=device).to(torch.bfloat16)[:, 1:k + 1]  # not word-aligned
+    y2 = nvfp4_gemm(xs, q.weight, q.weight_scale, q.weight_scale_2, torch.float32, cfg)
+    ref2 = nvfp4_gemm_ref(xs, q.weight, q.weight_scale, q.weight_scale_2, torch.float32)
+    torch.testing.assert_close(y2, ref2, rtol=1e-4, atol=1e-4 * ref2.abs().max().item())
+
+
+def test_packed_variant_name_round_trips():
+    cfg = parse_variant("gemv bn128 s4 w1 st1 g4 h2 pf")
+    assert cfg.packed and cfg.prefetch and cfg.groups == 4
+    assert variant_name(cfg) == "gemv bn128 s4 w1 st1 g4 h2 pf"
+    with pytest.raises(ValueError, match="unsupported token"):
+        parse_variant("mmab bn64 bk128 w4 st4 s1 h2")
+
+
+def _e4m3_pair_bytes(w: int) -> tuple[int, int]:
+    """Python model of the packed decoder: e4m3 bytes L (even elements), H (odd elements)."""
+    lo = ((w << 2) & 0x1C1C1C1C) | ((w << 4) & 0x80808080)
+    hi = ((w >> 2) & 0x1C1C1C1C) | (w & 0x80808080)
+    return lo & 0xFFFFFFFF, hi
+
+
+def test_packed_decoder_bytes_are_e2m1_times_2_pow_minus_6():
+    vals = E2M1_VALUES.tolist()
+    for lo_code in range(16):
+        for hi_code in range(16):
+            byte = lo_code | (hi_code << 4)
+            w = byte | (0x5A5A5A << 8)  # other bytes: noise
+            lb, hb = _e4m3_pair_bytes(w)
+            e = torch.tensor([lb & 0xFF, hb & 0xFF], dtype=torch.uint8).view(torch.float8_e4m3fn)
+            assert (e.float() * 64).tolist() == [vals[lo_code], vals[hi_code]]
+
+
 def test_default_gemv_config_spreads_work():
-    cfg = default_gemv_config(1, 1024, 7168)
+    cfg = default_gemv_config(1, 1536, 7168)  # unpinned: the heuristic
     assert cfg.split_k > 1 and cfg.block_n >= 16
     assert default_gemv_config(4, 9216, 7168).split_k >= 1
 
@@ -82,6 +128,10 @@ def _experts(e, k, inter, device):
     (1, 2, None, {}), (3, 3, 2, {}), (2, 1, 1, {}),
     (1, 3, None, dict(gemv_g=4, gemv_block_n2=32, gemv_warps2=2)),  # g 4: K/16 = 3, masked
     (2, 2, 2, dict(gemv_block_n2=16, gemv_warps=2)),
+    (1, 2, None, dict(gemv_packed=True)),  # packed-fp16 dot products, both launches
+    (3, 3, 2, dict(gemv_packed=True, gemv_g=4, gemv_block_n2=32)),
+    (2, 2, 2, dict(gemv_packed=True, gemv_prefetch=True, gemv_g=2, gemv_block_n2=16)),
+    (1, 3, None, dict(gemv_packed=True, gemv_prefetch=True, gemv_g=4)),  # K/16 = 3: masked
 ])
 def test_moe_gemv_matches_twin(m, topk, split, tiles, device):
     e, k, inter = 4, 48, 32

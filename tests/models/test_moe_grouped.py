@@ -96,8 +96,9 @@ def test_stale_stack_falls_back(monkeypatch):
         torch.testing.assert_close(moe(x), ref)  # the loop ran: still right
 
 
-def test_off_by_default_and_refusals():
-    assert moe_mod.GROUPED_BF16_EXPERTS is False
+def test_on_by_default_and_refusals(monkeypatch):
+    assert moe_mod.GROUPED_BF16_EXPERTS is True
+    monkeypatch.setattr(moe_mod, "GROUPED_BF16_EXPERTS", False)
     assert DeepseekV3MoE(CFG)._dense is None  # nothing stacked unless asked at build time
     w13 = torch.zeros(2, 16, 8)
     assert grouped_supported(torch.zeros(1, 8), w13) is None
@@ -129,4 +130,5 @@ def test_grouped_cuda_bf16_matches_loop(monkeypatch, n_tokens):
             static = moe(x)
         graph.replay()
     torch.testing.assert_close(out.float(), ref.float(), rtol=3e-2, atol=3e-2)
-    torch.testing.assert_close(static, out)
+    # the replay may sum a token's experts in another order than the eager call: bf16 ulps
+    torch.testing.assert_close(static.float(), out.float(), rtol=2e-2, atol=1e-2)

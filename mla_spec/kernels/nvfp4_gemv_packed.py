@@ -1,0 +1,220 @@
+"""Packed-fp16 block dot products for the NVFP4 GEMV (``GemvConfig(packed=True)``, "h2").
+
+The fp32 GEMV (``nvfp4_gemv.block_dot16``) spends about four instructions per weight: decode a
+pair into fp16 bits, two ``cvt.f32.f16`` and two fp32 FMAs. That is the H200's whole issue budget
+at HBM speed (~4 instructions per weight), so the GEMV streams ~1.3 TB/s. The packed path does
+two weights per instruction instead:
+
+- **Decode through e4m3.** A byte holds codes ``s e1 e0 m`` (low nibble, even element) and the
+  odd element's code in the high nibble. Moving a code's sign to bit 7 and ``e1 e0 m`` to bits
+  4..2 gives an e4m3 byte equal to ``E2M1 * 2**-6`` exactly (zero and the subnormal 0.5
+  included: e4m3's bias is 7, E2M1's is 1). For a 32-bit word of 8 codes, ``L = (w << 2) &
+  0x1C1C1C1C | (w << 4) & 0x80808080`` holds elements 0, 2, 4, 6 and ``H = (w >> 2) &
+  0x1C1C1C1C | w & 0x80808080`` elements 1, 3, 5, 7; one ``cvt.rn.f16x2.e4m3x2`` (sm_89+) turns
+  two of those bytes into an fp16x2 pair: (0, 2), (4, 6), (1, 3), (5, 7).
+- **Activations in fp16x2, in the same pair order.** ``x`` (bf16) is read as int64 words, 4
+  values each; a pair such as (x0, x2) is two bf16 halves moved into fp32 position and one
+  ``cvt.rn.f16x2.f32``. This is done once per thread for all the weight rows it owns.
+- **fp16 FMAs within a 16-block, fp32 across blocks.** 8 ``fma.rn.f16x2`` per block and token,
+  then the two lanes are summed in fp32 and the block scale applied in fp32 by the kernel.
+
+Precision and range (why this is opt-in, chosen per shape by the sweep): products are exact in
+fp16 (2 x 8 significant bits), the 16-term block sums round to fp16 (relative ~2**-11 of the
+block's largest partial sum), and activations must fit fp16: ``|x| < 65504``, with full
+relative precision for ``|x| >~ 2**-8`` (smaller values lose bits to fp16 subnormals, which
+matters only if a whole block of x is that small). Measured against the fp32 twin on the H200:
+``tests/kernels/test_nvfp4_gemv.py``.
+
+Every helper has a portable twin (``*_pure``: the same words and pair order in fp32 math) that
+the interpreter runs, so the packed kernel's indexing is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["x_pairs", "dot16_packed", "packed_prefetch_loop", "step_mask", "load_w", "load_xw",
+           "PACKED_UNIT"]
+
+# The packed block sums are in units of 2**-6 (E2M1 * 2**-6 weights); the kernel multiplies by
+# this once at the end.
+PACKED_UNIT = tl.constexpr(64.0)
+
+
+def _xconv_asm() -> str:
+    """4 int64 words of bf16 x (16 values) -> 8 fp16x2 pairs, per 8-group: (0,2) (4,6) (1,3)
+    (5,7)."""
+    body = ["{", ".reg .b32 a0, a1, b0, b1, lo, hi;"]
+    out = 0
+    for grp in range(2):
+        # group grp: x[8grp .. 8grp+3] in word $(8 + 2 grp), x[8grp+4 ..] in $(9 + 2 grp)
+        body.append(f"mov.b64 {{a0, a1}}, ${8 + 2 * grp}; mov.b64 {{b0, b1}}, ${9 + 2 * grp};")
+        # a0 = (x0, x1), a1 = (x2, x3), b0 = (x4, x5), b1 = (x6, x7)
+        for src0, src1, odd in (("a0", "a1", False), ("b0", "b1", False),
+                                ("a0", "a1", True), ("b0", "b1", True)):
+            if odd:
+                body.append(f"and.b32 lo, {src0}, 0xFFFF0000; and.b32 hi, {src1}, 0xFFFF0000;")
+            else:
+                body.append(f"shl.b32 lo, {src0}, 16; shl.b32 hi, {src1}, 16;")
+            body.append(f"cvt.rn.f16x2.f32 ${out}, hi, lo;")
+            out += 1
+    body.append("}")
+    return "\n".join(body)
+
+
+def _dot_asm() -> str:
+    """int64 word of 16 codes ($9) . 8 fp16x2 x pairs ($1..$8) -> fp32 bits ($0), units 2**-6."""
+    body = ["{", ".reg .b32 w0, w1, t, u, L, H, p, acc;", ".reg .b16 c0, c1;",
+            ".reg .f32 f0, f1;", "mov.b64 {w0, w1}, $9;"]
+    first = True
+    for grp, w in enumerate(("w0", "w1")):
+        body.append(f"shl.b32 t, {w}, 2; and.b32 t, t, 0x1C1C1C1C; shl.b32 u, {w}, 4; "
+                    f"and.b32 u, u, 0x80808080; or.b32 L, t, u;")
+        body.append(f"shr.u32 t, {w}, 2; and.b32 t, t, 0x1C1C1C1C; and.b32 u, {w}, 0x80808080; "
+                    f"or.b32 H, t, u;")
+        for k, (reg, half) in enumerate((("L", 0), ("L", 1), ("H", 0), ("H", 1))):
+            xr = 1 + 4 * grp + k
+            if half == 0:
+                body.append(f"mov.b32 {{c0, c1}}, {reg};")
+            body.append(f"cvt.rn.f16x2.e4m3x2 p, c{half};")
+            if first:
+                body.append(f"mul.rn.f16x2 acc, p, ${xr};")
+                first = False
+            else:
+                body.append(f"fma.rn.f16x2 acc, p, ${xr}, acc;")
+    body += ["mov.b32 {c0, c1}, acc;", "cvt.f32.f16 f0, c0;", "cvt.f32.f16 f1, c1;",
+             "add.f32 f0, f0, f1;", "mov.b32 $0, f0;", "}"]
+    return "\n".join(body)
+
+
+_XCONV = tl.constexpr(_xconv_asm())
+_DOT = tl.constexpr(_dot_asm())
+
+
+@triton.jit
+def _x_pairs_asm(xa, xb, xc, xd):
+    return tl.inline_asm_elementwise(
+        _XCONV, "=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,l", [xa, xb, xc, xd],
+        dtype=(tl.int32,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def _bf16_lo(w32):
+    return (w32 << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_hi(w32):
+    return (w32 & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _x_vals_pure(xa, xb, xc, xd):
+    """4 int64 words of bf16 -> 16 fp32 values in element order (interpreter twin)."""
+    a0 = xa.to(tl.int32)
+    a1 = (xa >> 32).to(tl.int32)
+    b0 = xb.to(tl.int32)
+    b1 = (xb >> 32).to(tl.int32)
+    c0 = xc.to(tl.int32)
+    c1 = (xc >> 32).to(tl.int32)
+    d0 = xd.to(tl.int32)
+    d1 = (xd >> 32).to(tl.int32)
+    return (_bf16_lo(a0), _bf16_hi(a0), _bf16_lo(a1), _bf16_hi(a1),
+            _bf16_lo(b0), _bf16_hi(b0), _bf16_lo(b1), _bf16_hi(b1),
+            _bf16_lo(c0), _bf16_hi(c0), _bf16_lo(c1), _bf16_hi(c1),
+            _bf16_lo(d0), _bf16_hi(d0), _bf16_lo(d1), _bf16_hi(d1))
+
+
+@triton.jit
+def x_pairs(xa, xb, xc, xd, FAST: tl.constexpr):
+    """x words ``[.., 4]`` as four int64 tensors -> what ``dot16_packed`` takes: 8 fp16x2 pairs
+    (GPU) or 16 fp32 values (``FAST=False``)."""
+    if FAST:
+        return _x_pairs_asm(xa, xb, xc, xd)
+    else:
+        return _x_vals_pure(xa, xb, xc, xd)
+
+
+@triton.jit
+def _nib(w32, SHIFT: tl.constexpr):
+    """Nibble at bit SHIFT of int32 words -> fp32 E2M1 * 2**-6 (through fp16 bits * 2**8)."""
+    bits = (((w32 >> SHIFT) & 7) << 9) | (((w32 >> (SHIFT + 3)) & 1) << 15)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+
+
+@triton.jit
+def _dot_pure(wq, xv):
+    lo = wq.to(tl.int32)
+    hi = (wq >> 32).to(tl.int32)
+    p = _nib(lo, 0) * xv[0]
+    p += _nib(lo, 4) * xv[1]
+    p += _nib(lo, 8) * xv[2]
+    p += _nib(lo, 12) * xv[3]
+    p += _nib(lo, 16) * xv[4]
+    p += _nib(lo, 20) * xv[5]
+    p += _nib(lo, 24) * xv[6]
+    p += _nib(lo, 28) * xv[7]
+    p += _nib(hi, 0) * xv[8]
+    p += _nib(hi, 4) * xv[9]
+    p += _nib(hi, 8) * xv[10]
+    p += _nib(hi, 12) * xv[11]
+    p += _nib(hi, 16) * xv[12]
+    p += _nib(hi, 20) * xv[13]
+    p += _nib(hi, 24) * xv[14]
+    p += _nib(hi, 28) * xv[15]
+    return p
+
+
+@triton.jit
+def dot16_packed(wq, xp, FAST: tl.constexpr):
+    """Block dot products ``sum_i E2M1_i * x_i`` in units of 2**-6, fp32: ``wq`` int64 words
+    ``[BN, MP, G]`` (broadcast), ``xp`` from ``x_pairs`` ``[1, MP, G]``."""
+    if FAST:
+        r = tl.inline_asm_elementwise(
+            _DOT, "=r,r,r,r,r,r,r,r,r,l",
+            [xp[0], xp[1], xp[2], xp[3], xp[4], xp[5], xp[6], xp[7], wq],
+            dtype=tl.int32, is_pure=True, pack=1)
+        return r.to(tl.float32, bitcast=True)
+    else:
+        return _dot_pure(wq, xp)
+
+
+@triton.jit
+def step_mask(it, it1, KB, goffs, G: tl.constexpr):
+    """Which of step ``it``'s 16-blocks exist (``goffs``: the block offsets, already shaped
+    for the caller's tile); none past ``it1``."""
+    return it * G + goffs < tl.where(it < it1, KB, 0)
+
+
+@triton.jit
+def load_w(w, s, b, ok):
+    """Weight words and fp32 block scales at block ``b`` (zeros where masked)."""
+    return tl.load(w + b, mask=ok, other=0), tl.load(s + b, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def load_xw(x, b, ok):
+    """The 4 int64 x words of each block at block ``b`` (zeros where masked)."""
+    xw = x + b * 4
+    return (tl.load(xw, mask=ok, other=0), tl.load(xw + 1, mask=ok, other=0),
+            tl.load(xw + 2, mask=ok, other=0), tl.load(xw + 3, mask=ok, other=0))
+
+
+@triton.jit
+def packed_prefetch_loop(w3, s3, x3, it0, it1, KB, goffs, acc, G: tl.constexpr,
+                         FAST: tl.constexpr):
+    """The packed GEMV's K loop with the next step's loads issued before this step's math
+    (register double buffering: twice the bytes in flight per warp, which a memory-bound
+    GEMV with few warps per SM needs; H200, gate/up at 1 token: 20.3 -> 15.2 µs). Masked loads
+    give zero words and scales, so the K tail and the step past ``it1`` add nothing."""
+    ok = step_mask(it0, it1, KB, goffs, G)
+    wq, sc = load_w(w3, s3, it0 * G, ok)
+    xa, xb, xc, xd = load_xw(x3, it0 * G, ok)
+    for it in range(it0, it1):
+        ok = step_mask(it + 1, it1, KB, goffs, G)
+        nwq, nsc = load_w(w3, s3, (it + 1) * G, ok)
+        nxa, nxb, nxc, nxd = load_xw(x3, (it + 1) * G, ok)
+        acc += dot16_packed(wq, x_pairs(xa, xb, xc, xd, FAST), FAST) * sc
+        wq, sc, xa, xb, xc, xd = nwq, nsc, nxa, nxb, nxc, nxd
+    return acc
