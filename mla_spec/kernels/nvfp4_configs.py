@@ -22,7 +22,7 @@ its K loop with register double buffering.
 ``mmab`` without ``bm`` takes the token tile from M (``block_m = 0``: 16 / 32 / 64 / 128).
 
 M buckets: a measured M stands for the token counts above the previous bucket, up to itself:
-1 -> {1}, 4 -> {2..4}, 8 -> {5..8}, 16 -> {9..16}, 64 -> {17..64}, 128 -> {65..128},
+1 -> {1}, 2 -> {2}, 4 -> {3, 4}, 8 -> {5..8}, 16 -> {9..16}, 64 -> {17..64}, 128 -> {65..128},
 512 -> {129..512}. Unmeasured buckets and M > 512 fall to the kernels' heuristics
 (``default_gemv_config`` up to ``GEMV_MAX_M`` tokens, else ``default_mma_config``: the
 standard-orientation kernel).
@@ -82,7 +82,7 @@ class NVFP4MmaConfig:
     fast_dequant: bool = True
 
 
-M_BUCKETS = (1, 4, 8, 16, 64, 128, 512)
+M_BUCKETS = (1, 2, 4, 8, 16, 64, 128, 512)
 
 # H200, 2026-11-29, torch 2.11 / triton 3.6, CUDA graph, weights rotated past L2 (µs per call;
 # docs/bench_nvfp4.md). Entries marked "old default" are the previous heuristic's config where
@@ -90,11 +90,13 @@ M_BUCKETS = (1, 4, 8, 16, 64, 128, 512)
 PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
     # M = 1 rows: fourth session (`sweep_gemv.py`, docs/bench_nvfp4.md): the GEMV with
     # packed-fp16 math ("h2"), wide steps (g 32-64 words: a warp's lanes along K) and register
-    # double buffering ("pf") beats mmab on every shape; mmab keeps M >= 2.
+    # double buffering ("pf") beats mmab on every shape, and at M = 2 (bucket {2}); mmab keeps
+    # M >= 3 (at 4 tokens the packed GEMV lost on three shapes of four).
     # H200 sweeps of 2026-11-29, second session (`sweep_nvfp4.py --mma-only`, docs/bench_nvfp4.md):
     # the standard-orientation MMA kernel ("mmab") wins every shape and M, the GEMV included.
     # Comments: µs per call in a CUDA graph (cuBLAS bf16 in the same run); before = old default
     (9216, 7168, 1): "gemv bn8 s1 w2 st1 g64 h2 pf",  # 15.23 (cuBLAS 43.97); mmab 29.59
+    (9216, 7168, 2): "gemv bn8 s1 w2 st1 g64 h2 pf",  # 23.33 (cuBLAS 41.45); mmab 29.92
     (9216, 7168, 4): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.68 (cuBLAS 43.89); before 52.04
     (9216, 7168, 8): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.51 (cuBLAS 44.32); before 92.85
     (9216, 7168, 16): "mmab bm16 bn128 bk256 w4 st3 s4",  # 29.35 (cuBLAS 43.97); before 88.88
@@ -102,6 +104,7 @@ PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
     (9216, 7168, 128): "mmab bm128 bn128 bk128 w4 st4 s4",  # 82.11 (cuBLAS 40.98); before 94.5
     (9216, 7168, 512): "mmab bm128 bn64 bk128 w4 st4 s1",  # 256.55 (cuBLAS 91.36); before 278.41
     (7168, 4608, 1): "gemv bn8 s1 w2 st1 g64 h2 pf",  # 9.88 (cuBLAS 23.62); mmab 17.39
+    (7168, 4608, 2): "gemv bn8 s1 w2 st1 g64 h2",  # 14.61 (cuBLAS 23.92); mmab 17.45
     (7168, 4608, 4): "mmab bm16 bn64 bk128 w4 st4 s4",  # 17.14 (cuBLAS 23.66); before 28.47
     (7168, 4608, 8): "mmab bm16 bn64 bk128 w4 st4 s4",  # 16.96 (cuBLAS 23.71); before 45.52
     (7168, 4608, 16): "mmab bm16 bn64 bk128 w4 st4 s4",  # 16.66 (cuBLAS 21.6); before 41.88
@@ -109,6 +112,7 @@ PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
     (7168, 4608, 128): "mmab bm128 bn128 bk128 w8 st3 s4",  # 38.01 (cuBLAS 23.58); before 37.98
     (7168, 4608, 512): "mmab bm128 bn128 bk64 w4 st4 s2",  # 103.1 (cuBLAS 47.4); before 127.1
     (1024, 7168, 1): "gemv bn4 s4 w1 st1 g64 h2 pf",  # 5.91 (cuBLAS 9.4); mmab 9.01
+    (1024, 7168, 2): "gemv bn8 s8 w2 st1 g32 h2 pf",  # 6.94 (cuBLAS 9.49); mmab 9.06
     (1024, 7168, 4): "mmab bm16 bn64 bk128 w4 st4 s8",  # 8.93 (cuBLAS 9.37); before 21.26
     (1024, 7168, 8): "mmab bm16 bn64 bk128 w4 st4 s8",  # 8.92 (cuBLAS 9.44); before 23.83
     (1024, 7168, 16): "mmab bm16 bn64 bk128 w4 st4 s8",  # 9.09 (cuBLAS 9.53); before 28.77
@@ -116,6 +120,7 @@ PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
     (1024, 7168, 128): "mmab bm128 bn64 bk128 w4 st4 s8",  # 13.16 (cuBLAS 10.68); before 14.15
     (1024, 7168, 512): "mmab bm128 bn128 bk64 w4 st4 s8",  # 28.53 (cuBLAS 15.28); before 36.56
     (7168, 512, 1): "gemv bn4 s1 w1 st1 g32 h2 pf",  # 3.16 (cuBLAS 4.78); mmab 5.01
+    (7168, 512, 2): "gemv bn4 s1 w1 st1 g32 h2",  # 3.61 (cuBLAS 4.86); mmab 4.89
     (7168, 512, 4): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.66 (cuBLAS 4.77); before 9.66
     (7168, 512, 8): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.52 (cuBLAS 4.78); before 10.84
     (7168, 512, 16): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.47 (cuBLAS 4.84); before 13.83

@@ -59,7 +59,13 @@ from mla_spec.kernels.nvfp4_configs import (
     pinned_config,
 )
 from mla_spec.kernels.nvfp4_decode import _decode
-from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, GemvConfig, default_gemv_config, nvfp4_gemv
+from mla_spec.kernels.nvfp4_gemv import (
+    GEMV_MAX_M,
+    GemvConfig,
+    default_gemv_config,
+    nvfp4_gemv,
+    packed_gemv_config,
+)
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "NVFP4MmaConfig", "nvfp4_gemm", "nvfp4_gemm_ref",
@@ -251,16 +257,28 @@ def default_mma_config(m: int, n: int, k: int, *, block_m: int = 0, block_n: int
 MMA_FOR_SMALL_M = True
 
 
+# Unpinned shapes at up to this many tokens take the packed, wide, double-buffered GEMV
+# (``packed_gemv_config``): it won at M = 1 and 2 on all four measured shapes (fourth session,
+# 1.3-1.9x the MMA kernel) and lost to it at M = 4 on three of them.
+PACKED_GEMV_MAX_M = 2
+
+
 def auto_config(m: int, n: int, k: int) -> GemvConfig | MmaConfig:
-    """What ``nvfp4_gemm`` runs without ``config``: the GEMV where pinned (or, with
-    ``MMA_FOR_SMALL_M`` off, unpinned up to ``GEMV_MAX_M`` tokens); else ``set_gemm_config``'s
-    pin, the pinned MMA config (either MMA kernel), or ``default_mma_config`` (standard
-    orientation)."""
+    """What ``nvfp4_gemm`` runs without ``config``: the pinned GEMV where the table pins one;
+    else ``set_gemm_config``'s pin; else, unpinned, the packed GEMV up to
+    ``PACKED_GEMV_MAX_M`` tokens (the fp32 GEMV up to ``GEMV_MAX_M`` with ``MMA_FOR_SMALL_M``
+    off); else the pinned MMA config (either MMA kernel) or ``default_mma_config``."""
     hit = pinned_config(m, n, k)
-    if isinstance(hit, GemvConfig) or (hit is None and m <= GEMV_MAX_M and not MMA_FOR_SMALL_M):
-        return default_gemv_config(m, n, k)
+    if isinstance(hit, GemvConfig):
+        return hit
     mine = _CONFIGS.get((m_bucket(m), n, k))
-    return mine or hit or default_mma_config(m, n, k)
+    if mine is not None:
+        return mine
+    if hit is None and m <= PACKED_GEMV_MAX_M:
+        return packed_gemv_config(m, n, k)
+    if hit is None and m <= GEMV_MAX_M and not MMA_FOR_SMALL_M:
+        return default_gemv_config(m, n, k)
+    return hit or default_mma_config(m, n, k)
 
 
 def set_gemm_config(m: int, n: int, k: int, config: MmaConfig) -> None:

@@ -46,7 +46,8 @@ from mla_spec.kernels.nvfp4_gemv_packed import (
     x_pairs,
 )
 
-__all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "GEMV_MAX_M", "GEMV_FAST"]
+__all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "packed_gemv_config", "GEMV_MAX_M",
+           "GEMV_FAST"]
 
 # PTX decoder by default: validated on the H200 (benchmarks/sweep_nvfp4.py, 2026-11-29). Set
 # False (or GemvConfig(fast_dequant=False)) for the portable decoder; never used when interpreting.
@@ -274,6 +275,22 @@ def default_gemv_config(m: int, n: int, k: int) -> GemvConfig:
     while tiles * split < 4 * _NUM_SMS and triton.cdiv(kb, 2) >= 8 * split:
         split *= 2
     return GemvConfig(block_n=bn, groups=2, split_k=split, num_warps=warps)
+
+
+def packed_gemv_config(m: int, n: int, k: int) -> GemvConfig:
+    """The packed, wide, double-buffered GEMV for an unpinned shape at 1-2 tokens, fitted to
+    the H200's M = 1 winners (``nvfp4_configs.PINNED_CONFIGS``): 64 words per step (a warp's
+    lanes along K) or all of K when shorter, 8 rows x 2 warps per program for N >= 4096 else
+    4 x 1, split K until ~4 programs per SM with at least one step per split."""
+    kb = k // 16
+    g = min(64, triton.next_power_of_2(max(kb, 1)))
+    bn, warps = (8, 2) if n >= 4096 else (4, 1)
+    tiles, steps = triton.cdiv(n, bn), triton.cdiv(kb, g)
+    split = 1
+    while tiles * split < 4 * _NUM_SMS and steps >= 2 * split:
+        split *= 2
+    return GemvConfig(block_n=bn, groups=g, split_k=split, num_warps=warps, packed=True,
+                      prefetch=True)
 
 
 def mp_for(m: int) -> int:

@@ -33,7 +33,7 @@ from mla_spec.kernels.nvfp4_gemm import (
     ptx_decoder_ok,
     set_gemm_config,
 )
-from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, default_gemv_config
+from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, default_gemv_config, packed_gemv_config
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
 from mla_spec.quant.nvfp4 import quantize_nvfp4
 
@@ -78,7 +78,7 @@ def test_parse_variant_rejects(bad):
 
 def test_m_buckets():
     assert [m_bucket(m) for m in (1, 2, 4, 5, 8, 9, 16, 17, 64, 65, 128, 129, 512, 513)] == \
-        [1, 4, 4, 8, 8, 16, 16, 64, 64, 128, 128, 512, 512, None]
+        [1, 2, 4, 8, 8, 16, 16, 64, 64, 128, 128, 512, 512, None]
 
 
 def test_defaults_pick_the_table_for_listed_shapes():
@@ -100,7 +100,14 @@ def test_defaults_pick_the_table_for_listed_shapes():
 def test_heuristics_for_unseen_shapes(monkeypatch):
     n, k = 6144, 1536  # q_b_proj, not in the table
     assert pinned_config(4, n, k) is None
-    assert isinstance(auto_config(1, n, k), NVFP4MmaConfig)  # the MMA kernel at every M
+    # 1-2 tokens: the packed, wide, double-buffered GEMV, fitted to the M = 1 winners
+    for m in (1, 2):
+        cfg = auto_config(m, n, k)
+        assert cfg == packed_gemv_config(m, n, k) and cfg.packed and cfg.prefetch
+    assert packed_gemv_config(1, 9216, 7168) == parse_variant("gemv bn8 s1 w2 st1 g64 h2 pf")
+    assert packed_gemv_config(1, 1024, 7168) == parse_variant("gemv bn4 s4 w1 st1 g64 h2 pf")
+    assert packed_gemv_config(1, 96, 48).groups == 4  # K / 16 = 3 blocks
+    assert isinstance(auto_config(3, n, k), NVFP4MmaConfig)  # above: the MMA kernel
     monkeypatch.setattr(gemm_mod, "MMA_FOR_SMALL_M", False)  # the GEMV regime, when asked
     assert isinstance(auto_config(GEMV_MAX_M, n, k), GemvConfig)
     assert isinstance(auto_config(6, n, k), GemvConfig)
