@@ -149,12 +149,14 @@ RECORDED_H200 = [
 # third session, benchmarks/sweep_moe_gemv.py, per-M tiles; default_us = the second session's
 # single tile), above: the sorted path with the "mmab" grouped kernel (second session).
 RECORDED_H200_MOE = [
-    dict(shape='moe_256e_top8_tp4', m=1, ours_us=40.81, default_us=58.96, bf16_gemms_us=108.28,
-         speedup_vs_bf16=2.65, active_experts=8.0, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=2, ours_us=69.55, default_us=100.38, bf16_gemms_us=218.54,
-         speedup_vs_bf16=3.14, active_experts=15.9, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=4, ours_us=123.06, default_us=202.71, bf16_gemms_us=412.72,
-         speedup_vs_bf16=3.35, active_experts=30.1, path='gemv'),
+    # 1-4 tokens: fourth session (`sweep_gemv.py --moe`): packed math, wide tiles, double
+    # buffering; default_us = the third session's fp32-math tiles
+    dict(shape='moe_256e_top8_tp4', m=1, ours_us=34.76, default_us=40.82, bf16_gemms_us=109.85,
+         speedup_vs_bf16=3.16, active_experts=8.0, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=2, ours_us=56.7, default_us=69.55, bf16_gemms_us=212.39,
+         speedup_vs_bf16=3.75, active_experts=15.2, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=4, ours_us=98.98, default_us=124.05, bf16_gemms_us=431.03,
+         speedup_vs_bf16=4.35, active_experts=30.9, path='gemv'),
     dict(shape='moe_256e_top8_tp4', m=16, ours_us=416.85, bf16_gemms_us=1369.79,
          speedup_vs_bf16=3.29, active_experts=100.5, path='sorted'),
     dict(shape='moe_256e_top8_tp4', m=32, ours_us=604.8, bf16_gemms_us=2234.1,
