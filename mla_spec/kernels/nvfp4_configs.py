@@ -24,7 +24,7 @@ its K loop with register double buffering.
 M buckets: a measured M stands for the token counts above the previous bucket, up to itself:
 1 -> {1}, 2 -> {2}, 4 -> {3, 4}, 8 -> {5..8}, 16 -> {9..16}, 64 -> {17..64}, 128 -> {65..128},
 512 -> {129..512}. Unmeasured buckets and M > 512 fall to the kernels' heuristics
-(``default_gemv_config`` up to ``GEMV_MAX_M`` tokens, else ``default_mma_config``: the
+(``packed_gemv_config`` up to 2 tokens, else ``default_mma_config``: the
 standard-orientation kernel).
 """
 

@@ -31,12 +31,13 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
   ``tl.trans`` makes the B operand. BM = 16..128 by M (wgmma from BM = 64), the M tiles of
   one weight tile are adjacent program ids (weights read from DRAM about once).
 - **Kernel and tile choice** (``auto_config``). For a (N, K, M bucket) measured by the H200
-  sweep, the pinned config of ``nvfp4_configs.PINNED_CONFIGS`` (any kernel; "mmab" everywhere
-  after the second sweep). Otherwise the standard-orientation kernel (``default_mma_config``)
-  at every M (``MMA_FOR_SMALL_M``; when turned off, ``nvfp4_gemv`` up to ``GEMV_MAX_M`` tokens:
-  FMA, 16 weights per int64 word, ~4 instructions per weight). ``set_gemm_config`` pins an
-  MMA config where an MMA kernel runs; pass a ``GemvConfig`` / ``NVFP4GemmConfig`` /
-  ``NVFP4MmaConfig`` as ``config`` to force one.
+  sweeps, the pinned config of ``nvfp4_configs.PINNED_CONFIGS`` (the packed-fp16 GEMV of
+  ``nvfp4_gemv_packed`` at 1-2 tokens, "mmab" above). Otherwise, at 1-2 tokens
+  (``PACKED_GEMV_MAX_M``), the packed GEMV with ``packed_gemv_config``; above, the
+  standard-orientation kernel (``default_mma_config``; with ``MMA_FOR_SMALL_M`` off, the fp32
+  GEMV up to ``GEMV_MAX_M`` tokens). ``set_gemm_config`` pins an MMA config for unpinned
+  shapes; pass a ``GemvConfig`` / ``NVFP4GemmConfig`` / ``NVFP4MmaConfig`` as ``config`` to
+  force one.
 - **Split-K** for few output tiles (small N at small M): partial sums go to an fp32 workspace
   ``[S, M, N]`` and ``_sum_rows_kernel`` adds them (deterministic, no atomics).
 

@@ -51,7 +51,8 @@ MOE_GEMV_MAX_M = 4  # H200: 123 µs at 4 tokens vs 203 for sorted "mmab", which 
 #   1 token 59.0 -> 40.8, 2 tokens 100.4 -> 69.6, 4 tokens 202.7 -> 123.1;
 # - fourth session (benchmarks/sweep_gemv.py --moe, packed math, g 16: lanes along K, each warp
 #   streaming 256 contiguous bytes of a row): 1 token 40.6 -> 34.7 (3.12x the bf16 cuBLAS
-#   GEMMs), 4 tokens 123.5 -> 100.7 (4.14x). 2 tokens takes the same tile (not measured alone).
+#   GEMMs), 4 tokens 123.5 -> 100.7 (4.14x); with double buffering (MOE_GEMV_PREFETCH) 1 / 2 / 4
+#   tokens 34.8 / 56.7 / 99.0 (3.16x / 3.75x / 4.35x).
 MOE_GEMV_TILES: dict[int, tuple[int, int, int, int, int]] = {
     1: (16, 4, 16, 4, 16),
     2: (16, 4, 16, 4, 16),
