@@ -14,7 +14,7 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)" | tee -a "$RES/device.txt"
 STEPS=${STEPS:-"sweep_mla sweep_nvfp4 gpu_tests bench_pad bench_layer bench_e2e demo_tp1"}
-# optional steps (named in STEPS): sweep_gemv, pad_tests, nvfp4_tests, norm_tests
+# optional steps (named in STEPS): sweep_gemv, bench_rope, pad_tests, nvfp4_tests, norm_tests
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
@@ -35,6 +35,7 @@ step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemv.py tests/ker
 step norm_tests  60 python3 -m pytest -m gpu tests/kernels/test_rmsnorm.py -q -s -p no:cacheprovider
 step gpu_tests   85 python3 -m pytest -m gpu tests -q -p no:cacheprovider
 step bench_pad   60 python3 benchmarks/bench_pad.py ${BENCH_PAD_ARGS:---quick}
+step bench_rope  60 python3 benchmarks/bench_rope.py
 step bench_layer 55 python3 benchmarks/bench_layer.py ${BENCH_LAYER_ARGS:---quick --budget-s 30}
 step bench_e2e   30 python3 benchmarks/bench_e2e.py --device cuda --batch-sizes 1,32 --max-new-tokens 32
 step demo_tp1    25 python3 -m mla_spec.cli demo --tp 1 --json

@@ -25,7 +25,20 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DeepseekRotaryEmbedding", "yarn_inv_freq", "apply_rope_interleaved"]
+from mla_spec.device import triton_interpreting, use_triton
+from mla_spec.kernels.rope import (
+    SUPPORTED_DTYPES,
+    apply_rope_interleaved,
+    rope_cos_sin,
+    rope_qk,
+    rope_qk_ref,
+)
+
+__all__ = ["DeepseekRotaryEmbedding", "yarn_inv_freq", "apply_rope_interleaved", "FUSED_ROPE"]
+
+#: One Triton kernel for q_pe and k_pe (``mla_spec.kernels.rope``) on CUDA at inference, instead
+#: of ~24 torch kernels. Read at every call; the torch twin runs elsewhere (CPU, training).
+FUSED_ROPE = True
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:
@@ -72,17 +85,6 @@ def yarn_inv_freq(
     return inv_freq, float(attn)
 
 
-def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of ``x`` ``[..., dim]``; ``cos``/``sin`` broadcast to ``[..., dim/2]``.
-
-    Math in fp32, result in ``x``'s dtype, layout unchanged (interleaved).
-    """
-    xf = x.float()
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.flatten(-2).to(x.dtype)
-
-
 class DeepseekRotaryEmbedding(nn.Module):
     """``(q_pe, k_pe) -> roped (q_pe, k_pe)`` at ``positions``.
 
@@ -101,13 +103,23 @@ class DeepseekRotaryEmbedding(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[*P, dim/2]`` fp32 cos and sin (attention factor applied)."""
-        freqs = positions.to(torch.float32)[..., None] * self.inv_freq.to(positions.device)
-        return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
+        return rope_cos_sin(positions, self.inv_freq, self.attention_factor)
+
+    def _fused(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor) -> bool:
+        """Whether the fused kernel runs: ``FUSED_ROPE``, a CUDA tensor (not the CPU
+        interpreter), inference shapes ``[N]`` / ``[N, H, D]`` / ``[N, D]``, no autograd."""
+        if not FUSED_ROPE or not use_triton(q_pe) or triton_interpreting():
+            return False
+        if positions.dim() != 1 or q_pe.dim() != 3 or k_pe.dim() != 2:
+            return False
+        if torch.is_grad_enabled() and (q_pe.requires_grad or k_pe.requires_grad):
+            return False
+        return q_pe.dtype in SUPPORTED_DTYPES and k_pe.dtype in SUPPORTED_DTYPES \
+            and self.inv_freq.device == q_pe.device == positions.device
 
     def forward(
         self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin(positions)
-        q = apply_rope_interleaved(q_pe, cos[..., None, :], sin[..., None, :])
-        k = apply_rope_interleaved(k_pe, cos, sin)
-        return q, k
+        if self._fused(positions, q_pe, k_pe):
+            return rope_qk(positions, q_pe, k_pe, self.inv_freq, self.attention_factor)
+        return rope_qk_ref(positions, q_pe, k_pe, self.inv_freq, self.attention_factor)
