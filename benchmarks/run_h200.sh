@@ -33,7 +33,7 @@ step sweep_gemv  270 python3 benchmarks/sweep_gemv.py ${SWEEP_GEMV_ARGS:---moe -
 step pad_tests   90 python3 -m pytest tests/kernels/test_draft_extend_pad.py -q -x -p no:cacheprovider
 step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemv.py tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_configs.py -q -p no:cacheprovider
 step norm_tests  60 python3 -m pytest -m gpu tests/kernels/test_rmsnorm.py -q -s -p no:cacheprovider
-step gpu_tests   85 python3 -m pytest -m gpu tests -q -p no:cacheprovider
+step gpu_tests  200 python3 -m pytest -m gpu tests -q -p no:cacheprovider
 step bench_pad   60 python3 benchmarks/bench_pad.py ${BENCH_PAD_ARGS:---quick}
 step bench_rope  60 python3 benchmarks/bench_rope.py
 step bench_layer 55 python3 benchmarks/bench_layer.py ${BENCH_LAYER_ARGS:---quick --budget-s 30}
