@@ -37,6 +37,7 @@ import bench_nvfp4 as bench  # noqa: E402
 
 from mla_spec.kernels.nvfp4_configs import GemvConfig, variant_name  # noqa: E402
 from mla_spec.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemm_ref  # noqa: E402
+from mla_spec.kernels.nvfp4_gemv import split_k_for  # noqa: E402
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref  # noqa: E402
 from mla_spec.quant.nvfp4 import quantize_nvfp4  # noqa: E402
 
@@ -56,11 +57,7 @@ def graph_us(calls) -> float:
 
 
 def split_for(n, k, m, bn, target):
-    tiles = triton.cdiv(n, bn) * triton.cdiv(m, 8)
-    split = 1
-    while tiles * split < target * 132 and (k // 64) >= 2 * split:
-        split *= 2
-    return split
+    return split_k_for(triton.cdiv(n, bn) * triton.cdiv(m, 8), k // 64, 2, target)
 
 
 def configs(n, k, m, wide=True, narrow=True, packed_only=False, stages=(1,), prefetch=False):

@@ -42,12 +42,13 @@ from mla_spec.kernels.nvfp4_configs import GemvConfig, pinned_config
 from mla_spec.kernels.nvfp4_gemv_packed import (
     PACKED_UNIT,
     dot16_packed,
+    load_xw,
     packed_prefetch_loop,
     x_pairs,
 )
 
-__all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "packed_gemv_config", "GEMV_MAX_M",
-           "GEMV_FAST"]
+__all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "packed_gemv_config", "split_k_for",
+           "GEMV_MAX_M", "GEMV_FAST"]
 
 # PTX decoder by default: validated on the H200 (benchmarks/sweep_nvfp4.py, 2026-11-29). Set
 # False (or GemvConfig(fast_dequant=False)) for the portable decoder; never used when interpreting.
@@ -160,13 +161,8 @@ def block_x(xs, b, ok, MASKED: tl.constexpr, PACKED: tl.constexpr, FAST: tl.cons
     blocks' x pointers (fp32 path: ``xs`` points at element 0 of each block) or, ``PACKED``,
     the packed pairs made once per thread from 4 int64 words per block (``xs`` int64)."""
     if PACKED:
-        xw = xs + b * 4
-        if MASKED:
-            return x_pairs(tl.load(xw, mask=ok, other=0), tl.load(xw + 1, mask=ok, other=0),
-                           tl.load(xw + 2, mask=ok, other=0), tl.load(xw + 3, mask=ok, other=0),
-                           FAST)
-        else:
-            return x_pairs(tl.load(xw), tl.load(xw + 1), tl.load(xw + 2), tl.load(xw + 3), FAST)
+        xa, xb, xc, xd = load_xw(xs, b, ok, MASKED)
+        return x_pairs(xa, xb, xc, xd, FAST)
     else:
         return xs + b * 16
 
@@ -217,8 +213,8 @@ def _nvfp4_gemv_kernel(
     it1 = tl.minimum(it0 + per, n_it)
     acc = tl.zeros((BN, MP, G), dtype=tl.float32)
     if PREFETCH:  # packed only
-        acc = packed_prefetch_loop(w3, s3, x3, it0, it1, KB, offs_g[None, None, :], acc, G,
-                                   FAST)
+        acc, _ = packed_prefetch_loop(w3, s3, x3, 0, 0, it0, it1, KB, offs_g[None, None, :],
+                                      acc, acc, False, G, FAST)
     else:
         for it in range(it0, it1):
             b = it * G
@@ -269,12 +265,18 @@ def default_gemv_config(m: int, n: int, k: int) -> GemvConfig:
         return hit
     warps = 2 if n >= 8192 else 1
     bn = 32 * warps * (4 if mp_for(m) <= 4 else 2)
-    kb = k // 16
     tiles = triton.cdiv(n, bn) * triton.cdiv(m, mp_for(m))
-    split = 1
-    while tiles * split < 4 * _NUM_SMS and triton.cdiv(kb, 2) >= 8 * split:
-        split *= 2
+    split = split_k_for(tiles, triton.cdiv(k // 16, 2), 8)
     return GemvConfig(block_n=bn, groups=2, split_k=split, num_warps=warps)
+
+
+def split_k_for(tiles: int, steps: int, per_split: int, ctas_per_sm: int = 4) -> int:
+    """Split-K of a GEMV grid of ``tiles`` programs over ``steps`` K steps: doubled while the
+    grid has fewer than ``ctas_per_sm`` programs per SM and ``steps >= per_split * split``."""
+    split = 1
+    while tiles * split < ctas_per_sm * _NUM_SMS and steps >= per_split * split:
+        split *= 2
+    return split
 
 
 def packed_gemv_config(m: int, n: int, k: int) -> GemvConfig:
@@ -285,10 +287,7 @@ def packed_gemv_config(m: int, n: int, k: int) -> GemvConfig:
     kb = k // 16
     g = min(64, triton.next_power_of_2(max(kb, 1)))
     bn, warps = (8, 2) if n >= 4096 else (4, 1)
-    tiles, steps = triton.cdiv(n, bn), triton.cdiv(kb, g)
-    split = 1
-    while tiles * split < 4 * _NUM_SMS and steps >= 2 * split:
-        split *= 2
+    split = split_k_for(triton.cdiv(n, bn), triton.cdiv(kb, g), 2)
     return GemvConfig(block_n=bn, groups=g, split_k=split, num_warps=warps, packed=True,
                       prefetch=True)
 

@@ -25,8 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.nvfp4_gemv import _counters, block_dot, block_x, dot_unit, packed_ok
-from mla_spec.kernels.nvfp4_gemv_packed import dot16_packed, load_w, load_xw, step_mask, x_pairs
+from mla_spec.kernels.nvfp4_gemv import (
+    _counters,
+    block_dot,
+    block_x,
+    dot_unit,
+    packed_ok,
+    split_k_for,
+)
+from mla_spec.kernels.nvfp4_gemv_packed import packed_prefetch_loop
 
 __all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES", "MOE_GEMV_PACKED",
            "MOE_GEMV_PREFETCH"]
@@ -76,33 +83,6 @@ def moe_gemv_tiles(m: int, block_n: int | None = None, num_warps: int | None = N
             t[3] if num_warps2 is None else num_warps2, t[4] if g is None else g)
 
 
-@triton.jit
-def _prefetch_loop(wrow, srow, xb, up_w, up_s, it0, it1, KB, goffs, acc, acc_u,
-                   GATED: tl.constexpr, G: tl.constexpr, FAST: tl.constexpr):
-    """The packed K loop with the next step's loads (gate, up and x words) issued before this
-    step's math, as ``nvfp4_gemv_packed.packed_prefetch_loop``; ``up_w`` / ``up_s``: the
-    offsets of the up rows (GATED)."""
-    ok = step_mask(it0, it1, KB, goffs, G)
-    wq, sc = load_w(wrow, srow, it0 * G, ok)
-    wu, su = wq, sc
-    if GATED:
-        wu, su = load_w(wrow + up_w, srow + up_s, it0 * G, ok)
-    xa, xb_, xc, xd = load_xw(xb, it0 * G, ok)
-    for it in range(it0, it1):
-        ok = step_mask(it + 1, it1, KB, goffs, G)
-        nwq, nsc = load_w(wrow, srow, (it + 1) * G, ok)
-        nwu, nsu = nwq, nsc
-        if GATED:
-            nwu, nsu = load_w(wrow + up_w, srow + up_s, (it + 1) * G, ok)
-        nxa, nxb, nxc, nxd = load_xw(xb, (it + 1) * G, ok)
-        xp = x_pairs(xa, xb_, xc, xd, FAST)
-        acc += dot16_packed(wq, xp, FAST) * sc
-        if GATED:
-            acc_u += dot16_packed(wu, xp, FAST) * su
-        wq, sc, wu, su, xa, xb_, xc, xd = nwq, nsc, nwu, nsu, nxa, nxb, nxc, nxd
-    return acc, acc_u
-
-
 @triton.jit(do_not_specialize=["R"])  # token x top-k rows follow the batch
 def _moe_gemv_kernel(
     x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, part_ptr, cnt_ptr, ids_ptr, tw_ptr,
@@ -146,8 +126,8 @@ def _moe_gemv_kernel(
     acc = tl.zeros((BN, G), dtype=tl.float32)
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
     if PREFETCH:  # packed only
-        acc, acc_u = _prefetch_loop(wrow, srow, xb, N * stride_wn, N * stride_sn, it0, it1, KB,
-                                    offs_g[None, :], acc, acc_u, GATED, G, FAST)
+        acc, acc_u = packed_prefetch_loop(wrow, srow, xb, N * stride_wn, N * stride_sn, it0,
+                                          it1, KB, offs_g[None, :], acc, acc_u, GATED, G, FAST)
     else:
         for it in range(it0, it1):
             b = it * G
@@ -241,9 +221,7 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
     bn13 = min(block_n, triton.next_power_of_2(inter))
     tiles13 = triton.cdiv(inter, bn13)
     if split13 is None:
-        split13 = 1
-        while tiles13 * p * split13 < 4 * 132 and triton.cdiv(kb13, g) >= 8 * split13:
-            split13 *= 2
+        split13 = split_k_for(tiles13 * p, triton.cdiv(kb13, g), 8)
     part13 = torch.empty((split13, p, 2 * inter) if split13 > 1 else (1,), dtype=torch.float32,
                          device=dev)
     part2 = torch.empty((topk, m, k) if topk > 1 else (1,), dtype=torch.float32, device=dev)
