@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import mla_spec.kernels.nvfp4_gemm as gemm_mod
-from mla_spec.device import use_triton
 from mla_spec.kernels import nvfp4_configs, nvfp4_gemv
 from mla_spec.kernels.nvfp4_configs import (
     M_BUCKETS,
@@ -36,9 +35,6 @@ from mla_spec.kernels.nvfp4_gemm import (
 from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, default_gemv_config, packed_gemv_config
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
 from mla_spec.quant.nvfp4 import quantize_nvfp4
-
-needs_triton = pytest.mark.skipif(not use_triton(torch.empty(0)) and not torch.cuda.is_available(),
-                                  reason="needs TRITON_INTERPRET=1 on CPU or a GPU")
 
 
 def test_pinned_table_parses_and_round_trips():
@@ -147,7 +143,7 @@ def test_fast_decoders_are_default_but_never_on_cpu():
     assert not ptx_decoder_ok(torch.device("cuda", 0), True)  # interpreter: never
 
 
-@needs_triton
+@pytest.mark.triton
 def test_pinned_entry_drives_the_launch(monkeypatch, device):
     """A pinned MMA entry at M = 3 (where the heuristic runs the GEMV) runs the MMA kernel."""
     m, n, k = 3, 33, 160

@@ -7,15 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_spec.device import use_triton
 from mla_spec.kernels.nvfp4_configs import parse_variant, variant_name
 from mla_spec.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemm_ref
 from mla_spec.kernels.nvfp4_gemv import _COUNTERS, GemvConfig, default_gemv_config
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref
 from mla_spec.quant.nvfp4 import E2M1_VALUES, NVFP4Tensor, quantize_nvfp4
-
-needs_triton = pytest.mark.skipif(not use_triton(torch.empty(0)) and not torch.cuda.is_available(),
-                                  reason="needs TRITON_INTERPRET=1 on CPU or a GPU")
 
 CASES = [  # m, n, k, (block_n, groups, split_k)
     (1, 17, 48, (16, 4, 1)),      # K not a multiple of the step: masked tail
@@ -25,7 +21,7 @@ CASES = [  # m, n, k, (block_n, groups, split_k)
 ]
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("m,n,k,tile", CASES)
 def test_gemv_matches_twin(m, n, k, tile, device):
     q = quantize_nvfp4(torch.randn(n, k, device=device) * 0.05)
@@ -40,7 +36,7 @@ def test_gemv_matches_twin(m, n, k, tile, device):
         assert int(_COUNTERS[x.device].abs().sum()) == 0
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("m,n,k,tile", CASES)
 def test_packed_gemv_matches_twin(m, n, k, tile, device):
     """The packed-fp16 path (``h2``): its indexing (x as int64 words) on CPU through the
@@ -123,7 +119,7 @@ def _experts(e, k, inter, device):
     return NVFP4Tensor(w13.weight, w13.weight_scale, s2).to(device), w2.to(device)
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("m,topk,split,tiles", [
     (1, 2, None, {}), (3, 3, 2, {}), (2, 1, 1, {}),
     (1, 3, None, dict(gemv_g=4, gemv_block_n2=32, gemv_warps2=2)),  # g 4: K/16 = 3, masked

@@ -7,12 +7,9 @@ import pytest
 import torch
 
 import mla_spec.models.rope as rope_mod
-from mla_spec.device import use_triton
 from mla_spec.kernels.rope import rope_qk, rope_qk_ref
 from mla_spec.models.rope import DeepseekRotaryEmbedding, yarn_inv_freq
 
-needs_triton = pytest.mark.skipif(not use_triton(torch.empty(0)) and not torch.cuda.is_available(),
-                                  reason="needs TRITON_INTERPRET=1 on CPU or a GPU")
 YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
 
@@ -26,7 +23,7 @@ def _inputs(n, h, d, dtype, device, seed=0):
     return pos, q_full[..., 128:], latent[:, 512:]
 
 
-@needs_triton
+@pytest.mark.triton
 @pytest.mark.parametrize("n,h,d", [(1, 1, 64), (3, 32, 64), (5, 7, 64), (2, 128, 64),
                                    (4, 3, 10), (0, 16, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,7 +42,7 @@ def test_kernel_matches_twin(n, h, d, dtype, device):
         assert (qo != qr).float().mean().item() < 0.01  # (the interpreter's casts truncate)
 
 
-@needs_triton
+@pytest.mark.triton
 def test_inputs_untouched_and_positions_int32(device):
     inv_freq, _ = yarn_inv_freq(64, 10000.0, None, 4096)
     pos, q, k = _inputs(6, 4, 64, torch.float32, device, seed=3)
