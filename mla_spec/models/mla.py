@@ -32,7 +32,12 @@ from mla_spec.models.linear import ColumnParallelLinear, ReplicatedLinear, RowPa
 from mla_spec.models.norm import RMSNorm
 from mla_spec.models.rope import DeepseekRotaryEmbedding
 
-__all__ = ["MLAAttention"]
+__all__ = ["MLAAttention", "FUSED_QKV_A"]
+
+#: One GEMM for ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both read the layer input) at inference,
+#: when their dense weights lie back to back in one buffer, as :class:`MLAAttention` allocates
+#: them (SGLang's ``fused_qkv_a_proj_with_mqa``). Read at every call; False: two GEMMs.
+FUSED_QKV_A = True
 
 
 class MLAAttention(nn.Module):
@@ -84,20 +89,63 @@ class MLAAttention(nn.Module):
         self.o_proj = lin(RowParallelLinear, "o_proj", H * cfg.v_head_dim, cfg.hidden_size,
                           bias=bias)
         self.rotary_emb = DeepseekRotaryEmbedding(cfg, device=device)
+        self._joint_qkv_a_storage()
+
+    def _joint_qkv_a_storage(self) -> None:
+        """Re-home the BF16/FP32 ``q_a_proj`` and ``kv_a_proj_with_mqa`` weights as two views of
+        one ``[q_lora_rank + 576, hidden]`` buffer, so inference reads both with one GEMM.
+
+        Loaders copy into parameters in place, which keeps the views; a module conversion
+        (``.to()``) re-allocates them apart and :meth:`_qkv_a_weight` falls back to two GEMMs.
+        """
+        if self.q_lora_rank is None:
+            return
+        qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
+        if qa.quantized or kva.quantized or qa.bias is not None or kva.bias is not None:
+            return
+        joint = torch.empty(qa.out_features + kva.out_features, qa.in_features,
+                            dtype=qa.weight.dtype, device=qa.weight.device)
+        qa.weight = nn.Parameter(joint[: qa.out_features])
+        kva.weight = nn.Parameter(joint[qa.out_features:])
+
+    def _qkv_a_weight(self) -> torch.Tensor | None:
+        """``[q_lora_rank + 576, hidden]`` view over both weights, or None (two GEMMs): off,
+        quantized, biased, not adjacent in memory, or an autograd graph to build."""
+        if not FUSED_QKV_A or self.q_lora_rank is None:
+            return None
+        qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
+        if qa.quantized or kva.quantized or qa.bias is not None or kva.bias is not None:
+            return None
+        wq, wk = qa.weight, kva.weight
+        if torch.is_grad_enabled() and (wq.requires_grad or wk.requires_grad):
+            return None
+        if wq.dtype != wk.dtype or wq.device != wk.device or wq.dtype != qa.compute_dtype \
+                or not (wq.is_contiguous() and wk.is_contiguous()) \
+                or wq.shape[1] != wk.shape[1] \
+                or wq.untyped_storage().data_ptr() != wk.untyped_storage().data_ptr() \
+                or wk.storage_offset() != wq.storage_offset() + wq.numel():
+            return None
+        return wq.detach().as_strided((wq.shape[0] + wk.shape[0], wq.shape[1]),
+                                      (wq.shape[1], 1))
 
     # ---- shared pieces -------------------------------------------------------------------
-    def _q(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [..., hidden]`` -> ``q_nope [..., H, 128]``, ``q_pe [..., H, 64]`` (not roped)."""
+    def _q(self, x: torch.Tensor, q_a: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., hidden]`` -> ``q_nope [..., H, 128]``, ``q_pe [..., H, 64]`` (not roped).
+        ``q_a``: ``q_a_proj(x)`` when already computed (the joint GEMM)."""
         if self.q_lora_rank is not None:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_a = self.q_a_proj(x) if q_a is None else q_a
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q = self.q_proj(x)
         q = q.unflatten(-1, (self.num_heads, -1))
         return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
-    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [..., hidden]`` -> ``ckv [..., 512]`` (normed), ``k_pe [..., 64]`` (not roped)."""
-        latent = self.kv_a_proj_with_mqa(x)
+    def _latent(self, x: torch.Tensor, latent: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., hidden]`` -> ``ckv [..., 512]`` (normed), ``k_pe [..., 64]`` (not roped).
+        ``latent``: ``kv_a_proj_with_mqa(x)`` when already computed (the joint GEMM)."""
+        latent = self.kv_a_proj_with_mqa(x) if latent is None else latent
         ckv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(ckv), k_pe
 
@@ -115,8 +163,15 @@ class MLAAttention(nn.Module):
         Writes this step's ``[ckv | kpe]`` rows at ``batch.out_cache_loc`` first, then calls
         ``batch.attn_backend.forward(q_nope_abs [N,H,512], q_pe [N,H,64], layer_id, batch)``.
         """
-        q_nope, q_pe = self._q(x)
-        ckv, k_pe = self._latent(x)
+        w_qkv_a = self._qkv_a_weight()
+        if w_qkv_a is not None:  # one GEMM for q_a_proj and kv_a_proj_with_mqa
+            q_a, latent = F.linear(x, w_qkv_a).split(
+                [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
+            q_nope, q_pe = self._q(x, q_a)
+            ckv, k_pe = self._latent(x, latent)
+        else:
+            q_nope, q_pe = self._q(x)
+            ckv, k_pe = self._latent(x)
         q_pe, kpe = self.rotary_emb(positions, q_pe, k_pe)
         w_uk, w_uv = self.absorbed_weights(x.dtype)
         q_nope_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)  # [N, H, 512]
