@@ -58,9 +58,7 @@ from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer  # noqa: E402
 from mla_spec.models.moe import (  # noqa: E402
     DenseMLP,
     MoEGate,
-    shared_expert_column,
     shared_fusion_pays,
-    with_shared_column,
 )
 from mla_spec.models.moe_grouped import grouped_experts_forward  # noqa: E402
 from mla_spec.models.mtp import DeepseekV3MTP  # noqa: E402
@@ -123,22 +121,20 @@ class BenchMoE(nn.Module):
         super().__init__()
         self.gate, self.shared_experts = moe.gate, moe.shared_experts
         self.w13, self.w2 = w13, w2  # NVFP4Tensor (ours) or bf16 [E, 2I, K] / [E, K, I]
-        self.shared_row = shared_row
-        if shared_row:  # the stacked tensors' last expert is the shared one
-            self.shared_column = shared_expert_column(w13.weight.shape[0] - 1, w13.weight.device)
+        self.shared_row = shared_row  # the stacked tensors' last expert is the shared one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        topk_weights, topk_ids = self.gate(x)
         fused = False
-        if isinstance(self.w13, NVFP4Tensor):
+        if isinstance(self.w13, NVFP4Tensor):  # as DeepseekV3MoE: the router appends the column
             fused = self.shared_row and shared_fusion_pays(x.shape[0])
-            if fused:
-                topk_ids, topk_weights = with_shared_column(topk_ids, topk_weights,
-                                                            self.shared_column)
+            topk_weights, topk_ids = self.gate(
+                x, shared_id=self.w13.weight.shape[0] - 1 if fused else None,
+                ids_dtype=torch.int32)
             out = fused_moe_nvfp4(x, topk_ids, topk_weights, self.w13, self.w2)
         else:
+            topk_weights, topk_ids = self.gate(x)
             out = grouped_experts_forward(x, topk_weights, topk_ids, self.w13, self.w2)
         if self.shared_experts is not None and not fused:
             out = out + self.shared_experts(x)

@@ -4,8 +4,8 @@ Why: ``DeepseekRotaryEmbedding`` in torch is ~24 small kernels per call (cos/sin
 multiply, cos, sin, two scalings; per tensor: cast, four multiplies, add, subtract, stack,
 cast). At decode batch sizes each is a launch-bound kernel of a few hundred bytes: the same
 situation as the unfused RMSNorm, which cost 33.7 µs per layer on the H200 (bench_layer,
-first run) before it became one kernel. One program per token computes its cos/sin from the
-position and rotates every head's ``q_pe`` and the shared ``k_pe``.
+first run) before it became one kernel. A program computes its token's cos/sin once, from the
+position, and rotates 8 of the token's rows (the heads' ``q_pe``, then the shared ``k_pe``).
 
 Semantics (those of the torch code, kept as :func:`rope_qk_ref`), for ``D`` = 64 and pair
 ``i < D/2`` (DeepSeek's interleaved layout: adjacent elements form a pair)::
@@ -21,7 +21,8 @@ fused multiply-adds), which survives a cast to bf16 only rarely, as one bf16 ulp
 Shapes: ``positions [N]`` (any integer dtype), ``q_pe [N, H, D]``, ``k_pe [N, D]`` with unit last
 stride (they are views into the projections' outputs: ``q_b_proj``'s ``[N, H, 192]`` and
 ``kv_a_proj``'s ``[N, 576]``; rows and heads may be strided), ``inv_freq [D/2]`` fp32. Returns new
-contiguous ``[N, H, D]`` and ``[N, D]`` in the inputs' dtypes. Grid ``(N,)``; no host sync, the
+contiguous ``[N, H, D]`` and ``[N, D]`` in the inputs' dtypes. Grid ``(N, (H + 1) / 8)``: a
+program rotates 8 rows of one token (row ``H`` is ``k_pe``). No host sync, the
 outputs are the only allocations (CUDA-graph capturable).
 """
 
@@ -40,33 +41,36 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _rotate(ptr, out_ptr, offs_h, stride_h, stride_oh, HEADS, pairs, c, s, HALF):
-    """Rotate ``[BH, BP]`` pairs of rows ``offs_h`` (stride ``stride_h``) into ``out_ptr``."""
-    mask = (offs_h < HEADS)[:, None] & (pairs < HALF)[None, :]
-    src = ptr + offs_h[:, None] * stride_h + 2 * pairs[None, :]
-    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
-    dst = out_ptr + offs_h[:, None] * stride_oh + 2 * pairs[None, :]
-    ty = out_ptr.dtype.element_ty
-    tl.store(dst, (x1 * c - x2 * s).to(ty), mask=mask)
-    tl.store(dst + 1, (x2 * c + x1 * s).to(ty), mask=mask)
+def _rotate_row(src, dst, pairs, mask, c, s):
+    """Rotate the ``[BP]`` pairs of one row (unit stride) from ``src`` into ``dst``."""
+    x1 = tl.load(src + 2 * pairs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + 2 * pairs + 1, mask=mask, other=0.0).to(tl.float32)
+    ty = dst.dtype.element_ty
+    tl.store(dst + 2 * pairs, (x1 * c - x2 * s).to(ty), mask=mask)
+    tl.store(dst + 2 * pairs + 1, (x2 * c + x1 * s).to(ty), mask=mask)
 
 
 @triton.jit
 def _rope_qk_kernel(pos_ptr, freq_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, attn_factor, H, HALF,
                     stride_qn, stride_qh, stride_kn, stride_qon, stride_qoh, stride_kon,
-                    BH: tl.constexpr, BP: tl.constexpr):
+                    HB: tl.constexpr, BP: tl.constexpr):
+    # Rows h = hb*HB .. hb*HB+HB-1 of token n, where row H is k_pe. Each row is rotated with
+    # 1-d [BP] vectors in cos/sin's own layout: a [heads, pairs] tile would let the compiler
+    # recompute the (slow, large-argument) cos/sin for every broadcast element.
     n = tl.program_id(0).to(tl.int64)
+    h0 = tl.program_id(1) * HB
     pairs = tl.arange(0, BP)
-    f = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + pairs, mask=pairs < HALF,
-                                                       other=0.0)
-    c = (tl.cos(f) * attn_factor)[None, :]
-    s = (tl.sin(f) * attn_factor)[None, :]
-    heads = tl.arange(0, BH)
-    _rotate(q_ptr + n * stride_qn, qo_ptr + n * stride_qon, heads, stride_qh, stride_qoh, H,
-            pairs, c, s, HALF)
-    one = tl.arange(0, 1)
-    _rotate(k_ptr + n * stride_kn, ko_ptr + n * stride_kon, one, 0, 0, 1, pairs, c, s, HALF)
+    mask = pairs < HALF
+    f = tl.load(pos_ptr + n).to(tl.float32) * tl.load(freq_ptr + pairs, mask=mask, other=0.0)
+    c = tl.cos(f) * attn_factor
+    s = tl.sin(f) * attn_factor
+    for i in tl.static_range(HB):
+        h = h0 + i
+        if h < H:
+            _rotate_row(q_ptr + n * stride_qn + h * stride_qh,
+                        qo_ptr + n * stride_qon + h * stride_qoh, pairs, mask, c, s)
+        elif h == H:
+            _rotate_row(k_ptr + n * stride_kn, ko_ptr + n * stride_kon, pairs, mask, c, s)
 
 
 # ---- torch twins ---------------------------------------------------------------------------
@@ -137,10 +141,9 @@ def rope_qk(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
     k_out = torch.empty((n, d), dtype=k_pe.dtype, device=k_pe.device)
     if n == 0 or h == 0:
         return q_out, k_out
-    bh = triton.next_power_of_2(h)
-    warps = 4 if bh * d >= 4096 else 2 if bh * d >= 1024 else 1
-    _rope_qk_kernel[(n,)](
+    hb = 8 if h >= 8 else h + 1  # rows per program (row h is k_pe); h + 1 rows in all
+    _rope_qk_kernel[(n, triton.cdiv(h + 1, hb))](
         positions, inv_freq, q_pe, k_pe, q_out, k_out, float(attention_factor), h, d // 2,
         q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), q_out.stride(0), q_out.stride(1),
-        k_out.stride(0), BH=bh, BP=triton.next_power_of_2(d // 2), num_warps=warps)
+        k_out.stride(0), HB=hb, BP=triton.next_power_of_2(d // 2), num_warps=1)
     return q_out, k_out

@@ -184,21 +184,33 @@ class MoEGate(nn.Module):
         # the routing shape is fixed: whether the kernel handles it is known once
         self._kernel_fits = fused_route_supports(E, self.n_group, self.topk_group, self.top_k)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [N, hidden]`` -> ``(topk_weights [N, k] fp32, topk_ids [N, k] int64)``."""
-        logits = F.linear(x.float(), self.weight.float())
+    def forward(self, x: torch.Tensor, *, shared_id: int | None = None,
+                ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [N, hidden]`` -> ``(topk_weights [N, k] fp32, topk_ids [N, k] int64)``.
+
+        For the fused NVFP4 MoE: ``shared_id`` appends the column ``(shared_id, 1.0)``
+        (``[N, k + 1]``, see :func:`with_shared_column`) and ``ids_dtype`` may be int32, both
+        written by the fused router kernel itself where it runs.
+        """
         kw = dict(top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
                   norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.scale,
                   scoring_func=self.scoring_func)
         if self.fused_router is None:  # by default only where the kernel handles the shape
-            fused = FUSED_ROUTER and logits.is_cuda and self._kernel_fits
+            fused = FUSED_ROUTER and x.is_cuda and self._kernel_fits
         else:
             fused = self.fused_router
-        if fused and use_triton(logits) and not torch.is_grad_enabled():
-            from mla_spec.kernels.moe_router import fused_route
+        if fused and use_triton(x) and not torch.is_grad_enabled():
+            from mla_spec.kernels.moe_router import fused_route, gate_logits
 
-            return fused_route(logits, self.e_score_correction_bias, **kw)
-        return route_tokens(logits, self.e_score_correction_bias, **kw)
+            logits = gate_logits(x, self.weight) if x.is_cuda else F.linear(
+                x.float(), self.weight.float())
+            return fused_route(logits, self.e_score_correction_bias, shared_id=shared_id,
+                               ids_dtype=ids_dtype, **kw)
+        logits = F.linear(x.float(), self.weight.float())
+        w, ids = route_tokens(logits, self.e_score_correction_bias, **kw)
+        if shared_id is not None:
+            ids, w = with_shared_column(ids, w, shared_expert_column(shared_id, ids.device))
+        return w, ids.to(ids_dtype)
 
 
 class DeepseekV3MoE(nn.Module):
@@ -357,12 +369,15 @@ class DeepseekV3MoE(nn.Module):
         """``[..., hidden]`` -> ``[..., hidden]`` (all-reduced)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        topk_weights, topk_ids = self.gate(x)
-        shared_done = False
         if self._use_fused(x):
+            # the router writes the shared column and int32 ids itself (no cat / cast kernels)
             shared_done = self._fuse_shared() and shared_fusion_pays(x.shape[0])
-            out = self.fused_experts_forward(x, topk_weights, topk_ids, with_shared=shared_done)
-        elif self._use_grouped(x):
+            topk_weights, topk_ids = self.gate(
+                x, shared_id=len(self.experts) if shared_done else None, ids_dtype=torch.int32)
+            return self._finish(x, self.fused_experts_forward(x, topk_weights, topk_ids),
+                                shape, shared_done)
+        topk_weights, topk_ids = self.gate(x)
+        if self._use_grouped(x):
             out = grouped_experts_forward(x, topk_weights, topk_ids, *self._dense)
         elif self.fused_mode == "masked" or (
             self.fused_mode == "auto" and x.is_cuda and not torch.is_grad_enabled()
@@ -370,6 +385,11 @@ class DeepseekV3MoE(nn.Module):
             out = self.masked_experts_forward(x, topk_weights, topk_ids)
         else:
             out = self.experts_forward(x, topk_weights, topk_ids)
+        return self._finish(x, out, shape, False)
+
+    def _finish(self, x: torch.Tensor, out: torch.Tensor, shape, shared_done: bool
+                ) -> torch.Tensor:
+        """Add the (unfused) shared expert, all-reduce, restore the leading dims."""
         if self.shared_experts is not None and not shared_done:
             out = out + self.shared_experts(x)
         return tp_all_reduce(out, self.tp_size).view(shape)
