@@ -15,9 +15,11 @@ Two stacks on the same shapes, in the same run:
 
 - ``ours``: experts, shared expert and dense MLP in NVFP4 (random bytes in ModelOpt's layout,
   Triton W4A16 kernels ``fused_moe_nvfp4`` / ``nvfp4_gemm``), attention projections BF16
-  (cuBLAS), MLA over an FP8 (e4m3) KV cache with our Triton backend;
-- ``base``: what a Hopper user would otherwise pick: every weight BF16 (cuBLAS; routed experts
-  through ``torch._grouped_mm``, torch's grouped GEMM), FlashInfer MLA over a BF16 KV cache.
+  (our BF16 GEMV at 1-2 tokens, cuBLAS above), MLA over an FP8 (e4m3) KV cache with our
+  Triton backend;
+- ``base``: what a Hopper user would otherwise pick: every weight BF16 (cuBLAS for every
+  linear; routed experts through ``torch._grouped_mm``, torch's grouped GEMM), FlashInfer MLA
+  over a BF16 KV cache. Fused norms, RoPE and router are shared by both stacks.
 
 Modes: DECODE (q 1) and TARGET_VERIFY (q 4) for the target layer, DRAFT_EXTEND_V2 (q 4) and
 DECODE for the MTP layer, at batch 1, 8, 32, 128 and context 1k, 8k, 32k. Each piece (whole
@@ -52,6 +54,7 @@ from mla_spec.attention import create_backend  # noqa: E402
 from mla_spec.config import ModelConfig  # noqa: E402
 from mla_spec.forward_batch import ForwardBatch  # noqa: E402
 from mla_spec.forward_mode import ForwardMode  # noqa: E402
+from mla_spec.kernels import bf16_gemv  # noqa: E402
 from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4  # noqa: E402
 from mla_spec.kv_cache import MLATokenToKVPool  # noqa: E402
 from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer  # noqa: E402
@@ -293,6 +296,8 @@ MTP_MODES = (ForwardMode.DRAFT_EXTEND_V2, ForwardMode.DECODE)
 
 def _time_into(rec, key, side_name, timer, fn, prepare=None):
     label = f"{side_name} {key[1]} {key[0]}/{key[2]} bs {key[3]} ctx {key[4]}"
+    # base = cuBLAS for every BF16 weight: our BF16 GEMV (attention projections) is ours only
+    saved, bf16_gemv.BF16_GEMV = bf16_gemv.BF16_GEMV, side_name != "base" and bf16_gemv.BF16_GEMV
     try:
         if prepare is not None:
             prepare()  # plan right before capture: FlashInfer keeps one plan per wrapper
@@ -304,6 +309,8 @@ def _time_into(rec, key, side_name, timer, fn, prepare=None):
     except Exception as e:  # keep the run going; the table shows nan
         timer.notes.append(f"{label}: failed ({type(e).__name__}: {str(e)[:160]})")
         rec.setdefault(key, {})[side_name] = (math.nan, False)
+    finally:
+        bf16_gemv.BF16_GEMV = saved
 
 
 def _target_pieces(s: Side, b, x, qn, qp, with_mlp: bool) -> dict:

@@ -10,6 +10,7 @@ graph whose calls rotate over 12 weight copies (88 MB, past the 60 MB L2):
 - ``logits``: torch (a cast kernel + cuBLAS fp32 GEMV) vs ``gate_logits`` at every candidate
   ``GateConfig`` (checked against the twin first); the best one is printed as the suggested
   ``GATE_CONFIGS`` row;
+- ``route``: ``fused_route`` alone at 1, 2, 4, 8 warps (``ROUTE_WARPS``);
 - ``router``: the old chain (torch logits, ``fused_route``, two ``torch.cat`` for the shared
   column, an int64 -> int32 copy) vs the new one (``gate_logits``, ``fused_route`` writing
   the shared column and int32 ids).
@@ -89,6 +90,17 @@ def bench_tokens(n: int) -> tuple[list[dict], GateConfig]:
     rows.append(dict(n=n, what="logits", impl=f"ours default {default}", us=def_us))
     if best is not None:
         rows.append(dict(n=n, what="logits", impl=f"ours best {best[1]}", us=best[0]))
+    import mla_spec.kernels.moe_router as mr
+
+    logits = gate_logits_ref(x, ws[0])
+    default_warps = mr.ROUTE_WARPS
+    for warps in (1, 2, 4, 8):
+        mr.ROUTE_WARPS = warps
+        us = bench.graph_us([lambda: fused_route(logits, bias, shared_id=E,
+                                                 ids_dtype=torch.int32, **ROUTE)] * 8)
+        rows.append(dict(n=n, what="route", impl=f"fused_route, {warps} warps"
+                         + (" (default)" if warps == default_warps else ""), us=us))
+    mr.ROUTE_WARPS = default_warps
     sid = torch.full((1, 1), E, dtype=torch.int64, device="cuda")
     scol = torch.ones((1, 1), device="cuda")
     a, b = _old_router(x, ws[0], bias, sid, scol), _new_router(x, ws[0], bias)
@@ -100,7 +112,7 @@ def bench_tokens(n: int) -> tuple[list[dict], GateConfig]:
     rows.append(dict(n=n, what="router", impl=f"new: gate_logits + route (same: {same})",
                      us=new_us))
     for r in rows:
-        ref_us = torch_us if r["what"] == "logits" else old_us
+        ref_us = {"logits": torch_us, "router": old_us}.get(r["what"], r["us"])
         r["ratio"] = ref_us / r["us"]
         r["gbps"] = mb / r["us"] * 1e3
     return rows, (best[1] if best else default)

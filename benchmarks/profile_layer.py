@@ -43,6 +43,7 @@ from mla_spec.forward_mode import ForwardMode  # noqa: E402
 TOGGLES = (
     ("rope", "mla_spec.models.rope", "FUSED_ROPE"),
     ("qkv_a", "mla_spec.models.mla", "FUSED_QKV_A"),
+    ("bf16_gemv", "mla_spec.kernels.bf16_gemv", "BF16_GEMV"),
 )
 
 

@@ -14,7 +14,8 @@ start=$(date +%s)
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$RES/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)" | tee -a "$RES/device.txt"
 STEPS=${STEPS:-"sweep_mla sweep_nvfp4 gpu_tests bench_pad bench_layer bench_e2e demo_tp1"}
-# optional steps (named in STEPS): sweep_gemv, bench_rope, profile_layer, bench_router, layer_tests, pad_tests, nvfp4_tests,
+# optional steps (named in STEPS): sweep_gemv, bench_rope, profile_layer, bench_router, bench_bf16_gemv,
+# layer_tests, pad_tests, nvfp4_tests,
 # norm_tests
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
@@ -33,12 +34,13 @@ step sweep_nvfp4 90 env SWEEP_DEADLINE_S=${SWEEP_DEADLINE_S:-60} python3 benchma
 step sweep_gemv  270 python3 benchmarks/sweep_gemv.py ${SWEEP_GEMV_ARGS:---moe --deadline 14}
 step pad_tests   90 python3 -m pytest tests/kernels/test_draft_extend_pad.py -q -x -p no:cacheprovider
 step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemv.py tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_configs.py -q -p no:cacheprovider
-step layer_tests 120 python3 -m pytest tests/kernels/test_rope_kernel.py tests/models/test_rope.py tests/models/test_qkv_a_fusion.py tests/kernels/test_moe_router.py tests/models/test_moe_routing.py tests/models/test_shared_expert_fusion.py -q -p no:cacheprovider
+step layer_tests 120 python3 -m pytest tests/kernels/test_rope_kernel.py tests/models/test_rope.py tests/models/test_qkv_a_fusion.py tests/kernels/test_moe_router.py tests/models/test_moe_routing.py tests/models/test_shared_expert_fusion.py tests/kernels/test_bf16_gemv.py -q -p no:cacheprovider
 step norm_tests  60 python3 -m pytest -m gpu tests/kernels/test_rmsnorm.py -q -s -p no:cacheprovider
 step gpu_tests  200 python3 -m pytest -m gpu tests -q -p no:cacheprovider
 step bench_pad   60 python3 benchmarks/bench_pad.py ${BENCH_PAD_ARGS:---quick}
 step bench_rope  60 python3 benchmarks/bench_rope.py
 step bench_router 90 python3 benchmarks/bench_router.py
+step bench_bf16_gemv 150 python3 benchmarks/bench_bf16_gemv.py ${BENCH_BF16_GEMV_ARGS:---deadline 110}
 step profile_layer 90 python3 benchmarks/profile_layer.py ${PROFILE_LAYER_ARGS:-}
 step bench_layer 55 python3 benchmarks/bench_layer.py ${BENCH_LAYER_ARGS:---quick --budget-s 30}
 step bench_e2e   30 python3 benchmarks/bench_e2e.py --device cuda --batch-sizes 1,32 --max-new-tokens 32

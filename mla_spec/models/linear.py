@@ -18,9 +18,9 @@ A column-parallel layer followed by a row-parallel one needs exactly one all-red
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mla_spec.kernels.bf16_gemv import gemv_linear
 from mla_spec.parallel import tp_all_reduce
 
 __all__ = ["ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear"]
@@ -92,7 +92,7 @@ class _TPLinear(nn.Module):
             from mla_spec.models.nvfp4_compat import nvfp4_linear
 
             return nvfp4_linear(x, self)
-        return F.linear(x, self.weight)
+        return gemv_linear(x, self.weight)
 
     def extra_repr(self) -> str:
         q = ", nvfp4" if self.quantized else ""

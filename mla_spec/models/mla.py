@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mla_spec.kernels.bf16_gemv import bgemv, bgemv_supported, gemv_linear
 from mla_spec.models.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mla_spec.models.norm import RMSNorm
 from mla_spec.models.rope import DeepseekRotaryEmbedding
@@ -165,7 +166,7 @@ class MLAAttention(nn.Module):
         """
         w_qkv_a = self._qkv_a_weight()
         if w_qkv_a is not None:  # one GEMM for q_a_proj and kv_a_proj_with_mqa
-            q_a, latent = F.linear(x, w_qkv_a).split(
+            q_a, latent = gemv_linear(x, w_qkv_a).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1)
             q_nope, q_pe = self._q(x, q_a)
             ckv, k_pe = self._latent(x, latent)
@@ -174,10 +175,10 @@ class MLAAttention(nn.Module):
             ckv, k_pe = self._latent(x)
         q_pe, kpe = self.rotary_emb(positions, q_pe, k_pe)
         w_uk, w_uv = self.absorbed_weights(x.dtype)
-        q_nope_abs = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)  # [N, H, 512]
+        q_nope_abs = _absorb_uk(q_nope, w_uk)  # [N, H, 512]
         batch.token_to_kv_pool.store(self.layer_id, batch.out_cache_loc, ckv, kpe)
         out = batch.attn_backend.forward(q_nope_abs, q_pe, self.layer_id, batch)  # [N, H, 512]
-        out = torch.einsum("nhc,hvc->nhv", out.to(x.dtype), w_uv)  # [N, H, 128]
+        out = _absorb_uv(out.to(x.dtype), w_uv)  # [N, H, 128]
         return self.o_proj(out.flatten(1))
 
     # ---- training: dense causal, non-absorbed --------------------------------------------
@@ -196,3 +197,28 @@ class MLAAttention(nn.Module):
             is_causal=True, scale=self.softmax_scale,
         )  # [B, H, T, 128]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+def _absorb_uk(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """``q_nope [N, H, 128] @ W_UK [H, 128, 512]`` per head -> ``[N, H, 512]``: the BF16 GEMV
+    at decode sizes on CUDA (``w[h, n=c, k=d]``, N-contiguous), else einsum."""
+    x, w = q_nope.transpose(0, 1), w_uk.transpose(1, 2)  # [H, N, 128], [H, 512, 128]
+    if bgemv_supported(x, w) is None:
+        out = torch.empty(q_nope.shape[0], w_uk.shape[0], w_uk.shape[2], dtype=q_nope.dtype,
+                          device=q_nope.device)
+        bgemv(x, w, out.transpose(0, 1))
+        return out
+    return torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+
+
+def _absorb_uv(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """``o_latent [N, H, 512]`` times ``W_UV [H, 128, 512]^T`` per head -> ``[N, H, 128]``
+    (contiguous: ``o_proj`` reads it flattened): the BF16 GEMV at decode sizes on CUDA, else
+    einsum."""
+    x = o_latent.transpose(0, 1)  # [H, N, 512]
+    if bgemv_supported(x, w_uv) is None:
+        out = torch.empty(o_latent.shape[0], w_uv.shape[0], w_uv.shape[1], dtype=o_latent.dtype,
+                          device=o_latent.device)
+        bgemv(x, w_uv, out.transpose(0, 1))
+        return out
+    return torch.einsum("nhc,hvc->nhv", o_latent, w_uv)

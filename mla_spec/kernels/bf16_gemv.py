@@ -1,0 +1,171 @@
+"""BF16 GEMV for the attention block's projections at decode sizes (1-2 tokens).
+
+NVIDIA's DeepSeek FP4 checkpoints keep attention in BF16, so at batch 1 the attention block is
+five weight reads per layer and rank (TP 4): the joint ``q_a`` / ``kv_a`` projection
+(2112 x 7168), ``q_b`` (6144 x 1536), ``o_proj`` (7168 x 4096) and the two absorbed
+``kv_b`` halves (``W_UK``, ``W_UV``: 32 heads x 128 x 512 each). cuBLAS reads the first three
+at 2.4-3.4 TB/s plus a split-K reduction kernel for two of them, and the per-head einsums at
+~1 TB/s (H200 profile, ``benchmarks/profile_layer.py``). Here one kernel covers all five::
+
+    y[b, m, n] = sum_k x[b, m, k] * w[b, n, k]          fp32 products and sums, y in x's dtype
+
+with any strides (``b``: the head of the absorbed products, 1 for a linear layer), so
+
+- a linear layer is ``x [M, K]``, ``w [N, K]`` (K contiguous);
+- ``W_UK`` (``q_nope_abs = q_nope @ W_UK``) reads ``w[h, n=c, k=d] = W_UK[h, d, c]``: the
+  weight's N axis is the contiguous one, and the kernel's tile follows it;
+- ``W_UV`` reads the attention output ``[M, H, 512]`` as ``x[h, m, k]`` and writes
+  ``[M, H, 128]`` directly in the layout ``o_proj`` takes (no permute copies).
+
+Layout of the work: grid ``(N / BLOCK_N, B)``; a program owns ``BLOCK_N`` outputs for every
+token and walks K in ``BLOCK_K`` steps, issuing step i+1's loads before step i's math (register
+double buffering: the GEMV is latency-bound, the same lesson as the NVFP4 GEMV). Torch twin:
+:func:`bgemv_ref`. Used by ``models.linear`` (BF16 linears) and ``models.mla`` (the absorbed
+products) on CUDA at ``M <= BF16_GEMV_MAX_M`` tokens (``BF16_GEMV``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mla_spec.device import use_triton
+
+__all__ = ["BF16_GEMV", "BF16_GEMV_MAX_M", "BgemvConfig", "bgemv", "bgemv_config", "bgemv_ref",
+           "bgemv_supported", "gemv_linear"]
+
+#: On by default on CUDA (read at every call); False: cuBLAS / einsum everywhere.
+BF16_GEMV = True
+#: Tokens up to which the GEMV runs (above: cuBLAS, an MMA kernel is right there).
+BF16_GEMV_MAX_M = 2
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class BgemvConfig:
+    """``block_n`` outputs x ``block_k`` reduction elements per step, ``num_warps``."""
+
+    block_n: int = 16
+    block_k: int = 512
+    num_warps: int = 4
+
+
+#: (N, K, contiguous axis) -> config, from ``benchmarks/bench_bf16_gemv.py`` on the H200.
+PINNED: dict[tuple[int, int, str], BgemvConfig] = {}
+
+
+def bgemv_config(n: int, k: int, k_contiguous: bool) -> BgemvConfig:
+    """``PINNED`` for the shape, else a rule: K-contiguous weights take 16 x 512 tiles (a warp
+    reads 4 rows x 256 contiguous bytes per step); N-contiguous ones (``W_UK``) 64 x 32."""
+    pinned = PINNED.get((n, k, "k" if k_contiguous else "n"))
+    if pinned is not None:
+        return pinned
+    if k_contiguous:
+        return BgemvConfig(16 if n >= 16 else triton.next_power_of_2(n),
+                           min(512, triton.next_power_of_2(k)), 4)
+    return BgemvConfig(min(64, triton.next_power_of_2(n)), min(32, triton.next_power_of_2(k)), 4)
+
+
+# N and K stay specializable: Triton marks sizes divisible by 16, which lets the masked edge
+# tiles keep 16-byte vector loads (with K opaque every load was a 2-byte one).
+@triton.jit(do_not_specialize=["M"])
+def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
+                  s_xb, s_xm, s_xk, s_wb, s_wn, s_wk, s_yb, s_ym, s_yn,
+                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_n = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_m = tl.arange(0, MP)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    x_ptrs = x_ptr + b * s_xb + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk
+    w_ptrs = (w_ptr + b * s_wb + offs_n[:, None].to(tl.int64) * s_wn
+              + offs_k[None, :] * s_wk)
+    k_ok = offs_k < K
+    x_cur = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+    w_cur = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    acc = tl.zeros([MP, BN], dtype=tl.float32)
+    for k0 in range(BK, K + BK, BK):
+        k_ok = k0 + offs_k < K
+        x_nxt = tl.load(x_ptrs + k0 * s_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w_nxt = tl.load(w_ptrs + k0 * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc += tl.sum(x_cur.to(tl.float32)[:, None, :] * w_cur.to(tl.float32)[None, :, :], 2)
+        x_cur = x_nxt
+        w_cur = w_nxt
+    y_ptrs = y_ptr + b * s_yb + offs_m[:, None] * s_ym + offs_n[None, :] * s_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def bgemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """Torch twin: ``x [B, M, K]``, ``w [B, N, K]`` -> ``[B, M, N]`` (fp32 math, x's dtype)."""
+    y = torch.matmul(x.float(), w.float().transpose(1, 2)).to(x.dtype)
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
+
+
+def bgemv_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    """None if :func:`bgemv` runs its kernel on these operands, else the reason (the callers
+    then keep cuBLAS / einsum)."""
+    if not BF16_GEMV:
+        return "BF16_GEMV is off"
+    if not x.is_cuda or not use_triton(x):
+        return "not a CUDA tensor"
+    if x.dim() != 3 or w.dim() != 3:
+        return "x must be [B, M, K] and w [B, N, K]"
+    if x.shape[1] > BF16_GEMV_MAX_M:
+        return f"M = {x.shape[1]} > BF16_GEMV_MAX_M = {BF16_GEMV_MAX_M}"
+    if x.dtype not in _DTYPES or w.dtype != x.dtype:
+        return f"dtypes {x.dtype} / {w.dtype}: one of {_DTYPES} for both"
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return "autograd"
+    return None
+
+
+def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+          cfg: BgemvConfig | None = None) -> torch.Tensor:
+    """``y[b] = x[b] @ w[b]^T``: ``x [B, M, K]``, ``w [B, N, K]`` (any strides) -> ``[B, M, N]``
+    in x's dtype (``out`` may be a strided view, e.g. ``[M, H, Dv]`` seen as ``[H, M, Dv]``).
+
+    Runs the kernel where :func:`bgemv_supported` allows (CUDA) or, under the CPU interpreter,
+    when called directly (tests); the twin elsewhere. No host sync (CUDA-graph safe).
+    """
+    if x.dim() != 3 or w.dim() != 3 or x.shape[0] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"bgemv expects x [B, M, K] and w [B, N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(w.shape)}")
+    bsz, m, k = x.shape
+    n = w.shape[1]
+    if out is not None and (out.shape != (bsz, m, n) or out.dtype != x.dtype):
+        raise ValueError(f"out must be {x.dtype} [{bsz}, {m}, {n}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if x.device != w.device:
+        raise ValueError(f"x on {x.device}, w on {w.device}: one device expected")
+    if not use_triton(x) or x.dtype not in _DTYPES or w.dtype != x.dtype:
+        return bgemv_ref(x, w, out)
+    y = out if out is not None else torch.empty((bsz, m, n), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    cfg = cfg or bgemv_config(n, k, w.stride(2) == 1)
+    _bgemv_kernel[(triton.cdiv(n, cfg.block_n), bsz)](
+        x, w, y, m, n, k, x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
+        w.stride(2), y.stride(0), y.stride(1), y.stride(2),
+        MP=max(triton.next_power_of_2(m), 1), BN=cfg.block_n, BK=cfg.block_k,
+        num_warps=cfg.num_warps)
+    return y
+
+
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) through :func:`bgemv` when it applies (CUDA, at most
+    ``BF16_GEMV_MAX_M`` rows, one dtype), else ``F.linear``. ``x [..., K]``, ``weight [N, K]``."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if bgemv_supported(x2[None], weight[None]) is None:
+        return bgemv(x2[None], weight[None])[0].view(*x.shape[:-1], weight.shape[0])
+    return torch.nn.functional.linear(x, weight)
