@@ -21,7 +21,8 @@ Layout of the work: grid ``(N / BLOCK_N, B)``; a program owns ``BLOCK_N`` output
 token and walks K in ``BLOCK_K`` steps, issuing step i+1's loads before step i's math (register
 double buffering: the GEMV is latency-bound, the same lesson as the NVFP4 GEMV). Torch twin:
 :func:`bgemv_ref`. Used by ``models.linear`` (BF16 linears) and ``models.mla`` (the absorbed
-products) on CUDA at ``M <= BF16_GEMV_MAX_M`` tokens (``BF16_GEMV``).
+products) on CUDA at ``M <= BF16_GEMV_MAX_M`` tokens (``BF16_GEMV``), for the shapes where it
+measured faster than cuBLAS (``PINNED``).
 """
 
 from __future__ import annotations
@@ -53,19 +54,25 @@ class BgemvConfig:
     num_warps: int = 4
 
 
-#: (N, K, contiguous axis) -> config, from ``benchmarks/bench_bf16_gemv.py`` on the H200.
-PINNED: dict[tuple[int, int, str], BgemvConfig] = {}
+#: (M, N, K, contiguous axis "k" | "n") -> tile, for the shapes where the GEMV beat cuBLAS /
+#: einsum on the H200 (``benchmarks/bench_bf16_gemv.py``, docs/bench_bf16_gemv.md). The model
+#: runs the GEMV on these shapes only; every other shape keeps cuBLAS.
+PINNED: dict[tuple[int, int, int, str], BgemvConfig] = {}
 
 
-def bgemv_config(n: int, k: int, k_contiguous: bool) -> BgemvConfig:
-    """``PINNED`` for the shape, else a rule: K-contiguous weights take 16 x 512 tiles (a warp
-    reads 4 rows x 256 contiguous bytes per step); N-contiguous ones (``W_UK``) 64 x 32."""
-    pinned = PINNED.get((n, k, "k" if k_contiguous else "n"))
+def _key(m: int, n: int, k: int, k_contiguous: bool) -> tuple[int, int, int, str]:
+    return (m, n, k, "k" if k_contiguous else "n")
+
+
+def bgemv_config(m: int, n: int, k: int, k_contiguous: bool) -> BgemvConfig:
+    """``PINNED`` for the shape, else a rule: K-contiguous weights take 4 x 1024 tiles (a warp
+    streams one row's 2 KB per step); N-contiguous ones (``W_UK``) 64 x 32."""
+    pinned = PINNED.get(_key(m, n, k, k_contiguous))
     if pinned is not None:
         return pinned
     if k_contiguous:
-        return BgemvConfig(16 if n >= 16 else triton.next_power_of_2(n),
-                           min(512, triton.next_power_of_2(k)), 4)
+        return BgemvConfig(min(4, triton.next_power_of_2(n)), min(1024, triton.next_power_of_2(k)),
+                           4)
     return BgemvConfig(min(64, triton.next_power_of_2(n)), min(32, triton.next_power_of_2(k)), 4)
 
 
@@ -88,14 +95,16 @@ def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     k_ok = offs_k < K
     x_cur = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     w_cur = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-    acc = tl.zeros([MP, BN], dtype=tl.float32)
+    # per-lane partial sums: the cross-lane reduction runs once, after the loop
+    acc = tl.zeros([MP, BN, BK], dtype=tl.float32)
     for k0 in range(BK, K + BK, BK):
         k_ok = k0 + offs_k < K
         x_nxt = tl.load(x_ptrs + k0 * s_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w_nxt = tl.load(w_ptrs + k0 * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += tl.sum(x_cur.to(tl.float32)[:, None, :] * w_cur.to(tl.float32)[None, :, :], 2)
+        acc += x_cur.to(tl.float32)[:, None, :] * w_cur.to(tl.float32)[None, :, :]
         x_cur = x_nxt
         w_cur = w_nxt
+    acc = tl.sum(acc, 2)
     y_ptrs = y_ptr + b * s_yb + offs_m[:, None] * s_ym + offs_n[None, :] * s_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -125,6 +134,8 @@ def bgemv_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
         return f"dtypes {x.dtype} / {w.dtype}: one of {_DTYPES} for both"
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return "autograd"
+    if _key(x.shape[1], w.shape[1], x.shape[2], w.stride(2) == 1) not in PINNED:
+        return "no measured tile for this shape (cuBLAS reads it as fast)"
     return None
 
 
@@ -153,7 +164,7 @@ def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         return y
     if k == 0:
         return y.zero_()
-    cfg = cfg or bgemv_config(n, k, w.stride(2) == 1)
+    cfg = cfg or bgemv_config(m, n, k, w.stride(2) == 1)
     _bgemv_kernel[(triton.cdiv(n, cfg.block_n), bsz)](
         x, w, y, m, n, k, x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
         w.stride(2), y.stride(0), y.stride(1), y.stride(2),

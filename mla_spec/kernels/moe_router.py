@@ -48,8 +48,9 @@ __all__ = ["GATE_GEMV_MAX_N", "GateConfig", "fused_route", "fused_route_ref",
 
 
 #: Warps of the routing program at E >= 256 (smaller E: 1). Its argmax rounds are block-wide
-#: reductions, which a single warp does with shuffles alone.
-ROUTE_WARPS = 4
+#: reductions, which a single warp does with shuffles alone: 3.8 µs per call in a CUDA graph on
+#: the H200 at 1 warp, 5.6 at 4 (``benchmarks/bench_router.py``).
+ROUTE_WARPS = 1
 
 
 @triton.jit(do_not_specialize=["shared_id"])
