@@ -85,7 +85,7 @@ def bench_shape(name, heads, n, k, kind, m, deadline) -> dict:
     x0, w0, _, cublas0 = ops[0]
     ref = cublas0().reshape(-1).float()
     cublas_us = bench.graph_us([c for *_, c in ops])
-    default = bgemv_config(m, n, k, kind != "uk")
+    default = bgemv_config(heads, m, n, k, kind != "uk")
     cands = [default] + [c for c in (N_CANDIDATES if kind == "uk" else K_CANDIDATES)
                          if c != default]
     best, default_us = None, None
@@ -133,13 +133,14 @@ def main(argv=None) -> None:
             budget = (t0 + args.deadline - time.perf_counter()) / max(left, 1)
             rows.append(bench_shape(name, heads, n, k, kind, m, time.perf_counter() + budget))
             torch.cuda.empty_cache()
-    print("\nsuggested PINNED rows (M, N, K, contiguous axis) -> BgemvConfig, where ours beat "
+    print("\nsuggested PINNED rows (B, M, N, K, contiguous axis) -> BgemvConfig, where ours beat "
           "cuBLAS by >= 3%:")
     for r in rows:
         if r["best"] and r["best_us"] < 0.97 * r["cublas_us"]:
             b = r["best"]
             axis = "n" if r["kind"] == "uk" else "k"
-            print(f"    ({r['m']}, {r['n']}, {r['k']}, {axis!r}): BgemvConfig({b['block_n']}, "
+            print(f"    ({r['heads']}, {r['m']}, {r['n']}, {r['k']}, {axis!r}): "
+                  f"BgemvConfig({b['block_n']}, "
                   f"{b['block_k']}, {b['num_warps']}),  # {r['shape']}: {r['best_us']:.2f} vs "
                   f"{r['cublas_us']:.2f} us")
     print("\n| shape | M | MB | cuBLAS µs | ours default µs | ours best µs | best tile | "

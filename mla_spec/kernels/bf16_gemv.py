@@ -54,20 +54,27 @@ class BgemvConfig:
     num_warps: int = 4
 
 
-#: (M, N, K, contiguous axis "k" | "n") -> tile, for the shapes where the GEMV beat cuBLAS /
-#: einsum on the H200 (``benchmarks/bench_bf16_gemv.py``, docs/bench_bf16_gemv.md). The model
-#: runs the GEMV on these shapes only; every other shape keeps cuBLAS.
-PINNED: dict[tuple[int, int, int, str], BgemvConfig] = {}
+#: (B, M, N, K, contiguous axis "k" | "n") -> tile, for the shapes where the GEMV beat cuBLAS /
+#: einsum by >= 3% on the H200 (``benchmarks/bench_bf16_gemv.py``, docs/bench_bf16_gemv.md,
+#: per call in a CUDA graph past the L2). The model runs the GEMV on these shapes only; every
+#: other shape keeps cuBLAS, which reads the rest as fast or faster.
+PINNED: dict[tuple[int, int, int, int, str], BgemvConfig] = {
+    (1, 1, 2112, 7168, "k"): BgemvConfig(2, 1024, 2),  # joint q_a/kv_a: 11.9 vs 13.9 µs
+    (1, 2, 2112, 7168, "k"): BgemvConfig(4, 512, 4),  # 13.5 vs 14.8 µs
+    (1, 1, 7168, 4096, "k"): BgemvConfig(4, 512, 4),  # o_proj TP 4: 20.8 vs 22.2 µs
+    (32, 1, 128, 512, "k"): BgemvConfig(4, 512, 2),  # W_UV TP 4: 4.0 vs 4.3 µs
+}
 
 
-def _key(m: int, n: int, k: int, k_contiguous: bool) -> tuple[int, int, int, str]:
-    return (m, n, k, "k" if k_contiguous else "n")
+def _key(b: int, m: int, n: int, k: int, k_contiguous: bool
+         ) -> tuple[int, int, int, int, str]:
+    return (b, m, n, k, "k" if k_contiguous else "n")
 
 
-def bgemv_config(m: int, n: int, k: int, k_contiguous: bool) -> BgemvConfig:
+def bgemv_config(b: int, m: int, n: int, k: int, k_contiguous: bool) -> BgemvConfig:
     """``PINNED`` for the shape, else a rule: K-contiguous weights take 4 x 1024 tiles (a warp
     streams one row's 2 KB per step); N-contiguous ones (``W_UK``) 64 x 32."""
-    pinned = PINNED.get(_key(m, n, k, k_contiguous))
+    pinned = PINNED.get(_key(b, m, n, k, k_contiguous))
     if pinned is not None:
         return pinned
     if k_contiguous:
@@ -134,7 +141,7 @@ def bgemv_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
         return f"dtypes {x.dtype} / {w.dtype}: one of {_DTYPES} for both"
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return "autograd"
-    if _key(x.shape[1], w.shape[1], x.shape[2], w.stride(2) == 1) not in PINNED:
+    if _key(x.shape[0], x.shape[1], w.shape[1], x.shape[2], w.stride(2) == 1) not in PINNED:
         return "no measured tile for this shape (cuBLAS reads it as fast)"
     return None
 
@@ -164,7 +171,7 @@ def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         return y
     if k == 0:
         return y.zero_()
-    cfg = cfg or bgemv_config(m, n, k, w.stride(2) == 1)
+    cfg = cfg or bgemv_config(bsz, m, n, k, w.stride(2) == 1)
     _bgemv_kernel[(triton.cdiv(n, cfg.block_n), bsz)](
         x, w, y, m, n, k, x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
         w.stride(2), y.stride(0), y.stride(1), y.stride(2),
