@@ -9,7 +9,9 @@ Implementations (all move the same bytes: the real rows, read + written; padded 
 - ours: ``mla_spec.kernels.draft_extend_pad`` (align="end", fill_padding=False, validate=False,
   variant="auto": the one-round-trip "small" kernels below ``SMALL_CALL_BYTES``, else "large");
   the columns ``small`` / ``large`` time both variants forced (graph), so one run shows where
-  the threshold belongs.
+  the threshold belongs. ``ours_nopdl``: the same without programmatic dependent launch
+  (``mla_spec.kernels.pdl``): in a graph of consecutive calls each launch then starts after the
+  previous call has finished instead of overlapping its tail.
 - sglang-style: written here from the description in ``shared/reference/sglang.md`` §4.6: one
   program per (padded row, 64-head tile, 64-dim tile), masked, contiguous tensors, launched through
   the normal Triton path with its ints specialized.
@@ -40,6 +42,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels import draft_extend_pad as dep
+from mla_spec.kernels import pdl
 from mla_spec.kernels.triton_launch import TritonLauncher
 
 GRAPH_CALLS = 20
@@ -188,6 +191,17 @@ def _ours(op, sets, seq, cu, max_q, total, variant):
         sets[i]["src"], seq, cu, total, out=sets[i]["dst"], validate=False, variant=variant)
 
 
+def _without_pdl(fn):
+    """``fn`` launched without programmatic dependent launch (in a graph: at capture)."""
+    def run(i):
+        old, pdl.PDL = pdl.PDL, False
+        try:
+            return fn(i)
+        finally:
+            pdl.PDL = old
+    return run
+
+
 def _impls(op, sets, seq, cu, max_q, total):
     ours = _ours(op, sets, seq, cu, max_q, total, "auto")
     if op == "pad":
@@ -201,7 +215,8 @@ def _impls(op, sets, seq, cu, max_q, total):
     copy = lambda i: sets[i]["flat"].copy_(src_flat[i])
     bare = lambda i: tcopy(src_flat[i], sets[i]["flat"])
     empty = lambda i: noop(sets[i]["flat"])
-    return {"ours": ours, "sglang": sgl, "torch": tch, "copy_": copy, "tcopy": bare, "noop": empty,
+    return {"ours": ours, "ours_nopdl": _without_pdl(ours), "sglang": sgl, "torch": tch,
+            "copy_": copy, "tcopy": bare, "noop": empty,
             "small": _ours(op, sets, seq, cu, max_q, total, "small"),
             "large": _ours(op, sets, seq, cu, max_q, total, "large")}
 
@@ -250,10 +265,10 @@ def bench_shape(op, h, bs, max_q, seed=0):
     for name, fn in impls.items():
         fn(0)
         before = dep.compile_count()
-        if name not in ("small", "large"):  # the forced variants: graph time only
+        if name not in ("small", "large", "ours_nopdl"):  # graph time only
             row[f"{name}_eager_us"] = _eager_us(fn, n_sets)
         row[f"{name}_graph_us"] = _graph_us(fn, n_sets)
-        if name in ("ours", "small", "large"):
+        if name in ("ours", "small", "large", "ours_nopdl"):
             assert dep.compile_count() == before, f"{name} recompiled during timing"
     row["ours_GBps"] = moved / row["ours_graph_us"] / 1e3
     row["copy_GBps"] = moved / row["copy__graph_us"] / 1e3
@@ -271,7 +286,7 @@ def bench_shape(op, h, bs, max_q, seed=0):
 COLS = [("op", "{}"), ("H", "{}"), ("bs", "{}"), ("max_q", "{}"), ("MB", "{:.2f}"),
         ("variant", "{}"), ("ours_eager_us", "{:.2f}"), ("sglang_eager_us", "{:.2f}"),
         ("torch_eager_us", "{:.1f}"), ("copy__eager_us", "{:.2f}"), ("tcopy_eager_us", "{:.2f}"),
-        ("noop_eager_us", "{:.2f}"), ("ours_graph_us", "{:.2f}"),
+        ("noop_eager_us", "{:.2f}"), ("ours_graph_us", "{:.2f}"), ("ours_nopdl_graph_us", "{:.2f}"),
         ("small_graph_us", "{:.2f}"), ("large_graph_us", "{:.2f}"),
         ("sglang_graph_us", "{:.2f}"), ("torch_graph_us", "{:.2f}"), ("copy__graph_us", "{:.2f}"),
         ("tcopy_graph_us", "{:.2f}"), ("noop_graph_us", "{:.2f}"), ("x_tcopy_graph", "{:.2f}"),
@@ -303,6 +318,8 @@ def summary(rows):
                      f"{med('copy__graph_us'):.2f} us (max "
                      f"{max(r['copy__graph_us'] for r in small):.2f}); ours/copy_ per row: max "
                      f"x{max(ratio):.2f}, median x{statistics.median(ratio):.2f}")
+        lines.append(f"calls < 1 MB in a graph without PDL: ours median "
+                     f"{med('ours_nopdl_graph_us'):.2f} us (PDL on: {med('ours_graph_us'):.2f})")
         lines.append(f"calls < 1 MB eager: ours median {med('ours_eager_us'):.2f} us, copy_ "
                      f"{med('copy__eager_us'):.2f} us, sglang-style "
                      f"{med('sglang_eager_us'):.2f} us")

@@ -44,6 +44,7 @@ TOGGLES = (
     ("rope", "mla_spec.models.rope", "FUSED_ROPE"),
     ("qkv_a", "mla_spec.models.mla", "FUSED_QKV_A"),
     ("bf16_gemv", "mla_spec.kernels.bf16_gemv", "BF16_GEMV"),
+    ("pdl", "mla_spec.kernels.pdl", "PDL"),
 )
 
 

@@ -34,7 +34,7 @@ step sweep_nvfp4 90 env SWEEP_DEADLINE_S=${SWEEP_DEADLINE_S:-60} python3 benchma
 step sweep_gemv  270 python3 benchmarks/sweep_gemv.py ${SWEEP_GEMV_ARGS:---moe --deadline 14}
 step pad_tests   90 python3 -m pytest tests/kernels/test_draft_extend_pad.py -q -x -p no:cacheprovider
 step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemv.py tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_configs.py -q -p no:cacheprovider
-step layer_tests 120 python3 -m pytest tests/kernels/test_rope_kernel.py tests/models/test_rope.py tests/models/test_qkv_a_fusion.py tests/kernels/test_moe_router.py tests/models/test_moe_routing.py tests/models/test_shared_expert_fusion.py tests/kernels/test_bf16_gemv.py -q -p no:cacheprovider
+step layer_tests 120 python3 -m pytest tests/kernels/test_rope_kernel.py tests/models/test_rope.py tests/models/test_qkv_a_fusion.py tests/kernels/test_moe_router.py tests/models/test_moe_routing.py tests/models/test_shared_expert_fusion.py tests/kernels/test_bf16_gemv.py tests/kernels/test_pdl.py -q -p no:cacheprovider
 step norm_tests  60 python3 -m pytest -m gpu tests/kernels/test_rmsnorm.py -q -s -p no:cacheprovider
 step gpu_tests  200 python3 -m pytest -m gpu tests -q -p no:cacheprovider
 step bench_pad   60 python3 benchmarks/bench_pad.py ${BENCH_PAD_ARGS:---quick}

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
+from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
 
 __all__ = ["BF16_GEMV", "BF16_GEMV_MAX_M", "BgemvConfig", "bgemv", "bgemv_config", "bgemv_ref",
            "bgemv_supported", "gemv_linear"]
@@ -88,7 +89,8 @@ def bgemv_config(b: int, m: int, n: int, k: int, k_contiguous: bool) -> BgemvCon
 @triton.jit(do_not_specialize=["M"])
 def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                   s_xb, s_xm, s_xk, s_wb, s_wn, s_wk, s_yb, s_ym, s_yn,
-                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, MP)
@@ -176,7 +178,7 @@ def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         x, w, y, m, n, k, x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
         w.stride(2), y.stride(0), y.stride(1), y.stride(2),
         MP=max(triton.next_power_of_2(m), 1), BN=cfg.block_n, BK=cfg.block_k,
-        num_warps=cfg.num_warps)
+        USE_GDC=pdl_on(x), num_warps=cfg.num_warps, **pdl_options(x))
     return y
 
 

@@ -67,6 +67,7 @@ from mla_spec.kernels.draft_extend_checks import (
     check_out,
     check_values,
 )
+from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
 from mla_spec.kernels.triton_launch import TritonLauncher as _Launcher
 from mla_spec.kernels.triton_launch import hooks_unset as _hooks_unset  # noqa: F401 - tests
 
@@ -120,7 +121,8 @@ def _pad_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
                 q_st, q_sh, q_sd, o_sb, o_ss, o_sh, o_sd,
                 D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
                 EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
-                ALIGN_END: tl.constexpr, FILL: tl.constexpr):
+                ALIGN_END: tl.constexpr, FILL: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     # slot-major (large calls): one program per (chunk, slot s, request b) on a 3-d grid (no
     # division by the runtime max_q before the first load); lengths, then the row
     s = tl.program_id(1)
@@ -144,7 +146,8 @@ def _pad_small_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q, bs, n_rows,
                       D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
                       NCHUNK: tl.constexpr, EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr,
                       DST_CONTIG: tl.constexpr, ALIGN_END: tl.constexpr, FILL: tl.constexpr,
-                      CU_BLOCK: tl.constexpr):
+                      CU_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     # token-major (small calls): programs [0, n_rows * NCHUNK) copy source row t of q; the row
     # load and the vector load of cu_seqlens_q[0 : bs + 1] go out together (one round trip).
     # With FILL, programs past them zero the padded slots (b, s) (one length load each).
@@ -185,7 +188,8 @@ def _unpad_kernel(raw_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
                   r_sb, r_ss, r_sh, r_sd, o_st, o_sh, o_sd,
                   D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
                   EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
-                  ALIGN_END: tl.constexpr, PREFETCH: tl.constexpr):
+                  ALIGN_END: tl.constexpr, PREFETCH: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     # one program per (chunk, slot s, request b) on a 3-d grid: the indices come straight from
     # the program ids (a division by the runtime max_q cost ~30 instructions on sm_90 before the
     # first load). PREFETCH (small calls): load the slot (always in bounds) together with its
@@ -273,11 +277,12 @@ def _launch(launcher, grid, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, ints, co
     """Shared tail of both launchers: the spec key, the bit views under the interpreter."""
     tensors = (src, dst, seq_lens_q, cu_seqlens_q)
     ptrs = (src.data_ptr(), dst.data_ptr(), seq_lens_q.data_ptr(), cu_seqlens_q.data_ptr())
+    gdc = pdl_on(src)
     key = (consts, ss, ds, src.dtype, seq_lens_q.dtype, cu_seqlens_q.dtype, src.get_device(),
-           ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, ptrs[3] & 15, warps)
+           ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, ptrs[3] & 15, warps, gdc)
     if not src.is_cuda:
         tensors = (_as_bits(src), _as_bits(dst), seq_lens_q, cu_seqlens_q)
-    launcher(grid, key, tensors, ptrs, (*ints, *ss, *ds, *consts), warps)
+    launcher(grid, key, tensors, ptrs, (*ints, *ss, *ds, *consts, gdc), warps, pdl_options(src))
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:

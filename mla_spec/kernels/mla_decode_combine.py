@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
+from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
 
 __all__ = ["combine_splits", "combine_splits_ref"]
 
@@ -29,7 +30,8 @@ __all__ = ["combine_splits", "combine_splits_ref"]
 def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
                     stride_o_t, stride_o_h,
                     DV: tl.constexpr, BLOCK_D: tl.constexpr, S_BLOCK: tl.constexpr,
-                    WRITE_LSE: tl.constexpr):
+                    WRITE_LSE: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -82,7 +84,8 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     _combine_kernel[(rows, dv // block_d)](
         part, part_lse, out, lse if lse is not None else part_lse, s, h,
         part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
-        DV=dv, BLOCK_D=block_d, S_BLOCK=16, WRITE_LSE=lse is not None, num_warps=4,
+        DV=dv, BLOCK_D=block_d, S_BLOCK=16, WRITE_LSE=lse is not None, USE_GDC=pdl_on(part),
+        num_warps=4, **pdl_options(part),
     )
 
 

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
+from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
 
 __all__ = ["GATE_GEMV_MAX_N", "GateConfig", "fused_route", "fused_route_ref",
            "fused_route_supports", "gate_config", "gate_logits", "gate_logits_ref"]
@@ -57,7 +58,8 @@ ROUTE_WARPS = 1
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, id_ptr, stride_l, scale, shared_id,
                   E: tl.constexpr, G: tl.constexpr, TG: tl.constexpr, K: tl.constexpr,
                   KP: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                  SIGMOID: tl.constexpr, SHARED: tl.constexpr):
+                  SIGMOID: tl.constexpr, SHARED: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E)
     x = tl.load(logits_ptr + row * stride_l + offs).to(tl.float32)
@@ -159,7 +161,8 @@ def fused_route(router_logits: torch.Tensor, bias: torch.Tensor | None, *, top_k
             router_logits.stride(0), float(routed_scaling_factor), int(shared_id or 0),
             E=e, G=n_group, TG=topk_group, K=top_k, KP=triton.next_power_of_2(ko),
             HAS_BIAS=bias is not None, NORM=norm_topk_prob, SIGMOID=scoring_func == "sigmoid",
-            SHARED=shared_id is not None, num_warps=ROUTE_WARPS if e >= 256 else 1)
+            SHARED=shared_id is not None, USE_GDC=pdl_on(router_logits),
+            num_warps=ROUTE_WARPS if e >= 256 else 1, **pdl_options(router_logits))
     return weights, ids
 
 
@@ -222,7 +225,9 @@ def gate_config(n: int, num_experts: int, hidden: int) -> GateConfig:
 
 @triton.jit(do_not_specialize=["N", "K"])
 def _gate_logits_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xn, stride_we, stride_on,
-                        NT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+                        NT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                        USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     # experts [pid * BE, pid * BE + BE) for every token; [NT, BE, BK] products summed over K
     offs_e = tl.program_id(0) * BE + tl.arange(0, BE)
     offs_t = tl.arange(0, NT)
@@ -267,5 +272,6 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, cfg: GateConfig | None = 
     out = torch.empty((n, e), dtype=torch.float32, device=x.device)
     _gate_logits_kernel[(e // cfg.block_e,)](
         x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        NT=triton.next_power_of_2(n), BE=cfg.block_e, BK=cfg.block_k, num_warps=cfg.num_warps)
+        NT=triton.next_power_of_2(n), BE=cfg.block_e, BK=cfg.block_k, USE_GDC=pdl_on(x),
+        num_warps=cfg.num_warps, **pdl_options(x))
     return out

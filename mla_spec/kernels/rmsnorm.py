@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
+from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
 from mla_spec.kernels.triton_launch import TritonLauncher
 
 __all__ = ["rms_norm", "rms_norm_ref", "rms_norm_add", "rms_norm_add_ref", "SUPPORTED_DTYPES",
@@ -52,7 +53,9 @@ MAX_BLOCK = 8192
 @triton.jit
 def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, eps, N,
                     stride_x, stride_r, stride_o, stride_s,
-                    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_RES: tl.constexpr):
+                    BLOCK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_RES: tl.constexpr,
+                    USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     r_row = r_ptr + row * stride_r
@@ -157,14 +160,16 @@ def _launch(x2, r2, weight, out2, s2, eps, max_block):
     has_res = r2 is not None
     r2 = r2 if has_res else x2  # unused pointers: any valid tensor
     s2 = s2 if has_res else out2
+    gdc = pdl_on(x2)
     key = (x2.dtype, weight.dtype, out2.dtype, n, x2.stride(0), r2.stride(0), out2.stride(0),
            s2.stride(0), x2.get_device(), x2.data_ptr() & 15, r2.data_ptr() & 15,
            weight.data_ptr() & 15, out2.data_ptr() & 15, s2.data_ptr() & 15, block, chunks,
-           has_res, warps)
+           has_res, warps, gdc)
     tensors = (x2, r2, weight, out2, s2)
     scalars = (float(eps), n, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), block,
-               chunks, has_res)
-    _LAUNCH(rows, key, tensors, tuple(t.data_ptr() for t in tensors), scalars, warps)
+               chunks, has_res, gdc)
+    _LAUNCH(rows, key, tensors, tuple(t.data_ptr() for t in tensors), scalars, warps,
+            pdl_options(x2))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
+from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
 
 __all__ = ["rope_qk", "rope_qk_ref", "rope_cos_sin", "apply_rope_interleaved",
            "SUPPORTED_DTYPES"]
@@ -53,7 +54,8 @@ def _rotate_row(src, dst, pairs, mask, c, s):
 @triton.jit
 def _rope_qk_kernel(pos_ptr, freq_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, attn_factor, H, HALF,
                     stride_qn, stride_qh, stride_kn, stride_qon, stride_qoh, stride_kon,
-                    HB: tl.constexpr, BP: tl.constexpr):
+                    HB: tl.constexpr, BP: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
     # Rows h = hb*HB .. hb*HB+HB-1 of token n, where row H is k_pe. Each row is rotated with
     # 1-d [BP] vectors in cos/sin's own layout: a [heads, pairs] tile would let the compiler
     # recompute the (slow, large-argument) cos/sin for every broadcast element.
@@ -145,5 +147,6 @@ def rope_qk(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
     _rope_qk_kernel[(n, triton.cdiv(h + 1, hb))](
         positions, inv_freq, q_pe, k_pe, q_out, k_out, float(attention_factor), h, d // 2,
         q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), q_out.stride(0), q_out.stride(1),
-        k_out.stride(0), HB=hb, BP=triton.next_power_of_2(d // 2), num_warps=1)
+        k_out.stride(0), HB=hb, BP=triton.next_power_of_2(d // 2), USE_GDC=pdl_on(q_pe),
+        num_warps=1, **pdl_options(q_pe))
     return q_out, k_out

@@ -49,12 +49,13 @@ class TritonLauncher:
         self.interp_keys: set = set()  # specializations launched under the interpreter
 
     def __call__(self, grid: int | tuple, key: tuple, tensors: tuple, ptrs: tuple,
-                 scalars: tuple, num_warps: int) -> None:
+                 scalars: tuple, num_warps: int, options: dict | None = None) -> None:
         """Launch ``fn[grid](*tensors, *scalars)`` (``grid``: an int or up to 3 ints; CUDA
         allows 2**31 - 1 programs on axis 0 and 65535 on axes 1 and 2). ``key`` must identify
         Triton's specialization of the arguments; ``ptrs`` are the tensors' ``data_ptr()``
         values, passed as plain ints on the direct path (Triton's launcher then skips a
-        ``cuPointerGetAttribute`` driver call per tensor)."""
+        ``cuPointerGetAttribute`` driver call per tensor). ``options``: compile options of the
+        normal launch (e.g. ``launch_pdl``), which ``key`` must then cover too."""
         grid = (grid,) if isinstance(grid, int) else tuple(grid)
         entry = self.binaries.get(key)
         if entry is not None and self.direct and hooks_unset():
@@ -74,7 +75,7 @@ class TritonLauncher:
                 else a for i, a in enumerate(args) if i not in self.unspecialized))
             self.fn[grid](*args, num_warps=num_warps)
             return
-        kernel = self.fn[grid](*args, num_warps=num_warps)
+        kernel = self.fn[grid](*args, num_warps=num_warps, **(options or {}))
         if hasattr(kernel, "result"):
             kernel = kernel.result()
         if len(self.binaries) > 256:
