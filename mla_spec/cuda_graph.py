@@ -29,6 +29,8 @@ else runs eagerly, and :attr:`CudaGraphRunner.disabled_reason` says why.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 from dataclasses import dataclass, fields
 
@@ -55,6 +57,18 @@ class _Graph:
     out: torch.Tensor  # [B * q, D]
     bs: int
     q: int
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic GC off for the block (back on afterwards, if it was on)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class CudaGraphRunner:
@@ -137,7 +151,11 @@ class CudaGraphRunner:
                                      device=run.device)
                 self._warmup(which, sb, ids, th)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool):
+                # relaxed: a lazy module load (a Triton binary first launched here) or a
+                # pool allocation must not invalidate the capture; no Python GC inside it
+                # (a finalizer freeing CUDA objects of an engine dropped earlier would)
+                with _gc_paused(), torch.cuda.graph(graph, pool=self._pool,
+                                                    capture_error_mode="relaxed"):
                     out = run.forward_eager(which, sb, ids, th)
                 self.graphs[(which, mode, bs)] = _Graph(graph, sb, ids, th, out, bs, q)
 
