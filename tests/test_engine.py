@@ -317,3 +317,42 @@ def test_any_error_in_a_tp_step_stops_the_workers(tiny_ckpt, monkeypatch):
     assert [p for p in mp.active_children() if p.pid not in before] == []
     with pytest.raises(RankFailedError, match="shut down"):
         eng.step()
+
+
+def test_capture_pauses_python_gc():
+    """The graph capture runs with Python's GC paused and restores its state (a finalizer of an
+    engine dropped earlier must not free CUDA objects inside a capture)."""
+    import gc
+
+    from mla_spec.cuda_graph import _gc_paused
+
+    assert gc.isenabled()
+    with _gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # was off: stays off
+    finally:
+        gc.enable()
+
+
+@pytest.mark.gpu
+def test_engines_built_in_sequence_all_capture(tiny_ckpt):
+    """Engines built one after another in one process (as bench_e2e does: batch 1, then 32)
+    each capture their graphs; a capture failure in an earlier session left torch's RNG in
+    capture state and broke the next engine's weight init."""
+    from mla_spec.config import CacheConfig
+
+    for spec, bss in ((SpecConfig(version="v1"), (1, 2)), (SpecConfig(version="v1"), (4, 8)),
+                      (SpecConfig(version="v2"), (8,))):
+        eng = Engine(tiny_ckpt, spec=spec, attention_backend="triton",
+                     cache=CacheConfig(page_size=16, kv_dtype="fp8_e4m3"), device="cuda",
+                     num_pages=64, max_reqs=16, max_context_len=128, cuda_graph=True,
+                     graph_batch_sizes=bss)
+        g = eng.runner.graphs
+        assert g.disabled_reason is None and g.graphs, g.disabled_reason
+        assert eng.generate(REAL_PROMPTS[:1], max_new_tokens=4)[0].output_ids
+        del eng

@@ -185,7 +185,8 @@ def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) through :func:`bgemv` when it applies (CUDA, at most
     ``BF16_GEMV_MAX_M`` rows, one dtype), else ``F.linear``. ``x [..., K]``, ``weight [N, K]``."""
-    x2 = x.reshape(-1, x.shape[-1])
-    if bgemv_supported(x2[None], weight[None]) is None:
-        return bgemv(x2[None], weight[None])[0].view(*x.shape[:-1], weight.shape[0])
+    if x.is_cuda and BF16_GEMV:
+        x2 = x.reshape(-1, x.shape[-1])
+        if bgemv_supported(x2[None], weight[None]) is None:
+            return bgemv(x2[None], weight[None])[0].view(*x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight)

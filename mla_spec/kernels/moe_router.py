@@ -223,7 +223,10 @@ def gate_config(n: int, num_experts: int, hidden: int) -> GateConfig:
     return GateConfig(be, min(cfg.block_k, triton.next_power_of_2(hidden)), cfg.num_warps)
 
 
-@triton.jit(do_not_specialize=["N", "K"])
+# K (the hidden size, fixed per model) stays specializable: Triton then knows it is a multiple
+# of 16 and the masked loads become 16-byte vector loads (offline sm_90 compile: 12 per thread
+# instead of 64 scalar ones at 1 token; added after the last H200 measurement).
+@triton.jit(do_not_specialize=["N"])
 def _gate_logits_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_xn, stride_we, stride_on,
                         NT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
                         USE_GDC: tl.constexpr):
