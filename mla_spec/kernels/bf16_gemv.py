@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["BF16_GEMV", "BF16_GEMV_MAX_M", "BgemvConfig", "bgemv", "bgemv_config", "bgemv_ref",
            "bgemv_supported", "gemv_linear"]
@@ -178,7 +178,7 @@ def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         x, w, y, m, n, k, x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
         w.stride(2), y.stride(0), y.stride(1), y.stride(2),
         MP=max(triton.next_power_of_2(m), 1), BN=cfg.block_n, BK=cfg.block_k,
-        USE_GDC=pdl_on(x), num_warps=cfg.num_warps, **pdl_options(x))
+        num_warps=cfg.num_warps, **pdl_kwargs(x))
     return y
 
 

@@ -67,7 +67,7 @@ from mla_spec.kernels.draft_extend_checks import (
     check_out,
     check_values,
 )
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_on
 from mla_spec.kernels.triton_launch import TritonLauncher as _Launcher
 from mla_spec.kernels.triton_launch import hooks_unset as _hooks_unset  # noqa: F401 - tests
 
@@ -282,7 +282,7 @@ def _launch(launcher, grid, src, dst, ss, ds, seq_lens_q, cu_seqlens_q, ints, co
            ptrs[0] & 15, ptrs[1] & 15, ptrs[2] & 15, ptrs[3] & 15, warps, gdc)
     if not src.is_cuda:
         tensors = (_as_bits(src), _as_bits(dst), seq_lens_q, cu_seqlens_q)
-    launcher(grid, key, tensors, ptrs, (*ints, *ss, *ds, *consts, gdc), warps, pdl_options(src))
+    launcher(grid, key, tensors, ptrs, (*ints, *ss, *ds, *consts, gdc), warps, {"launch_pdl": gdc})
 
 
 def _as_bits(t: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 from mla_spec.quant.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_fp8
 
 __all__ = ["store_kv", "store_kv_ref"]
@@ -119,8 +119,8 @@ def store_kv(
         buf.stride(0), ckv2.stride(0), kpe2.stride(0),
         D_CKV=dc, D_KPE=dp,
         BLOCK_CKV=triton.next_power_of_2(dc), BLOCK_KPE=triton.next_power_of_2(dp),
-        IS_FP8=is_fp8, PREQUANT=prequant, USE_GDC=pdl_on(buf), num_warps=4,
-        **pdl_options(buf),
+        IS_FP8=is_fp8, PREQUANT=prequant, num_warps=4,
+        **pdl_kwargs(buf),
     )
 
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["combine_splits", "combine_splits_ref"]
 
@@ -84,8 +84,8 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     _combine_kernel[(rows, dv // block_d)](
         part, part_lse, out, lse if lse is not None else part_lse, s, h,
         part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
-        DV=dv, BLOCK_D=block_d, S_BLOCK=16, WRITE_LSE=lse is not None, USE_GDC=pdl_on(part),
-        num_warps=4, **pdl_options(part),
+        DV=dv, BLOCK_D=block_d, S_BLOCK=16, WRITE_LSE=lse is not None,
+        num_warps=4, **pdl_kwargs(part),
     )
 
 

@@ -74,7 +74,7 @@ from mla_spec.kernels.mla_decode_tiles import (
     shape_class,
 )
 from mla_spec.kernels.mla_decode_vsplit import launch_vsplit
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig", "mla_decode_paged", "paged_choice",
@@ -306,8 +306,8 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         h, q_len or 0, num_splits, float(sm_scale) * float(k_scale) * _LOG2E, float(v_scale),
         DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=return_lse,
-        DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma, USE_GDC=pdl_on(q_nope),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q_nope),
+        DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope),
     )
     if split:
         combine_splits(part, part_lse, out, lse)

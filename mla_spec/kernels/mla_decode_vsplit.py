@@ -51,7 +51,7 @@ from mla_spec.kernels.mla_decode_common import (
     split_window,
 )
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
 
@@ -320,8 +320,8 @@ def launch_vsplit(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens
         h, q_len or 0, num_splits, m_blocks, qk_scale_log2, float(v_scale),
         DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NV=nv, NC=nc,
         RAGGED=qo_indptr is not None, SPLIT=split, FUSED=fused, WRITE_LSE=lse is not None,
-        DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma, USE_GDC=pdl_on(q_nope),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_options(q_nope),
+        DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope),
     )
     if split and not fused:
         combine_splits(part, part_lse[0], out, lse)

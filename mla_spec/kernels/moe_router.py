@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["GATE_GEMV_MAX_N", "GateConfig", "fused_route", "fused_route_ref",
            "fused_route_supports", "gate_config", "gate_logits", "gate_logits_ref"]
@@ -161,8 +161,8 @@ def fused_route(router_logits: torch.Tensor, bias: torch.Tensor | None, *, top_k
             router_logits.stride(0), float(routed_scaling_factor), int(shared_id or 0),
             E=e, G=n_group, TG=topk_group, K=top_k, KP=triton.next_power_of_2(ko),
             HAS_BIAS=bias is not None, NORM=norm_topk_prob, SIGMOID=scoring_func == "sigmoid",
-            SHARED=shared_id is not None, USE_GDC=pdl_on(router_logits),
-            num_warps=ROUTE_WARPS if e >= 256 else 1, **pdl_options(router_logits))
+            SHARED=shared_id is not None,
+            num_warps=ROUTE_WARPS if e >= 256 else 1, **pdl_kwargs(router_logits))
     return weights, ids
 
 
@@ -275,6 +275,6 @@ def gate_logits(x: torch.Tensor, weight: torch.Tensor, cfg: GateConfig | None = 
     out = torch.empty((n, e), dtype=torch.float32, device=x.device)
     _gate_logits_kernel[(e // cfg.block_e,)](
         x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        NT=triton.next_power_of_2(n), BE=cfg.block_e, BK=cfg.block_k, USE_GDC=pdl_on(x),
-        num_warps=cfg.num_warps, **pdl_options(x))
+        NT=triton.next_power_of_2(n), BE=cfg.block_e, BK=cfg.block_k,
+        num_warps=cfg.num_warps, **pdl_kwargs(x))
     return out

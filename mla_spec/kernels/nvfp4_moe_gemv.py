@@ -34,7 +34,7 @@ from mla_spec.kernels.nvfp4_gemv import (
     split_k_for,
 )
 from mla_spec.kernels.nvfp4_gemv_packed import packed_prefetch_loop
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES", "MOE_GEMV_PACKED",
            "MOE_GEMV_PREFETCH"]
@@ -239,13 +239,13 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
         inter, kb13, e, topk, p, split13, x13.stride(0), w13w.stride(0), w13w.stride(1),
         w13.weight_scale.stride(0), w13.weight_scale.stride(1), s13[1], s13[2], act.stride(0),
         GATED=True, BN=bn13, G=g, SPLIT_K=split13 > 1, EVEN=kb13 % g == 0, FAST=fast,
-        PACKED=pk13, PREFETCH=pk13 and prefetch, USE_GDC=pdl_on(x), num_warps=num_warps,
-        **pdl_options(x))
+        PACKED=pk13, PREFETCH=pk13 and prefetch, num_warps=num_warps,
+        **pdl_kwargs(x))
     _moe_gemv_kernel[(triton.cdiv(k, block_n2), topk, m)](
         a2, w2w, w2.weight_scale, s2[0], out, part2, cnt, ids, tw,
         k, kb2, e, topk, m, topk, a2.stride(0), w2w.stride(0), w2w.stride(1),
         w2.weight_scale.stride(0), w2.weight_scale.stride(1), s2[1], 0, out.stride(0),
         GATED=False, BN=block_n2, G=g, SPLIT_K=topk > 1, EVEN=kb2 % g == 0, FAST=fast,
-        PACKED=pk2, PREFETCH=pk2 and prefetch, USE_GDC=pdl_on(x), num_warps=num_warps2,
-        **pdl_options(x))
+        PACKED=pk2, PREFETCH=pk2 and prefetch, num_warps=num_warps2,
+        **pdl_kwargs(x))
     return out

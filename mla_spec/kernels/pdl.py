@@ -20,9 +20,10 @@ Measured on the H200 (``benchmarks/profile_layer.py``, one DeepSeek-V3 layer at 
 gaps 17.5 -> 8.3 µs, the layer 131.6 -> 124.6 µs; small pad / unpad calls in a graph
 1.83-2.46 -> 1.50-1.83 µs (``benchmarks/bench_pad.py``).
 
-Launchers pass ``USE_GDC=pdl_on(t)`` and ``**pdl_options(t)`` (``launch_pdl=True``, a compile
-option of Triton >= 3.4). Off the GPU (the interpreter) both are off and nothing changes. A
-kernel launched normally after one of ours simply waits for it to finish (stream order).
+Launchers pass ``**pdl_kwargs(t)`` (``USE_GDC`` and ``launch_pdl``, a compile option of Triton
+>= 3.4; the cached launcher takes ``pdl_on(t)`` and ``{"launch_pdl": ...}`` separately). Off
+the GPU (the interpreter) both are off and nothing changes. A kernel launched normally after
+one of ours simply waits for it to finish (stream order).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PDL", "gdc_enter", "pdl_on", "pdl_options"]
+__all__ = ["PDL", "gdc_enter", "pdl_kwargs", "pdl_on"]
 
 #: On by default on sm_90+ (read at every launch). ``MLA_SPEC_PDL=0`` turns it off at import.
 PDL = os.environ.get("MLA_SPEC_PDL", "1") not in ("0", "", "false", "False")
@@ -50,9 +51,11 @@ def pdl_on(t: torch.Tensor) -> bool:
     return bool(PDL) and t.is_cuda and _capable(t.get_device())
 
 
-def pdl_options(t: torch.Tensor) -> dict:
-    """Launch options for a kernel on ``t``'s device: ``{"launch_pdl": True}`` or ``{}``."""
-    return {"launch_pdl": True} if pdl_on(t) else {}
+def pdl_kwargs(t: torch.Tensor) -> dict:
+    """Launch keywords of a ``USE_GDC`` kernel on ``t``'s device: the constexpr and Triton's
+    ``launch_pdl`` option, both :func:`pdl_on` (``launch_pdl=False`` is Triton's default)."""
+    on = pdl_on(t)
+    return {"USE_GDC": on, "launch_pdl": on}
 
 
 @triton.jit

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_on
 from mla_spec.kernels.triton_launch import TritonLauncher
 
 __all__ = ["rms_norm", "rms_norm_ref", "rms_norm_add", "rms_norm_add_ref", "SUPPORTED_DTYPES",
@@ -169,7 +169,7 @@ def _launch(x2, r2, weight, out2, s2, eps, max_block):
     scalars = (float(eps), n, x2.stride(0), r2.stride(0), out2.stride(0), s2.stride(0), block,
                chunks, has_res, gdc)
     _LAUNCH(rows, key, tensors, tuple(t.data_ptr() for t in tensors), scalars, warps,
-            pdl_options(x2))
+            {"launch_pdl": gdc})
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *,

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_on, pdl_options
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["rope_qk", "rope_qk_ref", "rope_cos_sin", "apply_rope_interleaved",
            "SUPPORTED_DTYPES"]
@@ -152,6 +152,6 @@ def rope_qk(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
     _rope_qk_kernel[(n, triton.cdiv(h + 1, hb))](
         positions, inv_freq, q_pe, k_pe, q_out, k_out, float(attention_factor), h, d // 2,
         q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), q_out.stride(0), q_out.stride(1),
-        k_out.stride(0), HB=hb, BP=triton.next_power_of_2(d // 2), USE_GDC=pdl_on(q_pe),
-        num_warps=1, **pdl_options(q_pe))
+        k_out.stride(0), HB=hb, BP=triton.next_power_of_2(d // 2),
+        num_warps=1, **pdl_kwargs(q_pe))
     return q_out, k_out

@@ -12,7 +12,8 @@ import mla_spec.kernels.pdl as pdl
 
 def test_off_on_cpu():
     t = torch.zeros(1)
-    assert not pdl.pdl_on(t) and pdl.pdl_options(t) == {}
+    assert not pdl.pdl_on(t)
+    assert pdl.pdl_kwargs(t) == {"USE_GDC": False, "launch_pdl": False}
 
 
 def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq):
