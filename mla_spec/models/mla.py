@@ -199,26 +199,27 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
+def _per_head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """``x [N, H, K]`` times ``w [H, N_out, K]`` (any strides) per head -> ``[N, H, N_out]``
+    (contiguous) through the BF16 GEMV, or None where it does not run (the caller's einsum)."""
+    xt = x.transpose(0, 1)  # [H, N, K]
+    if bgemv_supported(xt, w) is not None:
+        return None
+    out = torch.empty(x.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
+    bgemv(xt, w, out.transpose(0, 1))
+    return out
+
+
 def _absorb_uk(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """``q_nope [N, H, 128] @ W_UK [H, 128, 512]`` per head -> ``[N, H, 512]``: the BF16 GEMV
     at decode sizes on CUDA (``w[h, n=c, k=d]``, N-contiguous), else einsum."""
-    x, w = q_nope.transpose(0, 1), w_uk.transpose(1, 2)  # [H, N, 128], [H, 512, 128]
-    if bgemv_supported(x, w) is None:
-        out = torch.empty(q_nope.shape[0], w_uk.shape[0], w_uk.shape[2], dtype=q_nope.dtype,
-                          device=q_nope.device)
-        bgemv(x, w, out.transpose(0, 1))
-        return out
-    return torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+    out = _per_head_gemv(q_nope, w_uk.transpose(1, 2))
+    return out if out is not None else torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
 
 
 def _absorb_uv(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """``o_latent [N, H, 512]`` times ``W_UV [H, 128, 512]^T`` per head -> ``[N, H, 128]``
     (contiguous: ``o_proj`` reads it flattened): the BF16 GEMV at decode sizes on CUDA, else
     einsum."""
-    x = o_latent.transpose(0, 1)  # [H, N, 512]
-    if bgemv_supported(x, w_uv) is None:
-        out = torch.empty(o_latent.shape[0], w_uv.shape[0], w_uv.shape[1], dtype=o_latent.dtype,
-                          device=o_latent.device)
-        bgemv(x, w_uv, out.transpose(0, 1))
-        return out
-    return torch.einsum("nhc,hvc->nhv", o_latent, w_uv)
+    out = _per_head_gemv(o_latent, w_uv)
+    return out if out is not None else torch.einsum("nhc,hvc->nhv", o_latent, w_uv)
