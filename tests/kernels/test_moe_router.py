@@ -70,7 +70,8 @@ def test_bad_inputs(bad, match):
         fused_route(logits, bias, norm_topk_prob=True, routed_scaling_factor=1.0, **kw)
 
 
-def test_gate_uses_the_kernel_on_cuda_or_when_asked(monkeypatch):
+def _tiny_gate(seed: int, bias: bool = False):
+    """A 16-expert ``MoEGate`` (4 groups, top-2 groups, top-3) with random weights."""
     from types import SimpleNamespace
 
     import mla_spec.models.moe as moe
@@ -80,8 +81,14 @@ def test_gate_uses_the_kernel_on_cuda_or_when_asked(monkeypatch):
                           routed_scaling_factor=2.5, scoring_func="sigmoid")
     gate = moe.MoEGate(cfg)
     with torch.no_grad():
-        gate.weight.normal_(generator=torch.Generator().manual_seed(5))
-        gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+        gate.weight.normal_(generator=torch.Generator().manual_seed(seed))
+        if bias:
+            gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    return gate
+
+
+def test_gate_uses_the_kernel_on_cuda_or_when_asked(monkeypatch):
+    gate = _tiny_gate(5, bias=True)
     x = torch.randn(5, 24, generator=torch.Generator().manual_seed(6))
     calls = []
     real = fused_route
@@ -157,19 +164,11 @@ def test_gate_logits_falls_back_and_refuses_bad_input():
             gate_logits(x[:2], w, GateConfig(3, 64, 1))
 
 
-def test_moe_router_writes_the_shared_column_for_the_fused_path(monkeypatch):
+def test_moe_router_writes_the_shared_column_for_the_fused_path():
     """``DeepseekV3MoE`` on its fused NVFP4 path asks the router for the shared column and
     int32 ids; the torch route gives the same columns."""
-    from types import SimpleNamespace
-
-    import mla_spec.models.moe as moe
-
-    cfg = SimpleNamespace(n_routed_experts=16, hidden_size=24, topk_method="noaux_tc",
-                          num_experts_per_tok=3, n_group=4, topk_group=2, norm_topk_prob=True,
-                          routed_scaling_factor=2.5, scoring_func="sigmoid")
-    gate = moe.MoEGate(cfg)
+    gate = _tiny_gate(8)
     with torch.no_grad():
-        gate.weight.normal_(generator=torch.Generator().manual_seed(8))
         x = torch.randn(3, 24, generator=torch.Generator().manual_seed(9))
         w_t, ids_t = gate(x, shared_id=16, ids_dtype=torch.int32)  # torch route on CPU
         gate.fused_router = True
