@@ -14,7 +14,6 @@ writes ``bench_bf16_gemv.json`` to ``$OUT``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -152,10 +151,7 @@ def main(argv=None) -> None:
               f"{r['default_us'] or float('nan'):.2f} | {b or float('nan'):.2f} | {tile} | "
               f"{r['mb'] / b if b else float('nan'):.2f} | "
               f"{r['cublas_us'] / b if b else float('nan'):.2f} |")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_bf16_gemv.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    bench.save_results("bench_bf16_gemv", rows=rows)
 
 
 if __name__ == "__main__":

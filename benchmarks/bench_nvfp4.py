@@ -41,6 +41,19 @@ def rel_err(y, ref) -> float:
     return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
+def save_results(name: str, md: str | None = None, **payload) -> None:
+    """When ``$OUT`` is set (the device tool brings that folder back): ``{"device": ...,
+    **payload}`` to ``$OUT/<name>.json`` and ``md`` (if given) to ``$OUT/<name>.md``."""
+    out = os.environ.get("OUT")
+    if not out:
+        return
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), **payload), f, indent=1)
+    if md is not None:
+        with open(os.path.join(out, f"{name}.md"), "w") as f:
+            f.write(md + "\n")
+
+
 def graph_us(calls, warmup=5, rep=25) -> float:
     """Median µs per call of ``calls`` (zero-arg callables) replayed in one CUDA graph."""
     s = torch.cuda.Stream()
@@ -264,14 +277,8 @@ def main() -> None:
     moe = bench_moe(fast_ok, quick)
     md = to_markdown(dense, moe)
     print(md)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_nvfp4.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__, fast_decoder=fast_ok, dense=dense,
-                           moe=moe), f, indent=1)
-        with open(os.path.join(out, "bench_nvfp4.md"), "w") as f:
-            f.write(md + "\n")
+    save_results("bench_nvfp4", md, torch=torch.__version__, triton=triton.__version__,
+                 fast_decoder=fast_ok, dense=dense, moe=moe)
 
 
 if __name__ == "__main__":

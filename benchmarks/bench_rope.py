@@ -11,7 +11,6 @@ table (twin µs, fused µs, ratio) last; writes ``bench_rope.json`` to ``$OUT`` 
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -68,10 +67,7 @@ def main() -> None:
         print(f"| {r['h']} | {r['n']} | {r['twin_graph_us']} | {r['fused_graph_us']} | "
               f"{r['ratio_graph']} | {r['twin_eager_us']} | {r['fused_eager_us']} | "
               f"{r['rel_err']} |")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_rope.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    bench.save_results("bench_rope", rows=rows)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Prints a table last (µs, GB/s of the weight, ratio); writes ``bench_router.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -138,10 +137,7 @@ def main(argv=None) -> None:
     for r in rows:
         print(f"| {r['n']} | {r['what']} | {r['impl']} | {r['us']:.2f} | {r['gbps']:.0f} | "
               f"{r['ratio']:.2f} |")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "bench_router.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    bench.save_results("bench_router", rows=rows)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Prints one row per (shape, M) and a markdown table last; writes ``sweep_gemv.jso
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -210,11 +209,7 @@ def main() -> None:
             print(f"| {r['m']} | {r['active']} | {r['pinned_us']} | {r['best_us']} | {cfg} | "
                   f"{r['bf16_gemms_us']} | {r['x_bf16_pinned']} | {r['x_bf16_best']} | "
                   f"{r['best_err']} |")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "sweep_gemv.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows, moe=moe), f,
-                      indent=1)
+    bench.save_results("sweep_gemv", rows=rows, moe=moe)
 
 
 if __name__ == "__main__":

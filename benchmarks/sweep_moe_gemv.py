@@ -21,7 +21,6 @@ GEMMs of the same active experts. Prints a table per M (last) and writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -119,10 +118,7 @@ def main() -> None:
         print(f"| {r['m']} | {r['active_experts']} | {r['default_us']} | {r['best_us']} | {cfg} "
               f"| {r['bf16_gemms_us']} | {r['x_bf16_default']} | {r['x_bf16_best']} | "
               f"{r['floor_us']} |")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "sweep_moe_gemv.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    bench.save_results("sweep_moe_gemv", rows=rows)
 
 
 if __name__ == "__main__":

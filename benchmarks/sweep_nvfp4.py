@@ -23,7 +23,6 @@ here) only the heuristic configs are timed and the MoE rows are skipped.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -486,14 +485,8 @@ def main_mma() -> None:
     md = mma_markdown(rows, moe)
     print(md)
     print(f"total {time.time() - t0:.0f} s")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "sweep_nvfp4_mma.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__, checks=ok, rows=rows, moe=moe), f,
-                      indent=1)
-        with open(os.path.join(out, "sweep_nvfp4_mma.md"), "w") as f:
-            f.write(md + "\n")
+    bench.save_results("sweep_nvfp4_mma", md, torch=torch.__version__, triton=triton.__version__,
+                       checks=ok, rows=rows, moe=moe)
 
 
 def main() -> None:
@@ -514,14 +507,8 @@ def main() -> None:
     for r in dense + moe:
         print(r["shape"], r["m"], "top3:", r["top3"])
     print(md)
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "sweep_nvfp4.json"), "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__, checks=ok, dense=dense, moe=moe), f,
-                      indent=1)
-        with open(os.path.join(out, "sweep_nvfp4.md"), "w") as f:
-            f.write(md + "\n")
+    bench.save_results("sweep_nvfp4", md, torch=torch.__version__, triton=triton.__version__,
+                       checks=ok, dense=dense, moe=moe)
 
 
 if __name__ == "__main__":
