@@ -199,14 +199,14 @@ class MoEGate(nn.Module):
             fused = FUSED_ROUTER and x.is_cuda and self._kernel_fits
         else:
             fused = self.fused_router
-        if fused and use_triton(x) and not torch.is_grad_enabled():
-            from mla_spec.kernels.moe_router import fused_route, gate_logits
+        from mla_spec.kernels.moe_router import fused_route, gate_logits, gate_logits_ref
 
-            logits = gate_logits(x, self.weight) if x.is_cuda else F.linear(
-                x.float(), self.weight.float())
+        kernel = fused and use_triton(x) and not torch.is_grad_enabled()
+        # the logits kernel on CUDA only (the CPU interpreter would only be slow)
+        logits = (gate_logits if kernel and x.is_cuda else gate_logits_ref)(x, self.weight)
+        if kernel:
             return fused_route(logits, self.e_score_correction_bias, shared_id=shared_id,
                                ids_dtype=ids_dtype, **kw)
-        logits = F.linear(x.float(), self.weight.float())
         w, ids = route_tokens(logits, self.e_score_correction_bias, **kw)
         if shared_id is not None:
             ids, w = with_shared_column(ids, w, shared_expert_column(shared_id, ids.device))
