@@ -331,6 +331,8 @@ def main():
     ap.add_argument("--workers", type=int, default=14)
     ap.add_argument("--variants", default="", help="comma-separated names (default: all but "
                     + ",".join(SKIP) + ")")
+    ap.add_argument("--shapes", default="",
+                    help="timed (bs x ctx) classes, e.g. 1x4096,1x32768 (default: all of SHAPES)")
     ap.add_argument("--sm90-offline", action="store_true",
                     help="compile for sm_90a without a GPU; print registers / spills")
     args = ap.parse_args()
@@ -403,7 +405,9 @@ def main():
         print("  backend check lost:", type(e).__name__, flush=True)
     pool.terminate()
     print(f"[{time.time() - T0:.0f}s] passed: {passed}", flush=True)
-    order = [(h, q, bs, c) for bs, c in SHAPES for h in (32, 128) for q in (1, 4)]
+    shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+              if args.shapes else SHAPES)
+    order = [(h, q, bs, c) for bs, c in shapes for h in (32, 128) for q in (1, 4)]
     if args.quick:
         order = order[:4]
     for i, (h, q, bs, c) in enumerate(order):
