@@ -1,6 +1,6 @@
 """NVFP4 W4A16 GEMM and fused MoE vs cuBLAS bf16 at DeepSeek-V3 TP4 shapes (H200).
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_nvfp4.py [--quick]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_nvfp4.py [--quick | --pinned]
 
 For each shape and M in 1, 4, 16, 64: ours (a few tile configs tried first, the best kept),
 torch bf16 matmul on a bf16 weight of the same shape (cuBLAS), and dequantize-then-matmul
@@ -9,6 +9,8 @@ graph whose calls rotate over enough weight sets (>= 200 MB) that the 60 MB L2 d
 The grouped MoE (256 experts, 8 active per token, I = 512, K = 7168) runs ``fused_moe_nvfp4``
 against the bf16 GEMMs of the active experts only (x rows pre-gathered, no routing work: the
 strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into ``$OUT`` when set.
+``--pinned``: no tuning; the automatic configs at M 1-16 and the MoE at 1-4 tokens, each with
+PDL on and off (``_pdl_pair``), beside cuBLAS (``bench_nvfp4_pinned.*``).
 """
 
 from __future__ import annotations
@@ -248,6 +250,67 @@ def bench_moe(fast_ok, quick):
     return rows
 
 
+def _pdl_pair(calls) -> tuple[float, float]:
+    """Graph µs per call of ``calls`` with PDL on (consecutive calls overlap: each GEMV loads
+    its first weights while the previous one finishes) and off (each call starts after the
+    previous one has completed)."""
+    from mla_spec.kernels import pdl
+
+    keep = pdl.PDL
+    try:
+        pdl.PDL = True
+        on = graph_us(calls)
+        pdl.PDL = False
+        off = graph_us(calls)
+    finally:
+        pdl.PDL = keep
+    return on, off
+
+
+def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
+    """What the model runs (``nvfp4_gemm``'s automatic config, the MoE's automatic path), with
+    and without PDL, against cuBLAS bf16 in the same run. No tuning: seconds per row."""
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        nq = max(2, int(ROTATE // (n * k * 0.5625)) + 1)
+        nb = max(2, int(ROTATE // (n * k * 2)) + 1)
+        sets = rand_nvfp4(n, k, nq)
+        wbf = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(nb)]
+        for m in ms:
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            on, off = _pdl_pair([lambda a=a, x=x: nvfp4_gemm(x, *a) for a in sets])
+            bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
+            rows.append(dict(shape=name, n=n, k=k, m=m, pdl_us=round(on, 2),
+                             nopdl_us=round(off, 2), bf16_us=round(bf16, 2),
+                             x_bf16_pdl=round(bf16 / on, 2), x_bf16_nopdl=round(bf16 / off, 2),
+                             pdl_GBps=round(n * k * 0.5625 / (on * 1e-6) / 1e9)))
+            print(rows[-1], flush=True)
+        del sets, wbf
+    e, k, inter, topk = 256, 7168, 512, 8
+    w13, w2, b13, b2 = moe_weights(e, k, inter)
+    for m in moe_ms:
+        xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
+        on, off = _pdl_pair([lambda x=x, t=t, w=w: fused_moe_nvfp4(x, t, w, w13, w2)
+                             for x, t, w in zip(xs, ids, tws)])
+        bf16, active = moe_bf16_us(xs, ids, b13, b2, inter)
+        rows.append(dict(shape="moe_256e_top8_tp4", n=2 * inter, k=k, m=m, pdl_us=round(on, 2),
+                         nopdl_us=round(off, 2), bf16_us=round(bf16, 2),
+                         x_bf16_pdl=round(bf16 / on, 2), x_bf16_nopdl=round(bf16 / off, 2),
+                         pdl_GBps=round(active * 3 * inter * k * 0.5625 / on / 1e3)))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def pinned_markdown(rows) -> str:
+    lines = ["| shape | M | ours PDL µs | ours no PDL µs | cuBLAS bf16 µs | x bf16 (PDL) | "
+             "x bf16 (no PDL) | GB/s (PDL) |", "|" + "---|" * 8]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['m']} | {r['pdl_us']} | {r['nopdl_us']} | "
+                     f"{r['bf16_us']} | {r['x_bf16_pdl']} | {r['x_bf16_nopdl']} | "
+                     f"{r['pdl_GBps']} |")
+    return "\n".join(lines)
+
+
 def to_markdown(dense, moe) -> str:
     lines = ["| shape | N x K | M | ours µs | cuBLAS bf16 µs | dequant+mm µs | x bf16 | "
              "x dq+mm | ours GB/s | config |", "|" + "---|" * 10]
@@ -269,6 +332,13 @@ def main() -> None:
         sys.exit("bench_nvfp4 needs a CUDA GPU")
     quick = "--quick" in sys.argv
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    if "--pinned" in sys.argv:
+        rows = bench_pinned()
+        md = pinned_markdown(rows)
+        print(md)
+        save_results("bench_nvfp4_pinned", md, torch=torch.__version__,
+                     triton=triton.__version__, rows=rows)
+        return
     t0 = time.time()
     fast_ok = check_correctness()
     print(f"PTX decoder {'used' if fast_ok else 'DISABLED (wrong or not compiling)'}; "

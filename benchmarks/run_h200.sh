@@ -15,6 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)" | tee -a "$RES/device.txt"
 STEPS=${STEPS:-"sweep_mla sweep_nvfp4 gpu_tests bench_pad bench_layer bench_e2e demo_tp1"}
 # optional steps (named in STEPS): sweep_gemv, bench_rope, profile_layer, bench_router, bench_bf16_gemv,
+# bench_nvfp4 (--pinned: the model's configs with PDL on / off),
 # layer_tests, pad_tests, nvfp4_tests,
 # norm_tests
 step() {  # step NAME SECONDS CMD...
@@ -40,10 +41,11 @@ step gpu_tests  200 python3 -m pytest -m gpu tests -q -p no:cacheprovider
 step bench_pad   60 python3 benchmarks/bench_pad.py ${BENCH_PAD_ARGS:---quick}
 step bench_rope  60 python3 benchmarks/bench_rope.py
 step bench_router 90 python3 benchmarks/bench_router.py
+step bench_nvfp4 150 python3 benchmarks/bench_nvfp4.py ${BENCH_NVFP4_ARGS:---pinned}
 step bench_bf16_gemv 150 python3 benchmarks/bench_bf16_gemv.py ${BENCH_BF16_GEMV_ARGS:---deadline 110}
 step profile_layer 90 python3 benchmarks/profile_layer.py ${PROFILE_LAYER_ARGS:-}
 step bench_layer 55 python3 benchmarks/bench_layer.py ${BENCH_LAYER_ARGS:---quick --budget-s 30}
-step bench_e2e   30 python3 benchmarks/bench_e2e.py --device cuda --batch-sizes 1,32 --max-new-tokens 32
+step bench_e2e   30 python3 benchmarks/bench_e2e.py --device cuda --batch-sizes 1,32 --max-new-tokens ${E2E_TOKENS:-32}
 step demo_tp1    25 python3 -m mla_spec.cli demo --tp 1 --json
 echo "total $(( $(date +%s) - start ))s" | tee -a "$RES/summary.txt"
 cat "$RES/summary.txt"

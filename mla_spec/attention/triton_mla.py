@@ -106,8 +106,12 @@ class TritonMLABackend(MLABackend):
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         kv_flat = pool.get_kv(layer_id).view(pool.num_slots, pool.kv_cache_dim)
-        shape = (dict(q_len=plan.fixed_q) if plan.fixed_q is not None
-                 else dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q))
+        # v1 draft extend stays ragged even when every request accepted as many tokens: the
+        # fixed-q_len binary (RAGGED is a constexpr) would otherwise be compiled mid-run the
+        # first time the accept lengths differ (bench_e2e's "compiles" column, bs 32)
+        ragged = plan.fixed_q is None or plan.mode == ForwardMode.DRAFT_EXTEND
+        shape = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if ragged
+                 else dict(q_len=plan.fixed_q))
         common = dict(k_scale=k_scale, v_scale=v_scale, **shape)
         if self.paged and (q_nope.dtype == pool.dtype or q_nope.device.type == "cpu"
                            or pool.is_fp8):

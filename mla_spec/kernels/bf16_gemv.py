@@ -89,8 +89,10 @@ def bgemv_config(b: int, m: int, n: int, k: int, k_contiguous: bool) -> BgemvCon
 @triton.jit(do_not_specialize=["M"])
 def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                   s_xb, s_xm, s_xk, s_wb, s_wn, s_wk, s_yb, s_ym, s_yn,
-                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_GDC: tl.constexpr):
-    gdc_enter(USE_GDC)
+                  MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_GDC: tl.constexpr,
+                  W_EARLY: tl.constexpr):
+    if not W_EARLY:
+        gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, MP)
@@ -102,8 +104,10 @@ def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     w_ptrs = (w_ptr + b * s_wb + offs_n[:, None].to(tl.int64) * s_wn
               + offs_k[None, :] * s_wk)
     k_ok = offs_k < K
-    x_cur = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     w_cur = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+    if W_EARLY:  # the first weight step is in flight while the previous grid finishes
+        gdc_enter(USE_GDC)
+    x_cur = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     # per-lane partial sums: the cross-lane reduction runs once, after the loop
     acc = tl.zeros([MP, BN, BK], dtype=tl.float32)
     for k0 in range(BK, K + BK, BK):
@@ -149,9 +153,13 @@ def bgemv_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:
 
 
 def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-          cfg: BgemvConfig | None = None) -> torch.Tensor:
+          cfg: BgemvConfig | None = None, static_w: bool = False) -> torch.Tensor:
     """``y[b] = x[b] @ w[b]^T``: ``x [B, M, K]``, ``w [B, N, K]`` (any strides) -> ``[B, M, N]``
     in x's dtype (``out`` may be a strided view, e.g. ``[M, H, Dv]`` seen as ``[H, M, Dv]``).
+
+    ``static_w``: ``w`` is a weight, written by no kernel of the decode step, so under PDL the
+    kernel loads its first weight step before waiting for the previous grid (``pdl`` rule 3).
+    Leave it False when ``w`` may come from the kernel launched just before.
 
     Runs the kernel where :func:`bgemv_supported` allows (CUDA) or, under the CPU interpreter,
     when called directly (tests); the twin elsewhere. No host sync (CUDA-graph safe).
@@ -178,7 +186,7 @@ def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         x, w, y, m, n, k, x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
         w.stride(2), y.stride(0), y.stride(1), y.stride(2),
         MP=max(triton.next_power_of_2(m), 1), BN=cfg.block_n, BK=cfg.block_k,
-        num_warps=cfg.num_warps, **pdl_kwargs(x))
+        W_EARLY=static_w, num_warps=cfg.num_warps, **pdl_kwargs(x))
     return y
 
 
@@ -188,5 +196,6 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.is_cuda and BF16_GEMV:
         x2 = x.reshape(-1, x.shape[-1])
         if bgemv_supported(x2[None], weight[None]) is None:
-            return bgemv(x2[None], weight[None])[0].view(*x.shape[:-1], weight.shape[0])
+            return bgemv(x2[None], weight[None], static_w=True)[0].view(
+                *x.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(x, weight)

@@ -204,12 +204,13 @@ class GateConfig:
 
 
 #: Per padded token count (1, 2, 4): picked on the H200 by ``benchmarks/bench_router.py``.
-#: H200, 2026-11-29 (docs/bench_router.md): 6.5 / 6.5 / 8.3 µs at 1 / 2 / 4 tokens for
-#: DeepSeek's 256 x 7168, against 9.8 / 19.0 / 19.2 µs for torch (cast + cuBLAS fp32).
+#: H200, 2026-11-29, sixth session (docs/bench_router.md; hidden size specialized): 4.7 / 4.7 /
+#: 5.8 µs at 1 / 2 / 4 tokens for DeepSeek's 256 x 7168, against 9.8 / 19.0 / 19.2 µs for
+#: torch (cast + cuBLAS fp32).
 GATE_CONFIGS: dict[int, GateConfig] = {
     1: GateConfig(1, 8192, 8),
-    2: GateConfig(1, 8192, 8),
-    4: GateConfig(2, 4096, 8),
+    2: GateConfig(1, 8192, 16),
+    4: GateConfig(1, 8192, 8),
 }
 
 

@@ -67,6 +67,7 @@ from mla_spec.kernels.nvfp4_gemv import (
     nvfp4_gemv,
     packed_gemv_config,
 )
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "NVFP4MmaConfig", "nvfp4_gemm", "nvfp4_gemm_ref",
@@ -135,9 +136,10 @@ def _nvfp4_mma_kernel(
     x_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr,
     M, N, K, SPLIT_K, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_F32: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_F32: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Standard orientation: ``acc[BM, BN] += x[BM, BK] @ W'[BN, BK]^T``, W' decoded in place."""
+    gdc_enter(USE_GDC)
     pid_m = tl.program_id(0)  # fastest: the M tiles of one weight tile run together (L2 reuse)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -181,8 +183,9 @@ def _nvfp4_mma_kernel(
 
 @triton.jit
 def _sum_rows_kernel(src_ptr, dst_ptr, R, N, S, stride_sr, stride_ss, stride_dr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     """dst[r, n] = sum_s src[r * stride_sr + s * stride_ss + n] (fp32 sum, cast on store)."""
+    gdc_enter(USE_GDC)
     r = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -357,7 +360,8 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         grid = (triton.cdiv(m, bm), triton.cdiv(n, cfg.block_n), split)
         _nvfp4_mma_kernel[grid](*args, BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT_F32=dot_f32,
                                 FAST=fast, EVEN_K=k % cfg.block_k == 0,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                **pdl_kwargs(x2))
     else:
         grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m_for(m)))
         _nvfp4_gemm_kernel[grid](*args, BM=block_m_for(m), BN=cfg.block_n, BK=cfg.block_k,
@@ -386,7 +390,8 @@ def sum_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
     r, s, n = src.shape
     block = 1024 if n >= 1024 else triton.next_power_of_2(max(n, 16))
     _sum_rows_kernel[(r, triton.cdiv(n, block))](
-        src, dst, r, n, s, src.stride(0), src.stride(1), dst.stride(0), BLOCK=block)
+        src, dst, r, n, s, src.stride(0), src.stride(1), dst.stride(0), BLOCK=block,
+        **pdl_kwargs(src))
 
 
 def nvfp4_gemm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

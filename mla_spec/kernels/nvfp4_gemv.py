@@ -46,6 +46,7 @@ from mla_spec.kernels.nvfp4_gemv_packed import (
     packed_prefetch_loop,
     x_pairs,
 )
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "packed_gemv_config", "split_k_for",
            "GEMV_MAX_M", "GEMV_FAST"]
@@ -192,7 +193,11 @@ def _nvfp4_gemv_kernel(
     M, N, KB, SPLIT, stride_xm, stride_wn, stride_sn, stride_om,
     MP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    # the double-buffered loop loads its first weights before waiting for the previous grid
+    if not PREFETCH:
+        gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -214,7 +219,7 @@ def _nvfp4_gemv_kernel(
     acc = tl.zeros((BN, MP, G), dtype=tl.float32)
     if PREFETCH:  # packed only
         acc, _ = packed_prefetch_loop(w3, s3, x3, 0, 0, it0, it1, KB, offs_g[None, None, :],
-                                      acc, acc, False, G, FAST)
+                                      acc, acc, False, G, FAST, USE_GDC)
     else:
         for it in range(it0, it1):
             b = it * G
@@ -333,7 +338,7 @@ def nvfp4_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         m, n, kb, split, xk.stride(0), w64.stride(0), weight_scale.stride(0), out.stride(0),
         MP=mp, BN=config.block_n, G=g, SPLIT_K=split > 1, EVEN=kb % g == 0, FAST=fast,
         PACKED=packed, PREFETCH=packed and config.prefetch, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, **pdl_kwargs(x2))
     return out
 
 

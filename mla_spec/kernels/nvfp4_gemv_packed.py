@@ -42,6 +42,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mla_spec.kernels.pdl import gdc_enter
+
 __all__ = ["x_pairs", "dot16_packed", "packed_prefetch_loop", "step_mask", "load_w", "load_xw",
            "PACKED_UNIT"]
 
@@ -214,7 +216,8 @@ def load_xw(x, b, ok, MASKED: tl.constexpr = True):
 
 @triton.jit
 def packed_prefetch_loop(w, s, x, up_w, up_s, it0, it1, KB, goffs, acc, acc_u,
-                         GATED: tl.constexpr, G: tl.constexpr, FAST: tl.constexpr):
+                         GATED: tl.constexpr, G: tl.constexpr, FAST: tl.constexpr,
+                         EARLY_GDC: tl.constexpr = False):
     """The packed GEMV's K loop with the next step's loads issued before this step's math
     (register double buffering: twice the bytes in flight per warp, which a memory-bound
     GEMV with few warps per SM needs; H200, gate/up at 1 token: 20.3 -> 15.2 µs). Masked loads
@@ -222,12 +225,16 @@ def packed_prefetch_loop(w, s, x, up_w, up_s, it0, it1, KB, goffs, acc, acc_u,
 
     ``w`` / ``s`` / ``x``: weight-word, scale and x-word pointers of the caller's tile;
     ``GATED`` (the MoE's w13 launch) also accumulates the up rows, ``up_w`` / ``up_s`` further,
-    into ``acc_u``. Returns ``(acc, acc_u)`` (``acc_u`` untouched unless ``GATED``)."""
+    into ``acc_u``. ``EARLY_GDC``: the caller has not waited for the previous grid yet; the
+    first step's weights and scales are loaded first and the wait (``pdl.gdc_enter``) comes
+    between them and the first x load (``pdl`` rule 3: weights are read before the wait).
+    Returns ``(acc, acc_u)`` (``acc_u`` untouched unless ``GATED``)."""
     ok = step_mask(it0, it1, KB, goffs, G)
     wq, sc = load_w(w, s, it0 * G, ok)
     wu, su = wq, sc
     if GATED:
         wu, su = load_w(w + up_w, s + up_s, it0 * G, ok)
+    gdc_enter(EARLY_GDC)
     xa, xb, xc, xd = load_xw(x, it0 * G, ok)
     for it in range(it0, it1):
         ok = step_mask(it + 1, it1, KB, goffs, G)

@@ -93,7 +93,11 @@ def _moe_gemv_kernel(
     EVEN: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    gdc_enter(USE_GDC)
+    # The w2 launch (not GATED) reads its expert ids and first weights before waiting for the
+    # previous grid: the ids come from the router, two launches back (``pdl`` rule 3).
+    EARLY: tl.constexpr = USE_GDC and PREFETCH and not GATED
+    if not EARLY:
+        gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)  # pair (GATED) or token
@@ -103,7 +107,10 @@ def _moe_gemv_kernel(
     else:
         pair = pid_r * TOPK + pid_s
         xrow = pair
-    expert = tl.load(ids_ptr + pair).to(tl.int32)
+    if EARLY:  # from L2: no SM's L1 may hold an earlier layer's ids
+        expert = tl.load(ids_ptr + pair, cache_modifier=".cg").to(tl.int32)
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int32)
     valid = (expert >= 0) & (expert < E)
     if GATED:
         if not valid:
@@ -130,7 +137,8 @@ def _moe_gemv_kernel(
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
     if PREFETCH:  # packed only
         acc, acc_u = packed_prefetch_loop(wrow, srow, xb, N * stride_wn, N * stride_sn, it0,
-                                          it1, KB, offs_g[None, :], acc, acc_u, GATED, G, FAST)
+                                          it1, KB, offs_g[None, :], acc, acc_u, GATED, G, FAST,
+                                          EARLY)
     else:
         for it in range(it0, it1):
             b = it * G

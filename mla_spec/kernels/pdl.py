@@ -15,6 +15,12 @@ statement):
    this one has started; it then waits for this one's completion in its own step 1. Since a
    dependent is launched only after all programs of its predecessor are resident, it never
    takes an SM from a program of the predecessor, and at most two grids overlap.
+3. *Weights may be read before the wait.* When a kernel starts, every grid before its
+   predecessor has completed (the predecessor only released it after its own wait), and no
+   kernel of a decode step writes a weight. So the GEMVs (NVFP4 dense and MoE w2, BF16 with
+   ``static_w``) load their first weight step, then wait, then read activations: the weight
+   reads overlap the previous kernel's tail. The MoE w2 launch also reads its expert ids early
+   (the router wrote them two launches back), from L2.
 
 Measured on the H200 (``benchmarks/profile_layer.py``, one DeepSeek-V3 layer at bs 1): launch
 gaps 17.5 -> 8.3 µs, the layer 131.6 -> 124.6 µs; small pad / unpad calls in a graph

@@ -206,7 +206,9 @@ def _per_head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     if bgemv_supported(xt, w) is not None:
         return None
     out = torch.empty(x.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    bgemv(xt, w, out.transpose(0, 1))
+    # w is kv_b_proj's weight (or a torch / non-PDL dequantized copy of it): no PDL kernel
+    # writes it, so the GEMV may load it before waiting for the previous grid
+    bgemv(xt, w, out.transpose(0, 1), static_w=True)
     return out
 
 

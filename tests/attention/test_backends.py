@@ -211,6 +211,14 @@ def test_ragged_draft_extend_tile_choice_is_stable(monkeypatch):
         return PagedConfig(16, 8, 4, 1), None
 
     monkeypatch.setattr(tm, "paged_choice", record)
+    shapes = []
+    real = tm.mla_decode_paged
+
+    def spy(*a, **k):
+        shapes.append("qo_indptr" in k and "q_len" not in k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(tm, "mla_decode_paged", spy)
     for qlens in ([1, 1], [2, 1], [3, 3]):
         sc = make_scene(ForwardMode.DRAFT_EXTEND, [5, 9], qlens, num_heads=3, num_draft_tokens=3,
                         page_size=8, kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, **DIMS)
@@ -222,3 +230,4 @@ def test_ragged_draft_extend_tile_choice_is_stable(monkeypatch):
         torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
     assert seen == [9, 9, 9]  # num_draft_tokens 3 x 3 heads
     assert min(splits) >= 2  # the split binary even for short contexts
+    assert shapes == [True, True, True]  # ragged (RAGGED binary) even when all lengths agree

@@ -16,28 +16,48 @@ def test_off_on_cpu():
     assert pdl.pdl_kwargs(t) == {"USE_GDC": False, "launch_pdl": False}
 
 
-def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq):
+def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq, fp4a, fp4b, w13, w2):
+    """Each kernel consumes its predecessor's output; the GEMVs that read weights before the
+    wait (pdl rule 3) follow the kernel that writes their activations."""
     from mla_spec.kernels.bf16_gemv import bgemv
     from mla_spec.kernels.moe_router import fused_route, gate_logits
+    from mla_spec.kernels.nvfp4_configs import NVFP4MmaConfig
+    from mla_spec.kernels.nvfp4_gemm import nvfp4_gemm
+    from mla_spec.kernels.nvfp4_gemv import packed_gemv_config
+    from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
     from mla_spec.kernels.rmsnorm import rms_norm
     from mla_spec.kernels.rope import rope_qk
 
     h = rms_norm(x, w_norm)
-    y = bgemv(h[None], w_lin[None])[0]  # consumes the norm right after it
+    y = bgemv(h[None], w_lin[None], static_w=True)[0]  # consumes the norm right after it
+    z = nvfp4_gemm(y, *fp4a, config=packed_gemv_config(1, fp4a[0].shape[0], y.shape[1]))
+    z2 = nvfp4_gemm(z.expand(3, -1), *fp4b,  # mmab with split K, then sum_rows
+                    config=NVFP4MmaConfig(16, 64, 128, 4, 4, 3))
     logits = gate_logits(h, w_gate)
     w, ids = fused_route(logits, bias, top_k=8, n_group=8, topk_group=4, norm_topk_prob=True,
-                         routed_scaling_factor=2.5, shared_id=256, ids_dtype=torch.int32)
+                         routed_scaling_factor=2.5, ids_dtype=torch.int32)
+    moe = fused_moe_nvfp4(h, ids, w, w13, w2, path="gemv", gemv_packed=True,
+                          gemv_prefetch=True)
     q, k = rope_qk(pos, q_pe, k_pe, inv_freq)
-    return y, w, ids, q, k
+    return y, z, z2, w, ids, moe, q, k
 
 
 @pytest.mark.gpu
 def test_chain_identical_with_and_without_pdl(monkeypatch):
+    from mla_spec.quant.nvfp4 import quantize_nvfp4
+
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("PDL needs sm_90 or newer")
     g = torch.Generator(device="cuda").manual_seed(0)
     dev, bf = "cuda", torch.bfloat16
+
+    def fp4(*shape):
+        q = quantize_nvfp4(torch.randn(*shape, device=dev, generator=g) * 0.05)
+        return q.weight, q.weight_scale, q.weight_scale_2
+
     x = torch.randn(1, 7168, device=dev, dtype=bf, generator=g)
+    w13, w2 = (quantize_nvfp4(torch.randn(256, 2 * 64, 7168, device=dev, generator=g) * 0.05),
+               quantize_nvfp4(torch.randn(256, 7168, 64, device=dev, generator=g) * 0.05))
     args = (x, torch.rand(7168, device=dev, dtype=bf, generator=g) + 0.5,
             torch.randn(256, 7168, device=dev, generator=g) * 0.02,
             torch.randn(256, device=dev, generator=g) * 0.01,
@@ -45,7 +65,8 @@ def test_chain_identical_with_and_without_pdl(monkeypatch):
             torch.tensor([1234], device=dev),
             torch.randn(1, 32, 192, device=dev, dtype=bf, generator=g)[..., 128:],
             torch.randn(1, 576, device=dev, dtype=bf, generator=g)[:, 512:],
-            torch.rand(32, device=dev, generator=g) * 0.1)
+            torch.rand(32, device=dev, generator=g) * 0.1,
+            fp4(1040, 2112), fp4(528, 1040), w13, w2)
     monkeypatch.setattr(pdl, "PDL", False)
     ref = _chain(*args)
     monkeypatch.setattr(pdl, "PDL", True)
@@ -55,10 +76,12 @@ def test_chain_identical_with_and_without_pdl(monkeypatch):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = _chain(*args)
-    x.copy_(torch.randn(1, 7168, device=dev, dtype=bf, generator=g))
-    graph.replay()
-    torch.cuda.synchronize()
-    monkeypatch.setattr(pdl, "PDL", False)
-    ref2 = _chain(*args)
-    for a, b in zip(ref2, out):
-        assert torch.equal(a, b)
+    for _ in range(3):  # new inputs each replay: a stale read would show
+        x.copy_(torch.randn(1, 7168, device=dev, dtype=bf, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(pdl, "PDL", False)
+        ref2 = _chain(*args)
+        monkeypatch.setattr(pdl, "PDL", True)
+        for a, b in zip(ref2, out):
+            assert torch.equal(a, b)
