@@ -36,8 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["block_rows", "request_rows", "split_window", "check_mla_inputs", "kv_descriptors",
-           "load_kv_tile", "fp16_prescaled", "online_softmax"]
+from mla_spec.kernels.pdl import prefetch_l2
+
+__all__ = ["block_rows", "prefetch_kv_tiles", "request_rows", "split_window", "check_mla_inputs",
+           "kv_descriptors", "load_kv_tile", "fp16_prescaled", "online_softmax"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -123,6 +125,36 @@ def split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
     lo = sid * chunk
     hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
     return bound, lo, hi
+
+
+@triton.jit
+def prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_splits,
+                      stride_r2t, num_slots, DK: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, RAGGED: tl.constexpr, TILES: tl.constexpr):
+    """L2 prefetch of the first ``TILES`` KV tiles of this program's split window, issued
+    before the PDL wait (``pdl`` rule 4) so that the tiles stream in while the previous kernel
+    (typically the KV store of this step's rows) finishes. Everything read here is only used
+    for prefetch addresses: the kernel recomputes its window after the wait, and the slot is
+    clamped into the cache, so stale metadata could cost a wasted prefetch, never a result."""
+    qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
+                                                       BLOCK_M, RAGGED)
+    if m0 < n_rows:
+        req = tl.load(RPI + b).to(tl.int64)
+        last_row = tl.minimum(m0 + BLOCK_M, n_rows) - 1
+        hi_rows = kv_len - q_len + last_row // H + 1
+        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
+        lo = sid * chunk
+        hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
+        ROW: tl.constexpr = DK * (KV.dtype.element_ty.primitive_bitwidth // 8)
+        offs = tl.arange(0, 1024) * 128  # bytes; 1024 lines = the largest tile (bf16, 64 rows)
+        for t in tl.static_range(TILES):
+            start = lo + t * BLOCK_N
+            if start < hi:
+                slot0 = tl.load(R2T + req * stride_r2t + start)
+                slot0 = tl.maximum(tl.minimum(slot0, num_slots - 1), 0).to(tl.int64)
+                rows = tl.minimum(tl.minimum(hi - start, BLOCK_N), num_slots - slot0)
+                base = (KV + slot0 * DK).to(tl.pointer_type(tl.int8))
+                prefetch_l2(base + offs, offs < rows * ROW)
 
 
 @triton.jit

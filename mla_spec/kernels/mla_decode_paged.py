@@ -60,6 +60,7 @@ from mla_spec.kernels.mla_decode_common import (
     kv_descriptors,
     load_kv_tile,
     online_softmax,
+    prefetch_kv_tiles,
     request_rows,
 )
 from mla_spec.kernels.mla_decode_swapab import launch_swapab
@@ -95,12 +96,15 @@ def _mla_paged_kernel(
     RAGGED: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, F16: tl.constexpr, TMA: tl.constexpr, USE_GDC: tl.constexpr,
 ):
-    gdc_enter(USE_GDC)
     DH: tl.constexpr = DV // 2
     DK: tl.constexpr = DV + DPE
     pid_m = tl.program_id(0)
     sid = tl.program_id(1)
     b = tl.program_id(2)
+    if USE_GDC:
+        prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_splits,
+                          stride_r2t, num_slots, DK, BLOCK_M, BLOCK_N, RAGGED, 2)
+    gdc_enter(USE_GDC)
     qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
                                                        BLOCK_M, RAGGED)
     if m0 < n_rows:

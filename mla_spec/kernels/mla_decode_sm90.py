@@ -40,8 +40,10 @@ def _signature(kern, cfg, fp8: bool, split: bool, const: dict) -> dict:
     return sig
 
 
-def sm90_resources(cfg, fp8: bool, split: bool, dv: int = 512, dpe: int = 64) -> dict:
-    """Compile one ``PagedConfig`` variant for sm_90a (no GPU needed).
+def sm90_resources(cfg, fp8: bool, split: bool, dv: int = 512, dpe: int = 64,
+                   gdc: bool = True) -> dict:
+    """Compile one ``PagedConfig`` variant for sm_90a (no GPU needed); ``gdc``: as launched
+    with PDL (the default on Hopper: the L2 prefetch and wait of ``kernels.pdl``).
 
     Returns
     -------
@@ -59,7 +61,8 @@ def sm90_resources(cfg, fp8: bool, split: bool, dv: int = 512, dpe: int = 64) ->
     kern = (_mla_swapab_kernel if cfg.swap else _mla_vsplit_kernel if cfg.sibling_kernel
             else _mla_paged_kernel)
     const = dict(DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, RAGGED=False,
-                 SPLIT=split, WRITE_LSE=False, DOT_F32=False, F16=fp8, TMA=cfg.tma)
+                 SPLIT=split, WRITE_LSE=False, DOT_F32=False, F16=fp8, TMA=cfg.tma,
+                 USE_GDC=gdc)
     if cfg.sibling_kernel:
         const.update(NV=cfg.vsplit, NC=4 if cfg.vsplit == 4 else 2, FUSED=cfg.fused and split)
     sig = _signature(kern, cfg, fp8, split, const)
@@ -67,7 +70,8 @@ def sm90_resources(cfg, fp8: bool, split: bool, dv: int = 512, dpe: int = 64) ->
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kern.arg_names)
              if sig[a].startswith("*") or (sig[a] == "i32" and a not in dns)}
     k = triton.compile(ASTSource(kern, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                    launch_pdl=gdc))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not triton.__version__.startswith("3.6") and os.path.exists(ptxas + "-blackwell"):
         ptxas += "-blackwell"  # newer Triton emits a PTX version only this ptxas reads

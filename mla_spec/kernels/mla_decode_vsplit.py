@@ -47,6 +47,7 @@ from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
     block_rows,
     online_softmax,
+    prefetch_kv_tiles,
     request_rows,
     split_window,
 )
@@ -87,7 +88,6 @@ def _mla_vsplit_kernel(
     FUSED: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
     TMA: tl.constexpr, USE_GDC: tl.constexpr,
 ):
-    gdc_enter(USE_GDC)
     DC: tl.constexpr = DV // NC
     OWN: tl.constexpr = NC // NV
     DK: tl.constexpr = DV + DPE
@@ -96,6 +96,11 @@ def _mla_vsplit_kernel(
     pid_m = pid0 // NV
     sid = tl.program_id(1)
     b = tl.program_id(2)
+    if USE_GDC:
+        if vid == 0:  # the siblings read the same tiles
+            prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_splits,
+                              stride_r2t, num_slots, DK, BLOCK_M, BLOCK_N, RAGGED, 2)
+    gdc_enter(USE_GDC)
     qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
                                                        BLOCK_M, RAGGED)
     if m0 < n_rows:

@@ -21,6 +21,10 @@ statement):
    ``static_w``) load their first weight step, then wait, then read activations: the weight
    reads overlap the previous kernel's tail. The MoE w2 launch also reads its expert ids early
    (the router wrote them two launches back), from L2.
+4. *L2 prefetches may run before the wait* (:func:`prefetch_l2`): a hint returns nothing, so
+   even an address computed from data the previous grid is still writing cannot change a
+   result. The attention kernels prefetch their first KV tiles this way (the KV cache's new
+   rows are written by the kernel just before) and compute everything else after the wait.
 
 Measured on the H200 (``benchmarks/profile_layer.py``, one DeepSeek-V3 layer at bs 1): launch
 gaps 17.5 -> 8.3 µs, the layer 131.6 -> 124.6 µs; small pad / unpad calls in a graph
@@ -41,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PDL", "gdc_enter", "pdl_kwargs", "pdl_on"]
+__all__ = ["PDL", "gdc_enter", "pdl_kwargs", "pdl_on", "prefetch_l2"]
 
 #: On by default on sm_90+ (read at every launch). ``MLA_SPEC_PDL=0`` turns it off at import.
 PDL = os.environ.get("MLA_SPEC_PDL", "1") not in ("0", "", "false", "False")
@@ -70,3 +74,16 @@ def gdc_enter(USE_GDC: tl.constexpr):
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """``prefetch.global.L2`` of the 128-byte lines at ``ptrs`` where ``mask`` (GPU only: inline
+    PTX, not for the interpreter). A hint without a result: it cannot make a kernel read stale
+    data (L2 is where writes land), so it may run before :func:`gdc_enter` on addresses taken
+    from inputs the previous grid might still write, as long as they stay inside a buffer.
+    Use a tensor of at least as many elements as the program has threads, so that no element
+    is replicated across threads (each replica would issue its own prefetch)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

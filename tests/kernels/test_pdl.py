@@ -85,3 +85,53 @@ def test_chain_identical_with_and_without_pdl(monkeypatch):
         monkeypatch.setattr(pdl, "PDL", True)
         for a, b in zip(ref2, out):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("verify", [False, True])
+def test_attention_after_kv_store_identical_with_and_without_pdl(monkeypatch, fp8, verify):
+    """The attention kernels prefetch their first KV tiles into L2 before the PDL wait (pdl
+    rule 4) while the KV store right before them writes this step's rows: results must not
+    change, eagerly or in a graph replayed with new rows each time."""
+    from mla_spec.attention import create_backend
+    from mla_spec.attention.synthetic import make_scene
+    from mla_spec.forward_mode import ForwardMode
+    from mla_spec.quant.fp8 import FP8_DTYPE
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs sm_90 or newer")
+    bf = torch.bfloat16
+    mode, prefix, q = ((ForwardMode.TARGET_VERIFY, [4000, 1301], [4, 4]) if verify
+                       else (ForwardMode.DECODE, [4000], [1]))  # bs 1: the many-split variants
+    sc = make_scene(mode, prefix, q, num_heads=32, num_draft_tokens=4,
+                    kv_dtype=FP8_DTYPE if fp8 else bf, q_dtype=bf, page_size=64, device="cuda",
+                    seed=3)
+    be = create_backend("triton", num_heads=32, softmax_scale=0.1352, kv_pool=sc.pool,
+                        req_to_token=sc.req_pool)
+    loc = sc.batch.out_cache_loc
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ckv = torch.randn(loc.numel(), 512, device="cuda", dtype=bf, generator=g)
+    kpe = torch.randn(loc.numel(), 64, device="cuda", dtype=bf, generator=g)
+
+    def step():
+        sc.pool.store(0, loc, ckv, kpe)
+        return be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+
+    be.plan(sc.batch)
+    monkeypatch.setattr(pdl, "PDL", False)
+    ref = step()
+    monkeypatch.setattr(pdl, "PDL", True)
+    assert torch.equal(step(), ref)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        ckv.copy_(torch.randn(ckv.shape, device="cuda", dtype=bf, generator=g))
+        kpe.copy_(torch.randn(kpe.shape, device="cuda", dtype=bf, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(pdl, "PDL", False)
+        ref = step()
+        monkeypatch.setattr(pdl, "PDL", True)
+        assert torch.equal(out, ref)
