@@ -57,6 +57,8 @@ def test_kernel_matches_twin(m, n, k, cfg, dtype, device):
                    config=cfg)
     ref = nvfp4_gemm_ref(x, q.weight, q.weight_scale, q.weight_scale_2, torch.float32)
     tol = 2e-2 if device.type == "cuda" and dtype == torch.float32 else 1e-4  # tf32 on GPU
+    if device.type == "cuda" and dtype == torch.bfloat16 and cfg is None and m <= 2:
+        tol = 1e-2  # the packed GEMV's fp16 block sums; 4.4e-3 of max measured at K = 48
     torch.testing.assert_close(y, ref, rtol=tol, atol=tol * ref.abs().max().item())
     y16 = nvfp4_gemm(x, q.weight, q.weight_scale, q.weight_scale_2, config=cfg)
     assert y16.dtype == dtype and y16.shape == (m, n)
