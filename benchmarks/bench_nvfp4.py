@@ -9,8 +9,9 @@ graph whose calls rotate over enough weight sets (>= 200 MB) that the 60 MB L2 d
 The grouped MoE (256 experts, 8 active per token, I = 512, K = 7168) runs ``fused_moe_nvfp4``
 against the bf16 GEMMs of the active experts only (x rows pre-gathered, no routing work: the
 strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into ``$OUT`` when set.
-``--pinned``: no tuning; the automatic configs at M 1-16 and the MoE at 1-4 tokens, each with
-PDL on and off (``_pdl_pair``), beside cuBLAS (``bench_nvfp4_pinned.*``).
+``--pinned``: no tuning; the automatic configs at M 1-16 and the MoE at 1-4 tokens as the model
+runs them (PDL and the L2 prefetch of each program's weight slice on), with the L2 prefetch
+off, and with PDL off (``_modes``), beside cuBLAS (``bench_nvfp4_pinned.*``).
 """
 
 from __future__ import annotations
@@ -250,21 +251,24 @@ def bench_moe(fast_ok, quick):
     return rows
 
 
-def _pdl_pair(calls) -> tuple[float, float]:
-    """Graph µs per call of ``calls`` with PDL on (consecutive calls overlap: each GEMV loads
-    its first weights while the previous one finishes) and off (each call starts after the
-    previous one has completed)."""
+def _modes(calls, modes) -> dict:
+    """Graph µs per call of ``calls`` under each ``(name, PDL, L2_PREFETCH)`` of ``modes``
+    (None: leave the switch as it is)."""
     from mla_spec.kernels import pdl
 
-    keep = pdl.PDL
+    keep = pdl.PDL, pdl.L2_PREFETCH
+    out = {}
     try:
-        pdl.PDL = True
-        on = graph_us(calls)
-        pdl.PDL = False
-        off = graph_us(calls)
+        for name, on, l2 in modes:
+            pdl.PDL = keep[0] if on is None else on
+            pdl.L2_PREFETCH = keep[1] if l2 is None else l2
+            out[name] = graph_us(calls)
     finally:
-        pdl.PDL = keep
-    return on, off
+        pdl.PDL, pdl.L2_PREFETCH = keep
+    return out
+
+
+PINNED_MODES = (("pdl", True, True), ("nol2", True, False), ("nopdl", False, True))
 
 
 def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
@@ -278,9 +282,11 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
         wbf = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(nb)]
         for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            on, off = _pdl_pair([lambda a=a, x=x: nvfp4_gemm(x, *a) for a in sets])
+            t = _modes([lambda a=a, x=x: nvfp4_gemm(x, *a) for a in sets], PINNED_MODES)
+            on, off = t["pdl"], t["nopdl"]
             bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
             rows.append(dict(shape=name, n=n, k=k, m=m, pdl_us=round(on, 2),
+                             nol2_us=round(t["nol2"], 2),
                              nopdl_us=round(off, 2), bf16_us=round(bf16, 2),
                              x_bf16_pdl=round(bf16 / on, 2), x_bf16_nopdl=round(bf16 / off, 2),
                              pdl_GBps=round(n * k * 0.5625 / (on * 1e-6) / 1e9)))
@@ -290,10 +296,12 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
     w13, w2, b13, b2 = moe_weights(e, k, inter)
     for m in moe_ms:
         xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
-        on, off = _pdl_pair([lambda x=x, t=t, w=w: fused_moe_nvfp4(x, t, w, w13, w2)
-                             for x, t, w in zip(xs, ids, tws)])
+        tm = _modes([lambda x=x, t=t, w=w: fused_moe_nvfp4(x, t, w, w13, w2)
+                     for x, t, w in zip(xs, ids, tws)], PINNED_MODES)
+        on, off = tm["pdl"], tm["nopdl"]
         bf16, active = moe_bf16_us(xs, ids, b13, b2, inter)
         rows.append(dict(shape="moe_256e_top8_tp4", n=2 * inter, k=k, m=m, pdl_us=round(on, 2),
+                         nol2_us=round(tm["nol2"], 2),
                          nopdl_us=round(off, 2), bf16_us=round(bf16, 2),
                          x_bf16_pdl=round(bf16 / on, 2), x_bf16_nopdl=round(bf16 / off, 2),
                          pdl_GBps=round(active * 3 * inter * k * 0.5625 / on / 1e3)))
@@ -302,10 +310,12 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
 
 
 def pinned_markdown(rows) -> str:
-    lines = ["| shape | M | ours PDL µs | ours no PDL µs | cuBLAS bf16 µs | x bf16 (PDL) | "
-             "x bf16 (no PDL) | GB/s (PDL) |", "|" + "---|" * 8]
+    lines = ["| shape | M | ours µs (PDL, L2 prefetch) | PDL, no L2 prefetch µs | "
+             "no PDL µs | cuBLAS bf16 µs | x bf16 | x bf16 (no PDL) | GB/s |",
+             "|" + "---|" * 9]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['m']} | {r['pdl_us']} | {r['nopdl_us']} | "
+        lines.append(f"| {r['shape']} | {r['m']} | {r['pdl_us']} | {r['nol2_us']} | "
+                     f"{r['nopdl_us']} | "
                      f"{r['bf16_us']} | {r['x_bf16_pdl']} | {r['x_bf16_nopdl']} | "
                      f"{r['pdl_GBps']} |")
     return "\n".join(lines)

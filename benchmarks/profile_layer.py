@@ -45,6 +45,7 @@ TOGGLES = (
     ("qkv_a", "mla_spec.models.mla", "FUSED_QKV_A"),
     ("bf16_gemv", "mla_spec.kernels.bf16_gemv", "BF16_GEMV"),
     ("pdl", "mla_spec.kernels.pdl", "PDL"),
+    ("l2pf", "mla_spec.kernels.pdl", "L2_PREFETCH"),
 )
 
 

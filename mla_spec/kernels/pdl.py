@@ -24,7 +24,10 @@ statement):
 4. *L2 prefetches may run before the wait* (:func:`prefetch_l2`): a hint returns nothing, so
    even an address computed from data the previous grid is still writing cannot change a
    result. The attention kernels prefetch their first KV tiles this way (the KV cache's new
-   rows are written by the kernel just before) and compute everything else after the wait.
+   rows are written by the kernel just before) and compute everything else after the wait;
+   the weight kernels (NVFP4 GEMV, ``mmab``, MoE gemv, BF16 GEMV) prefetch their program's
+   whole weight slice (:func:`prefetch_rows_l2`, ``L2_PREFETCH``; the MoE's w13 launch after
+   the wait, once its expert is known).
 
 Measured on the H200 (``benchmarks/profile_layer.py``, one DeepSeek-V3 layer at bs 1): launch
 gaps 17.5 -> 8.3 µs, the layer 131.6 -> 124.6 µs; small pad / unpad calls in a graph
@@ -45,10 +48,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["PDL", "gdc_enter", "pdl_kwargs", "pdl_on", "prefetch_l2"]
+__all__ = ["L2_PREFETCH", "PDL", "gdc_enter", "l2pf_on", "pdl_kwargs", "pdl_on", "prefetch_l2",
+           "prefetch_rows_l2"]
 
 #: On by default on sm_90+ (read at every launch). ``MLA_SPEC_PDL=0`` turns it off at import.
 PDL = os.environ.get("MLA_SPEC_PDL", "1") not in ("0", "", "false", "False")
+#: Weight kernels prefetch their whole slice into L2 first (:func:`prefetch_rows_l2`); read at
+#: every launch, ``MLA_SPEC_L2PF=0`` turns it off at import.
+L2_PREFETCH = os.environ.get("MLA_SPEC_L2PF", "1") not in ("0", "", "false", "False")
 
 
 @functools.cache
@@ -59,6 +66,12 @@ def _capable(index: int) -> bool:
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device use PDL: ``PDL`` and a CUDA device of sm_90 or newer."""
     return bool(PDL) and t.is_cuda and _capable(t.get_device())
+
+
+def l2pf_on(t: torch.Tensor) -> bool:
+    """Whether kernels on ``t``'s device issue L2 prefetches: ``L2_PREFETCH`` and a CUDA tensor
+    (inline PTX: never under the interpreter)."""
+    return bool(L2_PREFETCH) and t.is_cuda
 
 
 def pdl_kwargs(t: torch.Tensor) -> dict:
@@ -87,3 +100,24 @@ def prefetch_l2(ptrs, mask):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_rows_l2(base, row_stride, n_rows, row_bytes, LINES: tl.constexpr):
+    """L2 prefetch of ``n_rows`` rows of ``row_bytes`` bytes each, ``row_stride`` bytes apart
+    from ``base`` (an int8 pointer), at most ``LINES`` 128-byte lines, issued column-major (the
+    first lines of every row first: a K loop reads all its rows in step). Addresses are clamped
+    into each row, so nothing outside the slice is touched.
+
+    Why: a weight GEMV at decode sizes is latency-bound (a few KB in flight per warp), and a
+    prefetch costs one instruction per line and no registers; issued for a program's whole
+    slice up front, the DRAM reads of the slice overlap each other, and before the PDL wait
+    (weights are static, rule 3) the previous kernel's tail too. ``LINES`` should be at least
+    the program's thread count (see :func:`prefetch_l2`)."""
+    offs = tl.arange(0, LINES)
+    rows = tl.maximum(n_rows, 1)
+    r = offs % rows
+    c = offs // rows
+    lpr = tl.cdiv(row_bytes, 128)
+    col = tl.minimum(c * 128, tl.maximum(row_bytes - 1, 0))
+    prefetch_l2(base + r.to(tl.int64) * row_stride + col, (c < lpr) & (r < n_rows))

@@ -1,6 +1,6 @@
-"""Programmatic dependent launch (``mla_spec.kernels.pdl``): off the GPU nothing changes; on
-it, a chain of our kernels gives bit-identical results with PDL on and off, eagerly and in a
-replayed CUDA graph."""
+"""Programmatic dependent launch and L2 prefetches (``mla_spec.kernels.pdl``): off the GPU
+nothing changes; on it, a chain of our kernels gives bit-identical results with both on and
+off, eagerly and in a replayed CUDA graph."""
 
 from __future__ import annotations
 
@@ -10,10 +10,17 @@ import torch
 import mla_spec.kernels.pdl as pdl
 
 
+def _switch(monkeypatch, on: bool) -> None:
+    """PDL and the L2 prefetches of the weight kernels together (neither may change a bit)."""
+    monkeypatch.setattr(pdl, "PDL", on)
+    monkeypatch.setattr(pdl, "L2_PREFETCH", on)
+
+
 def test_off_on_cpu():
     t = torch.zeros(1)
     assert not pdl.pdl_on(t)
     assert pdl.pdl_kwargs(t) == {"USE_GDC": False, "launch_pdl": False}
+    assert not pdl.l2pf_on(t)
 
 
 def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq, fp4a, fp4b, w13, w2):
@@ -67,9 +74,9 @@ def test_chain_identical_with_and_without_pdl(monkeypatch):
             torch.randn(1, 576, device=dev, dtype=bf, generator=g)[:, 512:],
             torch.rand(32, device=dev, generator=g) * 0.1,
             fp4(1040, 2112), fp4(528, 1040), w13, w2)
-    monkeypatch.setattr(pdl, "PDL", False)
+    _switch(monkeypatch, False)
     ref = _chain(*args)
-    monkeypatch.setattr(pdl, "PDL", True)
+    _switch(monkeypatch, True)
     eager = _chain(*args)
     for a, b in zip(ref, eager):
         assert torch.equal(a, b)
@@ -80,9 +87,9 @@ def test_chain_identical_with_and_without_pdl(monkeypatch):
         x.copy_(torch.randn(1, 7168, device=dev, dtype=bf, generator=g))
         graph.replay()
         torch.cuda.synchronize()
-        monkeypatch.setattr(pdl, "PDL", False)
+        _switch(monkeypatch, False)
         ref2 = _chain(*args)
-        monkeypatch.setattr(pdl, "PDL", True)
+        _switch(monkeypatch, True)
         for a, b in zip(ref2, out):
             assert torch.equal(a, b)
 
@@ -119,9 +126,9 @@ def test_attention_after_kv_store_identical_with_and_without_pdl(monkeypatch, fp
         return be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
 
     be.plan(sc.batch)
-    monkeypatch.setattr(pdl, "PDL", False)
+    _switch(monkeypatch, False)
     ref = step()
-    monkeypatch.setattr(pdl, "PDL", True)
+    _switch(monkeypatch, True)
     assert torch.equal(step(), ref)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -131,7 +138,7 @@ def test_attention_after_kv_store_identical_with_and_without_pdl(monkeypatch, fp
         kpe.copy_(torch.randn(kpe.shape, device="cuda", dtype=bf, generator=g))
         graph.replay()
         torch.cuda.synchronize()
-        monkeypatch.setattr(pdl, "PDL", False)
+        _switch(monkeypatch, False)
         ref = step()
-        monkeypatch.setattr(pdl, "PDL", True)
+        _switch(monkeypatch, True)
         assert torch.equal(out, ref)
