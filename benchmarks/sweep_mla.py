@@ -231,6 +231,8 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
                     fns = [ours_fn(pool, r2t, rpi, kv_lens, qn, qp, q, cfg, sp, ctx)
                            for rpi in rpis]
                     ent["graph_us"] = graph_time(fns)
+                    if name == dname and sp == heur:  # the default without L2 prefetch / PDL
+                        ent.update(_ab(lambda fns=fns: graph_time(fns)))
                 row["var"][tag] = ent
                 if name == dname and sp == heur:
                     row["default"] = tag
@@ -253,6 +255,21 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
     del pool
     torch.cuda.empty_cache()
     return row
+
+
+def _ab(timer) -> dict:
+    """``timer()`` with the KV tiles' L2 prefetch off, then with PDL off too (both restored)."""
+    from mla_spec.kernels import pdl
+
+    keep = pdl.PDL, pdl.L2_PREFETCH
+    try:
+        pdl.L2_PREFETCH = False
+        nol2 = timer()
+        pdl.PDL = False
+        nopdl = timer()
+    finally:
+        pdl.PDL, pdl.L2_PREFETCH = keep
+    return {"graph_nol2_us": nol2, "graph_nopdl_us": nopdl}
 
 
 HEADER = ("| KV | H | q | bs | ctx | ours µs | FI µs | FI/ours | ours GB/s | FI GB/s | ours TF/s | "
@@ -425,6 +442,10 @@ def main():
                 continue
             results["rows"].append(r)
             var = " ".join(f"{k}={v.get('graph_us', v['us']):.1f}" for k, v in r["var"].items())
+            ab = r["var"].get(r.get("default"), {})
+            if "graph_nol2_us" in ab:
+                var += (f" | default without L2 prefetch {ab['graph_nol2_us']:.1f}, without "
+                        f"PDL {ab['graph_nopdl_us']:.1f}")
             print(f"  [{time.time() - T0:.0f}s +{time.time() - t0:.1f}] {r['kv']} H{h} q{q} "
                   f"bs{bs} ctx{c} FI {r.get('fi_graph_us', r.get('fi_us', 0)):.1f} | {var}",
                   flush=True)

@@ -62,7 +62,7 @@ def sm90_resources(cfg, fp8: bool, split: bool, dv: int = 512, dpe: int = 64,
             else _mla_paged_kernel)
     const = dict(DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, RAGGED=False,
                  SPLIT=split, WRITE_LSE=False, DOT_F32=False, F16=fp8, TMA=cfg.tma,
-                 USE_GDC=gdc)
+                 USE_GDC=gdc, L2PF=gdc)
     if cfg.sibling_kernel:
         const.update(NV=cfg.vsplit, NC=4 if cfg.vsplit == 4 else 2, FUSED=cfg.fused and split)
     sig = _signature(kern, cfg, fp8, split, const)

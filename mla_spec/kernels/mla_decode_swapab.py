@@ -37,7 +37,7 @@ from mla_spec.kernels.mla_decode_common import (
     request_rows,
     split_window,
 )
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.pdl import gdc_enter, l2pf_on, pdl_kwargs, pdl_on
 
 __all__ = ["launch_swapab"]
 
@@ -52,13 +52,14 @@ def _mla_swapab_kernel(
     DV: tl.constexpr, DPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     RAGGED: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, F16: tl.constexpr, TMA: tl.constexpr, USE_GDC: tl.constexpr,
+    L2PF: tl.constexpr,
 ):
     DH: tl.constexpr = DV // 2
     DK: tl.constexpr = DV + DPE
     pid_m = tl.program_id(0)
     sid = tl.program_id(1)
     b = tl.program_id(2)
-    if USE_GDC:
+    if L2PF:  # first KV tiles into L2 before the wait (pdl rule 4)
         prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_splits,
                           stride_r2t, num_slots, DK, BLOCK_M, BLOCK_N, RAGGED, 2)
     gdc_enter(USE_GDC)
@@ -166,6 +167,7 @@ def launch_swapab(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens
         RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=lse is not None,
         DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope),
+        L2PF=pdl_on(q_nope) and l2pf_on(q_nope),
     )
     if split:
         combine_splits(part, part_lse, out, lse)

@@ -99,13 +99,16 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     **{("fp8", rc, bc): "CF" for rc in ("r32", "r128", "big") for bc in ("b1", "b48", "big")},
     # H200 sweep of 2026-11-29 (docs/benchmarks.md): the only shape classes whose winner changed
     ("fp8", "r32", "b1"): "G4",  # 14.9 vs 19.3 µs at bs 1, ctx 4k, in a CUDA graph
-    ("bf16", "r128", "b1"): "V2",  # 19.7-19.9 vs 20.3-20.4 µs
     # second H200 sweep (swap AB, docs/bench_mla.md v4): bs 1 ctx 4k in a graph 12.1 vs 14.1 µs
     # (G, still faster at ctx 32k: 31.2 vs 34.6); bs 128 ctx 8k 511 vs 581 µs, bs 64 ctx 32k
     # 961 vs 1066 µs
     ("bf16", "r32", "b1"): "S16",
     ("bf16", "r32", "b48"): "S16",  # bs 32 ctx 4k: 152.7 vs 175.6 µs (eager)
     ("bf16", "r32", "big"): "S32w4",
+    # third H200 sweep (sixth session, bs 1 at ctx 1k / 4k / 32k in a graph, after the split
+    # model's combine term): S16 within 1.09x of the best over the class (V2: 1.25x), C 1.00x
+    ("bf16", "r128", "b1"): "S16",
+    ("fp8", "big", "b1"): "C",
 }
 
 
@@ -145,13 +148,17 @@ def paged_config(rows: int, kv_dtype: torch.dtype, device: torch.device,
 def pick_num_splits_paged(bs: int, m_blocks: int, max_kv: int, block_n: int, rows: int,
                           kv_row_bytes: int, num_sms: int = 132, part_bytes: int = 4,
                           dv: int = 512, ctas_per_sm: int = 1, max_splits: int = 128,
-                          fixed_tiles: float = 1.0, vsplit: int = 1, fused: bool = False) -> int:
+                          fixed_tiles: float = 1.0, vsplit: int = 1, fused: bool = False,
+                          combine_per_split: float = 1.0 / 16) -> int:
     """Splits minimizing ``waves(s) * (tiles/s + fixed + partial cost)`` (in KV-tile units).
 
     A split's partial ``[rows, dv / vsplit]`` is written once and read once by the combine; a
     wave is ``num_sms * ctas_per_sm`` programs (``vsplit`` siblings per row block). The
-    separate combine costs one launch, the fused one a serial merge of ``s`` partials in one
-    program. Uniform lengths are assumed (``max_kv`` for all).
+    separate combine costs one launch plus ``combine_per_split`` per split (its rounds over
+    the partials, and every split's own query load: measured at batch 1 on the H200, sixth
+    session, 16 splits won at 16 tiles, 32 at 64 and 64 at 512, where the model without it
+    took 64 at 64 tiles and ran 1.6x slower), the fused one a serial merge of ``s`` partials in
+    one program. Uniform lengths are assumed (``max_kv`` for all).
     """
     tiles = -(-max(int(max_kv), 1) // block_n)
     tile_bytes = block_n * kv_row_bytes
@@ -163,7 +170,7 @@ def pick_num_splits_paged(bs: int, m_blocks: int, max_kv: int, block_n: int, row
         waves = -(-progs // slots)
         cost = waves * (-(-tiles // s) + fixed_tiles + (part if s > 1 else 0.0))
         if s > 1:  # the combine launch, or the fused merge (reads s partials serially)
-            cost += s * part / 2.0 if fused else 1.0
+            cost += s * part / 2.0 if fused else 1.0 + s * combine_per_split
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best

@@ -52,7 +52,7 @@ from mla_spec.kernels.mla_decode_common import (
     split_window,
 )
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.pdl import gdc_enter, l2pf_on, pdl_kwargs, pdl_on
 
 __all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
 
@@ -87,6 +87,7 @@ def _mla_vsplit_kernel(
     NV: tl.constexpr, NC: tl.constexpr, RAGGED: tl.constexpr, SPLIT: tl.constexpr,
     FUSED: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_F32: tl.constexpr, F16: tl.constexpr,
     TMA: tl.constexpr, USE_GDC: tl.constexpr,
+    L2PF: tl.constexpr,
 ):
     DC: tl.constexpr = DV // NC
     OWN: tl.constexpr = NC // NV
@@ -96,7 +97,7 @@ def _mla_vsplit_kernel(
     pid_m = pid0 // NV
     sid = tl.program_id(1)
     b = tl.program_id(2)
-    if USE_GDC:
+    if L2PF:  # first KV tiles into L2 before the wait (pdl rule 4)
         if vid == 0:  # the siblings read the same tiles
             prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_splits,
                               stride_r2t, num_slots, DK, BLOCK_M, BLOCK_N, RAGGED, 2)
@@ -327,6 +328,7 @@ def launch_vsplit(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens
         RAGGED=qo_indptr is not None, SPLIT=split, FUSED=fused, WRITE_LSE=lse is not None,
         DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope),
+        L2PF=pdl_on(q_nope) and l2pf_on(q_nope),
     )
     if split and not fused:
         combine_splits(part, part_lse[0], out, lse)

@@ -99,8 +99,11 @@ def test_supported_and_validation(device):
 
 
 def test_split_cost_model():
-    # batch 1, 4k, bf16 rows: one program per SM-ish; big batches: no split
-    assert pick_num_splits_paged(1, 1, 4096, 64, 32, 1152) == 64
+    # batch 1: about two KV tiles per split at 4k, one at 1k, 8 at 32k (the H200 sweep's
+    # winners, docs/bench_mla.md sixth session); big batches: no split
+    assert pick_num_splits_paged(1, 2, 4096, 64, 32, 1152) == 32
+    assert pick_num_splits_paged(1, 2, 1024, 64, 32, 1152) == 16
+    assert pick_num_splits_paged(1, 2, 32768, 64, 32, 1152) == 64
     assert pick_num_splits_paged(128, 1, 8192, 64, 32, 1152) == 1
     assert pick_num_splits_paged(32, 1, 4096, 64, 32, 1152) == 4
     assert pick_num_splits_paged(1, 1, 0, 64, 32, 1152) == 1
