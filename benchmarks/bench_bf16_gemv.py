@@ -7,8 +7,7 @@ DeepSeek-V3's BF16 attention weights per rank (TP 4 and TP 1) at 1-2 tokens: the
 (views of ``kv_b``, as ``models.mla`` runs them); also the MTP layer's ``eh_proj``. Each call is
 timed in one replayed CUDA graph whose calls rotate over weight copies of >= 200 MB (past the
 60 MB L2); every candidate tile is checked against the twin first. Prints, per shape and token
-count, cuBLAS, our default (as the model runs it: PDL and the L2 prefetch; and without each)
-and our best tile
+count, cuBLAS, our default (with PDL, as the model runs it, and without) and our best tile
 (suggested ``PINNED`` rows), and a table last;
 writes ``bench_bf16_gemv.json`` to ``$OUT``.
 """
@@ -89,7 +88,7 @@ def bench_shape(name, heads, n, k, kind, m, deadline) -> dict:
     default = bgemv_config(heads, m, n, k, kind != "uk")
     cands = [default] + [c for c in (N_CANDIDATES if kind == "uk" else K_CANDIDATES)
                          if c != default]
-    best, default_us, nopdl_us, nol2_us = None, None, None, None
+    best, default_us, nopdl_us = None, None, None
     for cfg in cands:
         if time.perf_counter() > deadline and best is not None:
             break
@@ -102,9 +101,9 @@ def bench_shape(name, heads, n, k, kind, m, deadline) -> dict:
                 continue
             calls = [lambda x=x, w=w, o=o, c=cfg: bgemv(x, w, o, cfg=c, static_w=True)
                      for x, w, o, _ in ops]
-            if cfg == default:  # as the model runs it, without the L2 prefetch, without PDL
+            if cfg == default:  # as the model runs it (PDL on) and without PDL
                 t = bench._modes(calls, bench.PINNED_MODES)
-                us, nol2_us, nopdl_us = t["pdl"], t["nol2"], t["nopdl"]
+                us, nopdl_us = t["pdl"], t["nopdl"]
             else:
                 us = bench.graph_us(calls)
         except Exception as e:  # a tile Triton refuses
@@ -116,7 +115,6 @@ def bench_shape(name, heads, n, k, kind, m, deadline) -> dict:
             best = (us, cfg)
     row = dict(shape=name, heads=heads, n=n, k=k, kind=kind, m=m, mb=wbytes / 1e6,
                cublas_us=cublas_us, default_us=default_us, default_nopdl_us=nopdl_us,
-               default_nol2_us=nol2_us,
                best_us=best[0] if best else None,
                best=best[1].__dict__ if best else None, default=default.__dict__)
     print(f"{name} M {m}: cuBLAS {cublas_us:.2f} us, default {default_us} us (no PDL "
@@ -152,15 +150,13 @@ def main(argv=None) -> None:
                   f"BgemvConfig({b['block_n']}, "
                   f"{b['block_k']}, {b['num_warps']}),  # {r['shape']}: {r['best_us']:.2f} vs "
                   f"{r['cublas_us']:.2f} us")
-    print("\n| shape | M | MB | cuBLAS µs | ours default µs | default no L2 prefetch µs | "
-          "default no PDL µs | ours best µs | best tile | TB/s best | x cuBLAS |\n"
-          + "|---" * 11 + "|")
+    print("\n| shape | M | MB | cuBLAS µs | ours default µs | default no PDL µs | ours best µs | "
+          "best tile | TB/s best | x cuBLAS |\n" + "|---" * 10 + "|")
     for r in rows:
         b = r["best_us"]
         tile = "{block_n}x{block_k}w{num_warps}".format(**r["best"]) if r["best"] else "-"
         print(f"| {r['shape']} | {r['m']} | {r['mb']:.1f} | {r['cublas_us']:.2f} | "
               f"{r['default_us'] or float('nan'):.2f} | "
-              f"{r['default_nol2_us'] or float('nan'):.2f} | "
               f"{r['default_nopdl_us'] or float('nan'):.2f} | {b or float('nan'):.2f} | {tile} | "
               f"{r['mb'] / b if b else float('nan'):.2f} | "
               f"{r['cublas_us'] / b if b else float('nan'):.2f} |")

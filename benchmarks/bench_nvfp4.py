@@ -10,8 +10,7 @@ The grouped MoE (256 experts, 8 active per token, I = 512, K = 7168) runs ``fuse
 against the bf16 GEMMs of the active experts only (x rows pre-gathered, no routing work: the
 strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into ``$OUT`` when set.
 ``--pinned``: no tuning; the automatic configs at M 1-16 and the MoE at 1-4 tokens as the model
-runs them (PDL and the L2 prefetch of each program's weight slice on), with the L2 prefetch
-off, and with PDL off (``_modes``), beside cuBLAS (``bench_nvfp4_pinned.*``).
+runs them (PDL on) and with PDL off (``_modes``), beside cuBLAS (``bench_nvfp4_pinned.*``).
 """
 
 from __future__ import annotations
@@ -268,7 +267,7 @@ def _modes(calls, modes) -> dict:
     return out
 
 
-PINNED_MODES = (("pdl", True, True), ("nol2", True, False), ("nopdl", False, True))
+PINNED_MODES = (("pdl", True, None), ("nopdl", False, None))
 
 
 def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
@@ -286,7 +285,6 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
             on, off = t["pdl"], t["nopdl"]
             bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
             rows.append(dict(shape=name, n=n, k=k, m=m, pdl_us=round(on, 2),
-                             nol2_us=round(t["nol2"], 2),
                              nopdl_us=round(off, 2), bf16_us=round(bf16, 2),
                              x_bf16_pdl=round(bf16 / on, 2), x_bf16_nopdl=round(bf16 / off, 2),
                              pdl_GBps=round(n * k * 0.5625 / (on * 1e-6) / 1e9)))
@@ -301,7 +299,6 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
         on, off = tm["pdl"], tm["nopdl"]
         bf16, active = moe_bf16_us(xs, ids, b13, b2, inter)
         rows.append(dict(shape="moe_256e_top8_tp4", n=2 * inter, k=k, m=m, pdl_us=round(on, 2),
-                         nol2_us=round(tm["nol2"], 2),
                          nopdl_us=round(off, 2), bf16_us=round(bf16, 2),
                          x_bf16_pdl=round(bf16 / on, 2), x_bf16_nopdl=round(bf16 / off, 2),
                          pdl_GBps=round(active * 3 * inter * k * 0.5625 / on / 1e3)))
@@ -310,12 +307,10 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
 
 
 def pinned_markdown(rows) -> str:
-    lines = ["| shape | M | ours µs (PDL, L2 prefetch) | PDL, no L2 prefetch µs | "
-             "no PDL µs | cuBLAS bf16 µs | x bf16 | x bf16 (no PDL) | GB/s |",
-             "|" + "---|" * 9]
+    lines = ["| shape | M | ours µs (PDL) | no PDL µs | cuBLAS bf16 µs | x bf16 | "
+             "x bf16 (no PDL) | GB/s |", "|" + "---|" * 8]
     for r in rows:
-        lines.append(f"| {r['shape']} | {r['m']} | {r['pdl_us']} | {r['nol2_us']} | "
-                     f"{r['nopdl_us']} | "
+        lines.append(f"| {r['shape']} | {r['m']} | {r['pdl_us']} | {r['nopdl_us']} | "
                      f"{r['bf16_us']} | {r['x_bf16_pdl']} | {r['x_bf16_nopdl']} | "
                      f"{r['pdl_GBps']} |")
     return "\n".join(lines)

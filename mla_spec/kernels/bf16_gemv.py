@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, l2pf_on, pdl_kwargs, prefetch_rows_l2
+from mla_spec.kernels.pdl import gdc_launch, gdc_wait, pdl_kwargs
 
 __all__ = ["BF16_GEMV", "BF16_GEMV_MAX_M", "BgemvConfig", "bgemv", "bgemv_config", "bgemv_ref",
            "bgemv_supported", "gemv_linear"]
@@ -97,19 +97,11 @@ def bgemv_config(b: int, m: int, n: int, k: int, k_contiguous: bool) -> BgemvCon
 def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                   s_xb, s_xm, s_xk, s_wb, s_wn, s_wk, s_yb, s_ym, s_yn,
                   MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_GDC: tl.constexpr,
-                  W_EARLY: tl.constexpr, L2PF: tl.constexpr):
+                  W_EARLY: tl.constexpr):
+    if not W_EARLY:
+        gdc_wait(USE_GDC)
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
-    if L2PF:  # the program's weight slice into L2 first (before the wait when W_EARLY)
-        ELT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        nr = tl.minimum(BN, N - pid_n * BN)
-        wb = (w_ptr + b * s_wb + (pid_n * BN).to(tl.int64) * s_wn).to(tl.pointer_type(tl.int8))
-        if s_wk == 1:  # BN rows of K contiguous elements
-            prefetch_rows_l2(wb, s_wn * ELT, nr, K * ELT, 1024)
-        else:  # K rows of BN contiguous elements (W_UK)
-            prefetch_rows_l2(wb, s_wk * ELT, K, nr * ELT, 1024)
-    if not W_EARLY:
-        gdc_enter(USE_GDC)
     offs_m = tl.arange(0, MP)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_k = tl.arange(0, BK)
@@ -121,7 +113,7 @@ def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     k_ok = offs_k < K
     w_cur = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     if W_EARLY:  # the first weight step is in flight while the previous grid finishes
-        gdc_enter(USE_GDC)
+        gdc_wait(USE_GDC)
     x_cur = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     # per-lane partial sums: the cross-lane reduction runs once, after the loop
     acc = tl.zeros([MP, BN, BK], dtype=tl.float32)
@@ -132,6 +124,7 @@ def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
         acc += x_cur.to(tl.float32)[:, None, :] * w_cur.to(tl.float32)[None, :, :]
         x_cur = x_nxt
         w_cur = w_nxt
+    gdc_launch(USE_GDC)  # after the K loop (pdl rule 5)
     acc = tl.sum(acc, 2)
     y_ptrs = y_ptr + b * s_yb + offs_m[:, None] * s_ym + offs_n[None, :] * s_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -201,7 +194,7 @@ def bgemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
         x, w, y, m, n, k, x.stride(0), x.stride(1), x.stride(2), w.stride(0), w.stride(1),
         w.stride(2), y.stride(0), y.stride(1), y.stride(2),
         MP=max(triton.next_power_of_2(m), 1), BN=cfg.block_n, BK=cfg.block_k,
-        W_EARLY=static_w, L2PF=l2pf_on(x), num_warps=cfg.num_warps, **pdl_kwargs(x))
+        W_EARLY=static_w, num_warps=cfg.num_warps, **pdl_kwargs(x))
     return y
 
 

@@ -75,7 +75,7 @@ from mla_spec.kernels.mla_decode_tiles import (
     shape_class,
 )
 from mla_spec.kernels.mla_decode_vsplit import launch_vsplit
-from mla_spec.kernels.pdl import gdc_enter, l2pf_on, pdl_kwargs, pdl_on
+from mla_spec.kernels.pdl import gdc_launch, gdc_wait, l2pf_on, pdl_kwargs, pdl_on
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig", "mla_decode_paged", "paged_choice",
@@ -105,7 +105,7 @@ def _mla_paged_kernel(
     if L2PF:  # first KV tiles into L2 before the wait (pdl rule 4)
         prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_splits,
                           stride_r2t, num_slots, DK, BLOCK_M, BLOCK_N, RAGGED, 2)
-    gdc_enter(USE_GDC)
+    gdc_wait(USE_GDC)
     qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
                                                        BLOCK_M, RAGGED)
     if m0 < n_rows:
@@ -165,6 +165,7 @@ def _mla_paged_kernel(
                 acc1 = tl.dot(pc, k1, acc1)
             m_i = m_new
 
+        gdc_launch(USE_GDC)  # after the KV loop (pdl rule 5)
         has = l_i > 0.0
         inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
         o0 = acc0 * inv[:, None]

@@ -52,7 +52,7 @@ from mla_spec.kernels.mla_decode_common import (
     split_window,
 )
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
-from mla_spec.kernels.pdl import gdc_enter, l2pf_on, pdl_kwargs, pdl_on
+from mla_spec.kernels.pdl import gdc_launch, gdc_wait, l2pf_on, pdl_kwargs, pdl_on
 
 __all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
 
@@ -101,7 +101,7 @@ def _mla_vsplit_kernel(
         if vid == 0:  # the siblings read the same tiles
             prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_splits,
                               stride_r2t, num_slots, DK, BLOCK_M, BLOCK_N, RAGGED, 2)
-    gdc_enter(USE_GDC)
+    gdc_wait(USE_GDC)
     qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
                                                        BLOCK_M, RAGGED)
     if m0 < n_rows:
@@ -212,6 +212,7 @@ def _mla_vsplit_kernel(
                     acc1 = tl.dot(pc, kb, acc1 * alpha[:, None])
             m_i = m_new
 
+        gdc_launch(USE_GDC)  # after the KV loop (pdl rule 5)
         has = l_i > 0.0
         inv = tl.where(has, v_scale / tl.where(has, l_i, 1.0), 0.0)
         lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -67,7 +67,7 @@ from mla_spec.kernels.nvfp4_gemv import (
     nvfp4_gemv,
     packed_gemv_config,
 )
-from mla_spec.kernels.pdl import gdc_enter, l2pf_on, pdl_kwargs, prefetch_rows_l2
+from mla_spec.kernels.pdl import gdc_enter, gdc_launch, gdc_wait, pdl_kwargs
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "NVFP4MmaConfig", "nvfp4_gemm", "nvfp4_gemm_ref",
@@ -137,25 +137,12 @@ def _nvfp4_mma_kernel(
     M, N, K, SPLIT_K, stride_xm, stride_wn, stride_sn, stride_os, stride_om,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_F32: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, USE_GDC: tl.constexpr,
-    L2PF: tl.constexpr,
 ):
     """Standard orientation: ``acc[BM, BN] += x[BM, BK] @ W'[BN, BK]^T``, W' decoded in place."""
+    gdc_wait(USE_GDC)
     pid_m = tl.program_id(0)  # fastest: the M tiles of one weight tile run together (L2 reuse)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    if L2PF:  # the weight / scale slice into L2 before the wait (pdl rule 3), once per M tiles
-        if pid_m == 0:
-            kit = tl.cdiv(K, BK)
-            per = tl.cdiv(kit, SPLIT_K)
-            k0 = pid_k * per * BK
-            nk = tl.minimum(k0 + per * BK, K) - k0
-            nr = tl.minimum(BN, N - pid_n * BN)
-            r0 = (pid_n * BN).to(tl.int64)
-            prefetch_rows_l2((w_ptr + r0 * stride_wn + k0 // 2).to(tl.pointer_type(tl.int8)),
-                             stride_wn, nr, nk // 2, 1024)
-            prefetch_rows_l2((ws_ptr + r0 * stride_sn + k0 // 16).to(tl.pointer_type(tl.int8)),
-                             stride_sn, nr, nk // 16, 256)
-    gdc_enter(USE_GDC)
     G: tl.constexpr = BK // 16
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
@@ -188,6 +175,7 @@ def _nvfp4_mma_kernel(
             acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc)
         else:
             acc = tl.dot(xt.to(tl.bfloat16), tl.trans(w), acc)
+    gdc_launch(USE_GDC)  # after the K loop (pdl rule 5)
     acc = acc * (tl.load(ws2_ptr) * 256.0)
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty),
@@ -374,7 +362,7 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         _nvfp4_mma_kernel[grid](*args, BM=bm, BN=cfg.block_n, BK=cfg.block_k, DOT_F32=dot_f32,
                                 FAST=fast, EVEN_K=k % cfg.block_k == 0,
                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                L2PF=l2pf_on(x2), **pdl_kwargs(x2))
+                                **pdl_kwargs(x2))
     else:
         grid = (triton.cdiv(n, cfg.block_n), split, triton.cdiv(m, block_m_for(m)))
         _nvfp4_gemm_kernel[grid](*args, BM=block_m_for(m), BN=cfg.block_n, BK=cfg.block_k,

@@ -46,7 +46,7 @@ from mla_spec.kernels.nvfp4_gemv_packed import (
     packed_prefetch_loop,
     x_pairs,
 )
-from mla_spec.kernels.pdl import gdc_enter, l2pf_on, pdl_kwargs, prefetch_rows_l2
+from mla_spec.kernels.pdl import gdc_launch, gdc_wait, pdl_kwargs
 
 __all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "packed_gemv_config", "split_k_for",
            "GEMV_MAX_M", "GEMV_FAST"]
@@ -193,25 +193,14 @@ def _nvfp4_gemv_kernel(
     M, N, KB, SPLIT, stride_xm, stride_wn, stride_sn, stride_om,
     MP: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_GDC: tl.constexpr, L2PF: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    # the double-buffered loop loads its first weights before waiting for the previous grid
+    if not PREFETCH:
+        gdc_wait(USE_GDC)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
-    if L2PF:  # the program's whole weight / scale slice into L2 first (pdl rule 3)
-        n_it = tl.cdiv(KB, G)
-        per = tl.cdiv(n_it, SPLIT)
-        b0 = pid_k * per * G
-        nb = tl.minimum(b0 + per * G, KB) - b0
-        nr = tl.minimum(BN, N - pid_n * BN)
-        r0 = (pid_n * BN).to(tl.int64)
-        prefetch_rows_l2((w_ptr + r0 * stride_wn + b0).to(tl.pointer_type(tl.int8)),
-                         stride_wn * 8, nr, nb * 8, 256)
-        prefetch_rows_l2((ws_ptr + r0 * stride_sn + b0).to(tl.pointer_type(tl.int8)),
-                         stride_sn, nr, nb, 64)
-    # the double-buffered loop loads its first weights before waiting for the previous grid
-    if not PREFETCH:
-        gdc_enter(USE_GDC)
     offs_n = pid_n * BN + tl.arange(0, BN)
     offs_m = pid_m * MP + tl.arange(0, MP)
     offs_g = tl.arange(0, G)
@@ -245,6 +234,7 @@ def _nvfp4_gemv_kernel(
                 sc = tl.load(s3 + b, mask=ok, other=0.0).to(tl.float32)
                 p = block_dot(wq, block_x(x3, b, ok, True, PACKED, FAST), ok, True, PACKED, FAST)
             acc += p * sc
+    gdc_launch(USE_GDC)  # after the K loop (pdl rule 5)
     res = tl.sum(acc, axis=2) * (tl.load(ws2_ptr) * dot_unit(PACKED))  # [BN, MP]
     omask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     optr = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -349,7 +339,7 @@ def nvfp4_gemv(x2: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         m, n, kb, split, xk.stride(0), w64.stride(0), weight_scale.stride(0), out.stride(0),
         MP=mp, BN=config.block_n, G=g, SPLIT_K=split > 1, EVEN=kb % g == 0, FAST=fast,
         PACKED=packed, PREFETCH=packed and config.prefetch, num_warps=config.num_warps,
-        num_stages=config.num_stages, L2PF=l2pf_on(x2), **pdl_kwargs(x2))
+        num_stages=config.num_stages, **pdl_kwargs(x2))
     return out
 
 

@@ -34,7 +34,7 @@ from mla_spec.kernels.nvfp4_gemv import (
     split_k_for,
 )
 from mla_spec.kernels.nvfp4_gemv_packed import packed_prefetch_loop
-from mla_spec.kernels.pdl import gdc_enter, l2pf_on, pdl_kwargs, prefetch_rows_l2
+from mla_spec.kernels.pdl import gdc_launch, gdc_wait, pdl_kwargs
 
 __all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES", "MOE_GEMV_PACKED",
            "MOE_GEMV_PREFETCH"]
@@ -91,13 +91,13 @@ def _moe_gemv_kernel(
     stride_xm, stride_we, stride_wn, stride_se, stride_sn, stride_s2e, stride_s2h, stride_om,
     GATED: tl.constexpr, BN: tl.constexpr, G: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN: tl.constexpr, FAST: tl.constexpr, PACKED: tl.constexpr, PREFETCH: tl.constexpr,
-    USE_GDC: tl.constexpr, L2PF: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
     # The w2 launch (not GATED) reads its expert ids and first weights before waiting for the
     # previous grid: the ids come from the router, two launches back (``pdl`` rule 3).
     EARLY: tl.constexpr = USE_GDC and PREFETCH and not GATED
     if not EARLY:
-        gdc_enter(USE_GDC)
+        gdc_wait(USE_GDC)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)  # pair (GATED) or token
@@ -133,21 +133,6 @@ def _moe_gemv_kernel(
     else:
         it0 = 0
         it1 = tl.where(valid, n_it, 0)
-    if L2PF:  # the expert's row slice into L2 first (w2: before the wait, pdl rule 3)
-        if valid:
-            b0 = it0 * G
-            nb = tl.minimum(it1 * G, KB) - b0
-            nr = tl.minimum(BN, N - pid_n * BN)
-            r0 = (pid_n * BN).to(tl.int64)
-            wb = w_ptr + e64 * stride_we + r0 * stride_wn + b0
-            sb = ws_ptr + e64 * stride_se + r0 * stride_sn + b0
-            prefetch_rows_l2(wb.to(tl.pointer_type(tl.int8)), stride_wn * 8, nr, nb * 8, 256)
-            prefetch_rows_l2(sb.to(tl.pointer_type(tl.int8)), stride_sn, nr, nb, 128)
-            if GATED:  # the up rows, N rows further
-                prefetch_rows_l2((wb + N * stride_wn).to(tl.pointer_type(tl.int8)),
-                                 stride_wn * 8, nr, nb * 8, 256)
-                prefetch_rows_l2((sb + N * stride_sn).to(tl.pointer_type(tl.int8)),
-                                 stride_sn, nr, nb, 128)
     acc = tl.zeros((BN, G), dtype=tl.float32)
     acc_u = tl.zeros((BN, G), dtype=tl.float32)
     if PREFETCH:  # packed only
@@ -177,6 +162,7 @@ def _moe_gemv_kernel(
                     sc = tl.load(srow + N * stride_sn + b, mask=ok, other=0.0).to(tl.float32)
                     acc_u += block_dot(wq, xv, ok, True, PACKED, FAST) * sc
     s2 = ws2_ptr + e64 * stride_s2e
+    gdc_launch(USE_GDC)  # after the K loop (pdl rule 5)
     res = tl.sum(acc, axis=1) * (tl.load(s2) * dot_unit(PACKED))
     if GATED:
         res_u = tl.sum(acc_u, axis=1) * (tl.load(s2 + stride_s2h) * dot_unit(PACKED))
@@ -263,12 +249,12 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
         w13.weight_scale.stride(0), w13.weight_scale.stride(1), s13[1], s13[2], act.stride(0),
         GATED=True, BN=bn13, G=g, SPLIT_K=split13 > 1, EVEN=kb13 % g == 0, FAST=fast,
         PACKED=pk13, PREFETCH=pk13 and prefetch, num_warps=num_warps,
-        L2PF=l2pf_on(x), **pdl_kwargs(x))
+        **pdl_kwargs(x))
     _moe_gemv_kernel[(triton.cdiv(k, block_n2), topk, m)](
         a2, w2w, w2.weight_scale, s2[0], out, part2, cnt, ids, tw,
         k, kb2, e, topk, m, topk, a2.stride(0), w2w.stride(0), w2w.stride(1),
         w2.weight_scale.stride(0), w2.weight_scale.stride(1), s2[1], 0, out.stride(0),
         GATED=False, BN=block_n2, G=g, SPLIT_K=topk > 1, EVEN=kb2 % g == 0, FAST=fast,
         PACKED=pk2, PREFETCH=pk2 and prefetch, num_warps=num_warps2,
-        L2PF=l2pf_on(x), **pdl_kwargs(x))
+        **pdl_kwargs(x))
     return out

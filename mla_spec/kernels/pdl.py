@@ -24,10 +24,16 @@ statement):
 4. *L2 prefetches may run before the wait* (:func:`prefetch_l2`): a hint returns nothing, so
    even an address computed from data the previous grid is still writing cannot change a
    result. The attention kernels prefetch their first KV tiles this way (the KV cache's new
-   rows are written by the kernel just before) and compute everything else after the wait;
-   the weight kernels (NVFP4 GEMV, ``mmab``, MoE gemv, BF16 GEMV) prefetch their program's
-   whole weight slice (:func:`prefetch_rows_l2`, ``L2_PREFETCH``; the MoE's w13 launch after
-   the wait, once its expert is known).
+   rows are written by the kernel just before) and compute everything else after the wait:
+   0.1-1.2 µs per call at batch 1 (H200, sixth session). Prefetching a weight kernel's whole
+   slice the same way was tried and measured slower (the DECODE layer 119.9 -> 132.6 µs:
+   the prefetches compete with the kernel's own loads), so the weight kernels do not.
+5. *Long kernels trigger late.* The attention split kernels and the weight GEMVs wait first
+   (:func:`gdc_wait`) but let the next grid launch only after their main loop
+   (:func:`gdc_launch`). With the trigger at the start, the next grid's programs were launched
+   at once and sat resident through the whole loop: at batch 1 and long contexts the attention
+   kernel ran up to 1.3x slower with PDL than without (``benchmarks/sweep_mla.py``, sixth
+   session). Short kernels keep :func:`gdc_enter`.
 
 Measured on the H200 (``benchmarks/profile_layer.py``, one DeepSeek-V3 layer at bs 1): launch
 gaps 17.5 -> 8.3 µs, the layer 131.6 -> 124.6 µs; small pad / unpad calls in a graph
@@ -48,13 +54,13 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["L2_PREFETCH", "PDL", "gdc_enter", "l2pf_on", "pdl_kwargs", "pdl_on", "prefetch_l2",
-           "prefetch_rows_l2"]
+__all__ = ["L2_PREFETCH", "PDL", "gdc_enter", "gdc_launch", "gdc_wait", "l2pf_on", "pdl_kwargs",
+           "pdl_on", "prefetch_l2"]
 
 #: On by default on sm_90+ (read at every launch). ``MLA_SPEC_PDL=0`` turns it off at import.
 PDL = os.environ.get("MLA_SPEC_PDL", "1") not in ("0", "", "false", "False")
-#: Weight kernels prefetch their whole slice into L2 first (:func:`prefetch_rows_l2`); read at
-#: every launch, ``MLA_SPEC_L2PF=0`` turns it off at import.
+#: The attention kernels prefetch their first KV tiles into L2 before the PDL wait (rule 4); read
+#: at every launch, ``MLA_SPEC_L2PF=0`` turns it off at import.
 L2_PREFETCH = os.environ.get("MLA_SPEC_L2PF", "1") not in ("0", "", "false", "False")
 
 
@@ -83,9 +89,26 @@ def pdl_kwargs(t: torch.Tensor) -> dict:
 
 @triton.jit
 def gdc_enter(USE_GDC: tl.constexpr):
-    """Wait for the previous grid, then let the next one launch (module docstring)."""
+    """Wait for the previous grid, then let the next one launch (module docstring): for short
+    kernels."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def gdc_wait(USE_GDC: tl.constexpr):
+    """Wait for the previous grid (step 1 alone; a long kernel calls :func:`gdc_launch` after
+    its main loop)."""
+    if USE_GDC:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def gdc_launch(USE_GDC: tl.constexpr):
+    """Let the next grid launch (step 2): long kernels call it after their main loop, so the
+    dependent's programs are not resident and waiting while the loop runs (rule 5)."""
+    if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
 
 
@@ -101,23 +124,3 @@ def prefetch_l2(ptrs, mask):
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
 
-
-@triton.jit
-def prefetch_rows_l2(base, row_stride, n_rows, row_bytes, LINES: tl.constexpr):
-    """L2 prefetch of ``n_rows`` rows of ``row_bytes`` bytes each, ``row_stride`` bytes apart
-    from ``base`` (an int8 pointer), at most ``LINES`` 128-byte lines, issued column-major (the
-    first lines of every row first: a K loop reads all its rows in step). Addresses are clamped
-    into each row, so nothing outside the slice is touched.
-
-    Why: a weight GEMV at decode sizes is latency-bound (a few KB in flight per warp), and a
-    prefetch costs one instruction per line and no registers; issued for a program's whole
-    slice up front, the DRAM reads of the slice overlap each other, and before the PDL wait
-    (weights are static, rule 3) the previous kernel's tail too. ``LINES`` should be at least
-    the program's thread count (see :func:`prefetch_l2`)."""
-    offs = tl.arange(0, LINES)
-    rows = tl.maximum(n_rows, 1)
-    r = offs % rows
-    c = offs // rows
-    lpr = tl.cdiv(row_bytes, 128)
-    col = tl.minimum(c * 128, tl.maximum(row_bytes - 1, 0))
-    prefetch_l2(base + r.to(tl.int64) * row_stride + col, (c < lpr) & (r < n_rows))

@@ -11,7 +11,7 @@ import mla_spec.kernels.pdl as pdl
 
 
 def _switch(monkeypatch, on: bool) -> None:
-    """PDL and the L2 prefetches of the weight kernels together (neither may change a bit)."""
+    """PDL and the attention kernels' KV prefetch together (neither may change a bit)."""
     monkeypatch.setattr(pdl, "PDL", on)
     monkeypatch.setattr(pdl, "L2_PREFETCH", on)
 
