@@ -201,13 +201,18 @@ def tune(m, n, k, sets, fast_ok):
     return best
 
 
+def weight_sets(n, k):
+    """NVFP4 and bf16 ``[n, k]`` weight sets, each rotation >= ``ROTATE`` bytes (past the L2)."""
+    nq = max(2, int(ROTATE // (n * k * 0.5625)) + 1)
+    nb = max(2, int(ROTATE // (n * k * 2)) + 1)
+    return rand_nvfp4(n, k, nq), [torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
+                                  for _ in range(nb)]
+
+
 def bench_dense(fast_ok, quick):
     rows = []
     for name, (n, k) in SHAPES.items():
-        nq = max(2, int(ROTATE // (n * k * 0.5625)) + 1)
-        nb = max(2, int(ROTATE // (n * k * 2)) + 1)
-        sets = rand_nvfp4(n, k, nq)
-        wbf = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(nb)]
+        sets, wbf = weight_sets(n, k)
         for m in MS[:2] if quick else MS:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             t0 = time.time()
@@ -215,7 +220,7 @@ def bench_dense(fast_ok, quick):
             ours = graph_us([lambda a=a, c=cfg, x=x: nvfp4_gemm(x, *a, config=c) for a in sets])
             bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
             dq = graph_us([lambda a=a, x=x: torch.matmul(x, dequantize_nvfp4(
-                *a, dtype=torch.bfloat16).t()) for a in sets[:nb]])
+                *a, dtype=torch.bfloat16).t()) for a in sets[:len(wbf)]])
             gbs = n * k * 0.5625 / (ours * 1e-6) / 1e9
             rows.append(dict(shape=name, n=n, k=k, m=m, ours_us=round(ours, 2),
                              bf16_us=round(bf16, 2), dq_mm_us=round(dq, 1),
@@ -275,10 +280,7 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
     and without PDL, against cuBLAS bf16 in the same run. No tuning: seconds per row."""
     rows = []
     for name, (n, k) in SHAPES.items():
-        nq = max(2, int(ROTATE // (n * k * 0.5625)) + 1)
-        nb = max(2, int(ROTATE // (n * k * 2)) + 1)
-        sets = rand_nvfp4(n, k, nq)
-        wbf = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16) for _ in range(nb)]
+        sets, wbf = weight_sets(n, k)
         for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             t = _modes([lambda a=a, x=x: nvfp4_gemm(x, *a) for a in sets], PINNED_MODES)
