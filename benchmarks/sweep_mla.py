@@ -178,7 +178,8 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
     from bench_mla import add_rates, build, fi_wrapper, graph_time
     from triton.testing import do_bench
 
-    from mla_spec.kernels.mla_decode_paged import paged_choice, pick_num_splits_paged
+    from mla_spec.kernels.mla_decode_paged import paged_choice
+    from mla_spec.kernels.mla_decode_tiles import splits_for
 
     fp8 = kvd == torch.float8_e4m3fn
     kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
@@ -207,9 +208,7 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
     for name in order if full else order[:4]:
         cfg = VARIANTS[name]
         mb = -(-rows // cfg.block_m)
-        heur = pick_num_splits_paged(bs, mb, ctx, cfg.block_n, rows, (DV + DPE) * (1 + (not fp8)),
-                                     132, 2 if cfg.part_bf16 else 4, vsplit=cfg.vsplit,
-                                     fused=cfg.fused)
+        heur = splits_for(cfg, bs, mb, ctx, rows, (DV + DPE) * (1 + (not fp8)), 132, DV)
         if name == dname and dpin:
             heur = dpin
         alts = [heur]

@@ -30,7 +30,7 @@ from mla_spec.kernels.mla_decode_paged import (
     mla_decode_paged,
     paged_choice,
     paged_supported,
-    pick_num_splits_paged,
+    splits_for,
 )
 
 __all__ = ["TritonMLABackend"]
@@ -87,11 +87,10 @@ class TritonMLABackend(MLABackend):
                            paged_choice(rows_cfg, pool.dtype, self.device, pool.page_size,
                                         plan.bs))
             m_blocks = -(-rows // cfg.block_m)
-            splits = self.num_splits or pinned or pick_num_splits_paged(
-                plan.bs, m_blocks, plan.max_kv, cfg.block_n, rows,
+            splits = self.num_splits or pinned or splits_for(
+                cfg, plan.bs, m_blocks, plan.max_kv, rows,
                 pool.kv_cache_dim * pool.kv_buffer[0].element_size(), self._sms,
-                2 if cfg.part_bf16 else 4, pool.kv_lora_rank, vsplit=cfg.vsplit,
-                fused=cfg.fused)
+                pool.kv_lora_rank)
             if ndt:  # ragged draft extend: always the split binary (SPLIT is a constexpr), so
                 splits = max(splits, 2)  # growing contexts never switch binaries mid-run
             plan.extra["paged_config"] = cfg

@@ -73,6 +73,7 @@ from mla_spec.kernels.mla_decode_tiles import (
     parse_choice,
     pick_num_splits_paged,
     shape_class,
+    splits_for,
 )
 from mla_spec.kernels.mla_decode_vsplit import launch_vsplit
 from mla_spec.kernels.pdl import gdc_launch, gdc_wait, l2pf_on, pdl_kwargs, pdl_on
@@ -80,7 +81,7 @@ from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig", "mla_decode_paged", "paged_choice",
            "paged_config", "paged_supported", "parse_choice", "pick_num_splits_paged",
-           "shape_class"]
+           "shape_class", "splits_for"]
 
 _LOG2E = 1.4426950408889634
 
@@ -268,10 +269,8 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         mk = max_kv if max_kv is not None else (int(kv_lens.max()) if bs else 0)
         sms = num_sms or (torch.cuda.get_device_properties(dev).multi_processor_count
                           if dev.type == "cuda" else 4)
-        num_splits = pick_num_splits_paged(bs, m_blocks, mk, cfg.block_n, rows,
-                                           kv_flat.shape[-1] * kv_flat.element_size(), sms,
-                                           2 if cfg.part_bf16 else 4, dv, vsplit=cfg.vsplit,
-                                           fused=cfg.fused)
+        num_splits = splits_for(cfg, bs, m_blocks, mk, rows,
+                                kv_flat.shape[-1] * kv_flat.element_size(), sms, dv)
     if out is None:
         out = torch.empty((n, h, dv), dtype=q_nope.dtype, device=dev)
     lse = torch.empty((n, h), dtype=torch.float32, device=dev) if return_lse else None
@@ -313,8 +312,8 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=return_lse,
         DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope),
-        L2PF=pdl_on(q_nope) and l2pf_on(q_nope),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope, cfg.pdl),
+        L2PF=cfg.pdl and pdl_on(q_nope) and l2pf_on(q_nope),
     )
     if split:
         combine_splits(part, part_lse, out, lse)

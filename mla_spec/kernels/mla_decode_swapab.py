@@ -167,8 +167,8 @@ def launch_swapab(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens
         DV=dv, DPE=q_pe.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=lse is not None,
         DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope),
-        L2PF=pdl_on(q_nope) and l2pf_on(q_nope),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope, cfg.pdl),
+        L2PF=cfg.pdl and pdl_on(q_nope) and l2pf_on(q_nope),
     )
     if split:
         combine_splits(part, part_lse, out, lse)

@@ -18,7 +18,7 @@ import torch
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig", "paged_choice", "paged_config",
-           "parse_choice", "pick_num_splits_paged", "shape_class"]
+           "parse_choice", "pick_num_splits_paged", "shape_class", "splits_for"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,10 @@ class PagedConfig:
     vsplit: int = 1
     fused: bool = False
     swap: bool = False
+    #: programs resident per SM (the split cost model's wave size)
+    ctas_per_sm: int = 1
+    #: launched with programmatic dependent launch (``kernels.pdl``)
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
@@ -63,14 +67,17 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "C": PagedConfig(64, 64, 8, 2, tma=True),
     "F": PagedConfig(64, 64, 8, 2, part_bf16=True),
     "G": PagedConfig(32, 64, 4, 2),
-    "CF": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True),
+    "CF": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True, pdl=False),
     # V-split (mla_decode_vsplit): each CTA owns 512 / vsplit output columns
     "V2": PagedConfig(64, 64, 8, 2, tma=True, vsplit=2),
     "V2b": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True, vsplit=2),
     "V4": PagedConfig(64, 64, 4, 2, tma=True, vsplit=4),
     "V4w8": PagedConfig(64, 64, 8, 2, tma=True, vsplit=4),
     "G2": PagedConfig(32, 64, 4, 2, vsplit=2),
-    "G4": PagedConfig(32, 64, 4, 2, vsplit=4),
+    # G4 and CF launch without PDL: with it they ran 1.1-1.3x slower at batch 1 and 4k-32k
+    # contexts (FP8 KV, H200 sweep, sixth session; the S and C variants gained from it); G4's
+    # 4 warps and <= 112 KB of shared memory keep two programs per SM
+    "G4": PagedConfig(32, 64, 4, 2, vsplit=4, ctas_per_sm=2, pdl=False),
     "G4b": PagedConfig(32, 64, 4, 2, part_bf16=True, vsplit=4),
     # fused combine (the last split CTA merges the partials: one launch); vsplit 1 / 2 at m32
     # spill at sm_90 (ptxas), so not listed
@@ -174,3 +181,12 @@ def pick_num_splits_paged(bs: int, m_blocks: int, max_kv: int, block_n: int, row
         if best_cost is None or cost < best_cost - 1e-9:
             best, best_cost = s, cost
     return best
+
+
+def splits_for(cfg: PagedConfig, bs: int, m_blocks: int, max_kv: int, rows: int,
+               kv_row_bytes: int, num_sms: int = 132, dv: int = 512) -> int:
+    """:func:`pick_num_splits_paged` with the variant's own partial dtype, V-split, fused
+    combine and programs per SM."""
+    return pick_num_splits_paged(bs, m_blocks, max_kv, cfg.block_n, rows, kv_row_bytes, num_sms,
+                                 2 if cfg.part_bf16 else 4, dv, ctas_per_sm=cfg.ctas_per_sm,
+                                 vsplit=cfg.vsplit, fused=cfg.fused)

@@ -80,10 +80,11 @@ def l2pf_on(t: torch.Tensor) -> bool:
     return bool(L2_PREFETCH) and t.is_cuda
 
 
-def pdl_kwargs(t: torch.Tensor) -> dict:
+def pdl_kwargs(t: torch.Tensor, allow: bool = True) -> dict:
     """Launch keywords of a ``USE_GDC`` kernel on ``t``'s device: the constexpr and Triton's
-    ``launch_pdl`` option, both :func:`pdl_on` (``launch_pdl=False`` is Triton's default)."""
-    on = pdl_on(t)
+    ``launch_pdl`` option, both :func:`pdl_on` and ``allow`` (a kernel variant measured slower
+    with PDL passes False; ``launch_pdl=False`` is Triton's default)."""
+    on = allow and pdl_on(t)
     return {"USE_GDC": on, "launch_pdl": on}
 
 

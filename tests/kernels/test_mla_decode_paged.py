@@ -104,6 +104,10 @@ def test_split_cost_model():
     assert pick_num_splits_paged(1, 2, 4096, 64, 32, 1152) == 32
     assert pick_num_splits_paged(1, 2, 1024, 64, 32, 1152) == 16
     assert pick_num_splits_paged(1, 2, 32768, 64, 32, 1152) == 64
+    # G4 (4 siblings per row block) keeps two programs per SM: 64 splits are still one wave
+    from mla_spec.kernels.mla_decode_tiles import PAGED_VARIANTS, splits_for
+    assert splits_for(PAGED_VARIANTS["G4"], 1, 1, 32768, 32, 576) == 64
+    assert pick_num_splits_paged(1, 1, 32768, 64, 32, 576, vsplit=4) == 32
     assert pick_num_splits_paged(128, 1, 8192, 64, 32, 1152) == 1
     assert pick_num_splits_paged(32, 1, 4096, 64, 32, 1152) == 4
     assert pick_num_splits_paged(1, 1, 0, 64, 32, 1152) == 1
