@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait, pdl_kwargs
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["BF16_GEMV", "BF16_GEMV_MAX_M", "BgemvConfig", "bgemv", "bgemv_config", "bgemv_ref",
            "bgemv_supported", "gemv_linear"]
@@ -98,7 +98,7 @@ def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
                   MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, USE_GDC: tl.constexpr,
                   W_EARLY: tl.constexpr):
     if not W_EARLY:
-        gdc_wait(USE_GDC)
+        gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_m = tl.arange(0, MP)
@@ -112,7 +112,7 @@ def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
     k_ok = offs_k < K
     w_cur = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
     if W_EARLY:  # the first weight step is in flight while the previous grid finishes
-        gdc_wait(USE_GDC)
+        gdc_enter(USE_GDC)
     x_cur = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
     # per-lane partial sums: the cross-lane reduction runs once, after the loop
     acc = tl.zeros([MP, BN, BK], dtype=tl.float32)
@@ -123,7 +123,6 @@ def _bgemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K,
         acc += x_cur.to(tl.float32)[:, None, :] * w_cur.to(tl.float32)[None, :, :]
         x_cur = x_nxt
         w_cur = w_nxt
-    gdc_launch(USE_GDC)  # after the K loop (pdl rule 5)
     acc = tl.sum(acc, 2)
     y_ptrs = y_ptr + b * s_yb + offs_m[:, None] * s_ym + offs_n[None, :] * s_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])

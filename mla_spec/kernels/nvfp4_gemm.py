@@ -67,7 +67,7 @@ from mla_spec.kernels.nvfp4_gemv import (
     nvfp4_gemv,
     packed_gemv_config,
 )
-from mla_spec.kernels.pdl import gdc_enter, gdc_launch, gdc_wait, pdl_kwargs
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "NVFP4MmaConfig", "nvfp4_gemm", "nvfp4_gemm_ref",
@@ -139,7 +139,7 @@ def _nvfp4_mma_kernel(
     DOT_F32: tl.constexpr, FAST: tl.constexpr, EVEN_K: tl.constexpr, USE_GDC: tl.constexpr,
 ):
     """Standard orientation: ``acc[BM, BN] += x[BM, BK] @ W'[BN, BK]^T``, W' decoded in place."""
-    gdc_wait(USE_GDC)
+    gdc_enter(USE_GDC)
     pid_m = tl.program_id(0)  # fastest: the M tiles of one weight tile run together (L2 reuse)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -175,7 +175,6 @@ def _nvfp4_mma_kernel(
             acc = tl.dot(xt.to(tl.float32), tl.trans(w), acc)
         else:
             acc = tl.dot(xt.to(tl.bfloat16), tl.trans(w), acc)
-    gdc_launch(USE_GDC)  # after the K loop (pdl rule 5)
     acc = acc * (tl.load(ws2_ptr) * 256.0)
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty),

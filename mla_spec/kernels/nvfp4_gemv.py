@@ -46,7 +46,7 @@ from mla_spec.kernels.nvfp4_gemv_packed import (
     packed_prefetch_loop,
     x_pairs,
 )
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait, pdl_kwargs
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "packed_gemv_config", "split_k_for",
            "GEMV_MAX_M", "GEMV_FAST"]
@@ -197,7 +197,7 @@ def _nvfp4_gemv_kernel(
 ):
     # the double-buffered loop loads its first weights before waiting for the previous grid
     if not PREFETCH:
-        gdc_wait(USE_GDC)
+        gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -234,7 +234,6 @@ def _nvfp4_gemv_kernel(
                 sc = tl.load(s3 + b, mask=ok, other=0.0).to(tl.float32)
                 p = block_dot(wq, block_x(x3, b, ok, True, PACKED, FAST), ok, True, PACKED, FAST)
             acc += p * sc
-    gdc_launch(USE_GDC)  # after the K loop (pdl rule 5)
     res = tl.sum(acc, axis=2) * (tl.load(ws2_ptr) * dot_unit(PACKED))  # [BN, MP]
     omask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     optr = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]

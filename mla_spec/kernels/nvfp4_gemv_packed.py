@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.pdl import gdc_wait
+from mla_spec.kernels.pdl import gdc_enter
 
 __all__ = ["x_pairs", "dot16_packed", "packed_prefetch_loop", "step_mask", "load_w", "load_xw",
            "PACKED_UNIT"]
@@ -227,7 +227,7 @@ def packed_prefetch_loop(w, s, x, up_w, up_s, it0, it1, KB, goffs, acc, acc_u,
     ``w`` / ``s`` / ``x``: weight-word, scale and x-word pointers of the caller's tile;
     ``GATED`` (the MoE's w13 launch) also accumulates the up rows, ``up_w`` / ``up_s`` further,
     into ``acc_u``. ``EARLY_GDC``: the caller has not waited for the previous grid yet; the
-    first step's weights and scales are loaded first and the wait (``pdl.gdc_wait``) comes
+    first step's weights and scales are loaded first and the wait (``pdl.gdc_enter``) comes
     between them and the first x load (``pdl`` rule 3: weights are read before the wait).
     Returns ``(acc, acc_u)`` (``acc_u`` untouched unless ``GATED``)."""
     ok = step_mask(it0, it1, KB, goffs, G)
@@ -235,7 +235,7 @@ def packed_prefetch_loop(w, s, x, up_w, up_s, it0, it1, KB, goffs, acc, acc_u,
     wu, su = wq, sc
     if GATED:
         wu, su = load_w(w + up_w, s + up_s, it0 * G, ok)
-    gdc_wait(EARLY_GDC)
+    gdc_enter(EARLY_GDC)
     xa, xb, xc, xd = load_xw(x, it0 * G, ok)
     for it in range(it0, it1):
         ok = step_mask(it + 1, it1, KB, goffs, G)

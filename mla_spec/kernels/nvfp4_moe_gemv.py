@@ -34,7 +34,7 @@ from mla_spec.kernels.nvfp4_gemv import (
     split_k_for,
 )
 from mla_spec.kernels.nvfp4_gemv_packed import packed_prefetch_loop
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait, pdl_kwargs
+from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES", "MOE_GEMV_PACKED",
            "MOE_GEMV_PREFETCH"]
@@ -97,7 +97,7 @@ def _moe_gemv_kernel(
     # previous grid: the ids come from the router, two launches back (``pdl`` rule 3).
     EARLY: tl.constexpr = USE_GDC and PREFETCH and not GATED
     if not EARLY:
-        gdc_wait(USE_GDC)
+        gdc_enter(USE_GDC)
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_r = tl.program_id(2)  # pair (GATED) or token
@@ -162,7 +162,6 @@ def _moe_gemv_kernel(
                     sc = tl.load(srow + N * stride_sn + b, mask=ok, other=0.0).to(tl.float32)
                     acc_u += block_dot(wq, xv, ok, True, PACKED, FAST) * sc
     s2 = ws2_ptr + e64 * stride_s2e
-    gdc_launch(USE_GDC)  # after the K loop (pdl rule 5)
     res = tl.sum(acc, axis=1) * (tl.load(s2) * dot_unit(PACKED))
     if GATED:
         res_u = tl.sum(acc_u, axis=1) * (tl.load(s2 + stride_s2h) * dot_unit(PACKED))

@@ -28,21 +28,15 @@ statement):
    0.1-1.2 µs per call at batch 1 (H200, sixth session). Prefetching a weight kernel's whole
    slice the same way was tried and measured slower (the DECODE layer 119.9 -> 132.6 µs:
    the prefetches compete with the kernel's own loads), so the weight kernels do not.
-5. *Long kernels trigger late.* The attention split kernels and the weight GEMVs wait first
-   (:func:`gdc_wait`) but let the next grid launch only after their main loop
-   (:func:`gdc_launch`). With the trigger at the start, the next grid's programs were launched
-   at once and sat resident through the whole loop: at batch 1 and long contexts the attention
-   kernel ran up to 1.3x slower with PDL than without (``benchmarks/sweep_mla.py``, sixth
-   session). Short kernels keep :func:`gdc_enter`.
-
-Measured on the H200 (``benchmarks/profile_layer.py``, one DeepSeek-V3 layer at bs 1): launch
-gaps 17.5 -> 8.3 µs, the layer 131.6 -> 124.6 µs; small pad / unpad calls in a graph
-1.83-2.46 -> 1.50-1.83 µs (``benchmarks/bench_pad.py``).
-
-Launchers pass ``**pdl_kwargs(t)`` (``USE_GDC`` and ``launch_pdl``, a compile option of Triton
->= 3.4; the cached launcher takes ``pdl_on(t)`` and ``{"launch_pdl": ...}`` separately). Off
-the GPU (the interpreter) both are off and nothing changes. A kernel launched normally after
-one of ours simply waits for it to finish (stream order).
+5. *The attention split kernels trigger late.* They wait first (:func:`gdc_wait`) but let the
+   next grid (the split combine) launch only after their KV loop (:func:`gdc_launch`). With
+   the trigger at the start, the combine's programs were launched at once and sat resident
+   through the whole loop: at batch 1 and 32k context the bf16 kernel ran 42.7 µs with PDL
+   against 35.7 without; triggered late, 34.0 (``benchmarks/sweep_mla.py``, sixth session).
+   The weight GEMVs keep the early trigger (probably because their dependent, in a chain of
+   weight kernels, does useful work while it waits: its early weight loads, rule 3); moving
+   their trigger after the K loop measured slower (NVFP4 ``mmab`` at 8 tokens 28.4 -> 33.8 µs per call in a chain;
+   ``benchmarks/bench_nvfp4.py --pinned``). Short kernels use :func:`gdc_enter`.
 """
 
 from __future__ import annotations
@@ -99,16 +93,17 @@ def gdc_enter(USE_GDC: tl.constexpr):
 
 @triton.jit
 def gdc_wait(USE_GDC: tl.constexpr):
-    """Wait for the previous grid (step 1 alone; a long kernel calls :func:`gdc_launch` after
-    its main loop)."""
+    """Wait for the previous grid (step 1 alone; the kernel calls :func:`gdc_launch` after its
+    main loop, rule 5)."""
     if USE_GDC:
         tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
 def gdc_launch(USE_GDC: tl.constexpr):
-    """Let the next grid launch (step 2): long kernels call it after their main loop, so the
-    dependent's programs are not resident and waiting while the loop runs (rule 5)."""
+    """Let the next grid launch (step 2): the attention split kernels call it after their KV
+    loop, so the combine's programs are not resident and waiting while the loop runs (rule
+    5)."""
     if USE_GDC:
         tl.extra.cuda.gdc_launch_dependents()
 
