@@ -35,8 +35,9 @@ statement):
    against 35.7 without; triggered late, 34.0 (``benchmarks/sweep_mla.py``, sixth session).
    The weight GEMVs keep the early trigger (probably because their dependent, in a chain of
    weight kernels, does useful work while it waits: its early weight loads, rule 3); moving
-   their trigger after the K loop measured slower (NVFP4 ``mmab`` at 8 tokens 28.4 -> 33.8 µs per call in a chain;
-   ``benchmarks/bench_nvfp4.py --pinned``). Short kernels use :func:`gdc_enter`.
+   their trigger after the K loop measured slower (NVFP4 ``mmab`` at 8 tokens 28.4 -> 33.8 µs
+   per call in a chain; ``benchmarks/bench_nvfp4.py --pinned``). Short kernels use
+   :func:`gdc_enter`.
 """
 
 from __future__ import annotations
