@@ -308,30 +308,38 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
     return rows
 
 
-def pinned_markdown(rows) -> str:
-    lines = ["| shape | M | ours µs (PDL) | no PDL µs | cuBLAS bf16 µs | x bf16 | "
-             "x bf16 (no PDL) | GB/s |", "|" + "---|" * 8]
-    for r in rows:
-        lines.append(f"| {r['shape']} | {r['m']} | {r['pdl_us']} | {r['nopdl_us']} | "
-                     f"{r['bf16_us']} | {r['x_bf16_pdl']} | {r['x_bf16_nopdl']} | "
-                     f"{r['pdl_GBps']} |")
+def md_table(columns, rows) -> str:
+    """A markdown table: ``columns`` is a list of (header, row -> cell) pairs."""
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(f(r)) for _, f in columns) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def col(key):
+    """A cell taken straight from the row's ``key``."""
+    return lambda r: r[key]
+
+
+def pinned_markdown(rows) -> str:
+    return md_table([("shape", col("shape")), ("M", col("m")), ("ours µs (PDL)", col("pdl_us")),
+                     ("no PDL µs", col("nopdl_us")), ("cuBLAS bf16 µs", col("bf16_us")),
+                     ("x bf16", col("x_bf16_pdl")), ("x bf16 (no PDL)", col("x_bf16_nopdl")),
+                     ("GB/s", col("pdl_GBps"))], rows)
+
+
+NK = ("N x K", lambda r: f"{r['n']} x {r['k']}")
 
 
 def to_markdown(dense, moe) -> str:
-    lines = ["| shape | N x K | M | ours µs | cuBLAS bf16 µs | dequant+mm µs | x bf16 | "
-             "x dq+mm | ours GB/s | config |", "|" + "---|" * 10]
-    for r in dense:
-        lines.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['m']} | {r['ours_us']} | "
-                     f"{r['bf16_us']} | {r['dq_mm_us']} | {r['speedup_vs_bf16']} | "
-                     f"{r['speedup_vs_dq_mm']} | {r['ours_GBps']} | {r['config']} |")
-    lines += ["", "| MoE | M | active experts | ours µs | align µs | bf16 GEMMs µs | x bf16 | "
-              "ours GB/s | block_n |", "|" + "---|" * 9]
-    for r in moe:
-        lines.append(f"| {r['shape']} | {r['m']} | {r['active_experts']} | {r['ours_us']} | "
-                     f"{r['align_us']} | {r['bf16_gemms_us']} | {r['speedup_vs_bf16']} | "
-                     f"{r['ours_GBps']} | {r['block_n']} |")
-    return "\n".join(lines)
+    return md_table([("shape", col("shape")), NK, ("M", col("m")), ("ours µs", col("ours_us")),
+                     ("cuBLAS bf16 µs", col("bf16_us")), ("dequant+mm µs", col("dq_mm_us")),
+                     ("x bf16", col("speedup_vs_bf16")), ("x dq+mm", col("speedup_vs_dq_mm")),
+                     ("ours GB/s", col("ours_GBps")), ("config", col("config"))], dense) + \
+        "\n\n" + md_table([("MoE", col("shape")), ("M", col("m")),
+                            ("active experts", col("active_experts")), ("ours µs", col("ours_us")),
+                            ("align µs", col("align_us")), ("bf16 GEMMs µs", col("bf16_gemms_us")),
+                            ("x bf16", col("speedup_vs_bf16")), ("ours GB/s", col("ours_GBps")),
+                            ("block_n", col("block_n"))], moe)
 
 
 def main() -> None:

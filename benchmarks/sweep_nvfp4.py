@@ -214,19 +214,16 @@ def bench_moe(ok, quick):
 
 
 def to_markdown(dense, moe) -> str:
-    lines = ["| shape | N x K | M | ours µs | default µs | cuBLAS bf16 µs | x bf16 | ours GB/s | "
-             "best variant |", "|" + "---|" * 9]
-    for r in dense:
-        lines.append(f"| {r['shape']} | {r['n']} x {r['k']} | {r['m']} | {r['ours_us']} | "
-                     f"{r['default_us']} | {r['bf16_us']} | {r['speedup_vs_bf16']} | "
-                     f"{r['ours_GBps']} | {r['best']} |")
-    lines += ["", "| MoE | M | active experts | ours µs | bf16 GEMMs µs | x bf16 | ours GB/s | "
-              "best variant |", "|" + "---|" * 8]
-    for r in moe:
-        lines.append(f"| {r['shape']} | {r['m']} | {r['active_experts']} | {r['ours_us']} | "
-                     f"{r['bf16_gemms_us']} | {r['speedup_vs_bf16']} | {r['ours_GBps']} | "
-                     f"{r['best']} |")
-    return "\n".join(lines)
+    c = bench.col
+    return bench.md_table([("shape", c("shape")), bench.NK, ("M", c("m")),
+                           ("ours µs", c("ours_us")), ("default µs", c("default_us")),
+                           ("cuBLAS bf16 µs", c("bf16_us")), ("x bf16", c("speedup_vs_bf16")),
+                           ("ours GB/s", c("ours_GBps")), ("best variant", c("best"))], dense) + \
+        "\n\n" + bench.md_table([("MoE", c("shape")), ("M", c("m")),
+                                  ("active experts", c("active_experts")),
+                                  ("ours µs", c("ours_us")), ("bf16 GEMMs µs", c("bf16_gemms_us")),
+                                  ("x bf16", c("speedup_vs_bf16")), ("ours GB/s", c("ours_GBps")),
+                                  ("best variant", c("best"))], moe)
 
 
 MMA_MS = [int(m) for m in os.environ.get("SWEEP_MMA_MS", "16,64,128,512").split(",")]
