@@ -53,10 +53,10 @@ def _row_ptr(base, row_off, offs, sh, sd, D: tl.constexpr, CONTIG: tl.constexpr)
 
 @triton.jit(do_not_specialize=["max_q"])
 def pad_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
-                q_st, q_sh, q_sd, o_sb, o_ss, o_sh, o_sd,
-                D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
-                EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
-                ALIGN_END: tl.constexpr, FILL: tl.constexpr, USE_GDC: tl.constexpr):
+               q_st, q_sh, q_sd, o_sb, o_ss, o_sh, o_sd,
+               D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
+               EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
+               ALIGN_END: tl.constexpr, FILL: tl.constexpr, USE_GDC: tl.constexpr):
     gdc_enter(USE_GDC)
     # slot-major (large calls): one program per (chunk, slot s, request b) on a 3-d grid (no
     # division by the runtime max_q before the first load); lengths, then the row
@@ -77,11 +77,11 @@ def pad_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
 
 @triton.jit(do_not_specialize=["max_q", "bs", "n_rows"])
 def pad_small_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q, bs, n_rows,
-                      q_st, q_sh, q_sd, o_sb, o_ss, o_sh, o_sd,
-                      D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
-                      NCHUNK: tl.constexpr, EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr,
-                      DST_CONTIG: tl.constexpr, ALIGN_END: tl.constexpr, FILL: tl.constexpr,
-                      CU_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+                     q_st, q_sh, q_sd, o_sb, o_ss, o_sh, o_sd,
+                     D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
+                     NCHUNK: tl.constexpr, EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr,
+                     DST_CONTIG: tl.constexpr, ALIGN_END: tl.constexpr, FILL: tl.constexpr,
+                     CU_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     gdc_enter(USE_GDC)
     # token-major (small calls): programs [0, n_rows * NCHUNK) copy source row t of q; the row
     # load and the vector load of cu_seqlens_q[0 : bs + 1] go out together (one round trip).
@@ -120,10 +120,10 @@ def pad_small_kernel(q_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q, bs, n_rows,
 
 @triton.jit(do_not_specialize=["max_q"])
 def unpad_kernel(raw_ptr, out_ptr, seq_lens_ptr, cu_ptr, max_q,
-                  r_sb, r_ss, r_sh, r_sd, o_st, o_sh, o_sd,
-                  D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
-                  EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
-                  ALIGN_END: tl.constexpr, PREFETCH: tl.constexpr, USE_GDC: tl.constexpr):
+                 r_sb, r_ss, r_sh, r_sd, o_st, o_sh, o_sd,
+                 D: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
+                 EVEN: tl.constexpr, SRC_CONTIG: tl.constexpr, DST_CONTIG: tl.constexpr,
+                 ALIGN_END: tl.constexpr, PREFETCH: tl.constexpr, USE_GDC: tl.constexpr):
     gdc_enter(USE_GDC)
     # one program per (chunk, slot s, request b) on a 3-d grid: the indices come straight from
     # the program ids (a division by the runtime max_q cost ~30 instructions on sm_90 before the
