@@ -387,6 +387,21 @@ def tables(rows, cuda: bool) -> str:
     return "\n".join(out)
 
 
+STACKS = {"ours": "NVFP4 W4A16 experts/shared/dense + Triton MLA on FP8 KV",
+          "base": "BF16 cuBLAS / torch._grouped_mm + FlashInfer MLA on BF16 KV"}
+
+
+def _projection_model(link) -> dict:
+    """What the projection assumes (the shipped ``mla_spec/data/bench_layer_h200.json`` keeps it
+    next to the numbers, ``viz.layer`` reads the seed's bars from it)."""
+    shape = proj.ModelShape()
+    return {"layers": f"{shape.num_dense_layers} dense + {shape.num_moe_layers} MoE + lm_head "
+                      "shard", "tp": shape.tp_size, "link": link.describe(),
+            "mtp": "spec v2, 3 steps, topk 1, 4 draft tokens",
+            "seed_bars_tok_s": dict(proj.SEED_BARS),
+            "seed_bars_hardware": "4x B200, end to end (SGLang CI)"}
+
+
 def forward_times(rec, side: str, bs: int, ctx: int):
     """(decode, verify) ``ForwardTimes`` for the projection, or None if a piece is missing.
 
@@ -547,7 +562,7 @@ def main(argv=None) -> dict:
     comm = "measured" if link.measured else "estimated"
     proj_lines.append(f"collectives: {comm} ({link.describe()})")
     accepts = tuple(float(a) for a in args.accept.split(","))
-    projection = {"collectives": comm, "link": link.name}
+    projection = {"collectives": comm, "link": link.describe()}
     pbs = 1 if 1 in bs_list else bs_list[0]
     for side in ("ours", "base"):
         ft = forward_times(rec, side, pbs, proj_ctx)
@@ -556,18 +571,23 @@ def main(argv=None) -> dict:
             continue
         lines = proj.projection_report(*ft, accept_lengths=accepts, bs=pbs, link=link)
         proj_lines += [f"[{side}: measured layer times at bs {pbs}, ctx {proj_ctx}]"] + lines
-        projection[side] = {
-            "bs": pbs, "ctx": proj_ctx,
-            "no_mtp": proj.project_no_mtp(ft[0], bs=pbs, link=link).tokens_per_s,
-            **{f"mtp_accept_{a:g}": proj.project_mtp(*ft, a, bs=pbs, link=link).tokens_per_s
-               for a in accepts}}
+        projection[side] = {"bs": pbs, "ctx": proj_ctx, "lines": proj.projection_lines(
+            *ft, accept_lengths=accepts, bs=pbs, link=link)}
     print("\n".join(proj_lines))
     for n in notes:
         print("NOTE:", n)
     print(f"total {time.perf_counter() - t0:.1f} s")
-    result = dict(versions=vers, command=" ".join(["python benchmarks/bench_layer.py",
-                                                   *(argv if argv is not None else sys.argv[1:])]),
-                  rows=rows, projection=projection, notes=notes)
+    result = dict(
+        date=time.strftime("%Y-%m-%d"), device=vers.get("device"), versions=vers,
+        command=" ".join(["python benchmarks/bench_layer.py",
+                          *(argv if argv is not None else sys.argv[1:])]),
+        source="$OUT/bench_layer.json of benchmarks/bench_layer.py",
+        units="median microseconds per call, each piece in its own CUDA graph (ours_graph / "
+              "base_graph False: timed eagerly)",
+        stacks=STACKS, projection_model=_projection_model(link), projection=projection,
+        rows=[{**r, "ours_us": round(r["ours_us"], 1), "base_us": round(r["base_us"], 1)}
+              for r in rows],
+        notes=notes)
     out = os.environ.get("OUT")
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)

@@ -53,6 +53,7 @@ from mla_spec.collectives import (
 )
 
 __all__ = [
+    "projection_lines",
     "LinkSpec",
     "MeasuredLink",
     "load_measured_link",
@@ -220,46 +221,67 @@ def b200_scaled(t: ForwardTimes, factor: float = H200_HBM_TB_S / B200_HBM_TB_S) 
                    lm_head_us=t.lm_head_us * factor, mtp_layer_us=t.mtp_layer_us * factor)
 
 
-def projection_report(decode: ForwardTimes, verify: ForwardTimes | None,
-                      accept_lengths=(2.04, 2.5, 3.0), num_steps: int = 3, bs: int = 1,
-                      shape: ModelShape = ModelShape(), link: Link = NVLINK4_H200,
-                      latency_range=(5.0, 10.0)) -> list[str]:
-    """Human-readable lines: tokens/s per user with and without MTP next to the seed's bars.
+def projection_lines(decode: ForwardTimes, verify: ForwardTimes | None,
+                     accept_lengths=(2.04, 2.5, 3.0), num_steps: int = 3, bs: int = 1,
+                     shape: ModelShape = ModelShape(), link: Link = NVLINK4_H200,
+                     latency_range=(5.0, 10.0)) -> dict[str, dict]:
+    """The projection's lines as data: ``{"no_mtp" | "mtp_accept_<a>": {accept_length, tok_s,
+    tok_s_range, step_ms, collectives_pct, b200_scaled_tok_s}}`` (tokens/s per user; the range
+    reprints each number with the link latency at ``latency_range``'s ends for an estimated
+    ``LinkSpec``, the number twice for a ``MeasuredLink``). The format of the shipped
+    ``mla_spec/data/bench_layer_h200.json`` (``viz.layer``)."""
+    lo, hi = (link, link) if link.measured else (replace(link, latency_us=v)
+                                                 for v in latency_range)
 
-    ``latency_range`` reprints each number with the link latency at its low and high end (an
-    estimated ``LinkSpec`` only; a ``MeasuredLink`` has no range: the brackets repeat it).
-    """
-    if link.measured:
-        lo = hi = link
-        rng = ""
-    else:
-        lo, hi = (replace(link, latency_us=v) for v in latency_range)
-        rng = f" (range {latency_range[0]:g}-{latency_range[1]:g} us)"
-    lines = [f"PROJECTION (not a measurement): DeepSeek-V3, {shape.num_dense_layers} dense + "
-             f"{shape.num_moe_layers} MoE layers + lm_head, TP {shape.tp_size}, bs {bs}; "
-             f"collectives {link.describe()}{rng}"]
-
-    def row(name, fn, bar):
-        p, plo, phi = fn(link), fn(hi), fn(lo)
-        b2 = fn(link, scaled=True)
-        lines.append(
-            f"  {name:<26} {p.tokens_per_s:7.1f} tok/s/user [{plo.tokens_per_s:.1f}-"
-            f"{phi.tokens_per_s:.1f}]  step {p.step_us / 1e3:6.2f} ms (collectives "
-            f"{100 * p.comm_fraction:4.1f}%)  seed bar {bar:g} on 4xB200: "
-            f"{100 * p.tokens_per_s / bar:5.1f}%  | B200-bandwidth-scaled {b2.tokens_per_s:.1f}")
+    def line(acc, fn):
+        p, plo, phi, b2 = fn(link), fn(hi), fn(lo), fn(link, scaled=True)
+        return dict(accept_length=acc, tok_s=round(p.tokens_per_s, 1),
+                    tok_s_range=[round(plo.tokens_per_s, 1), round(phi.tokens_per_s, 1)],
+                    step_ms=round(p.step_us / 1e3, 2),
+                    collectives_pct=round(100 * p.comm_fraction, 1),
+                    b200_scaled_tok_s=round(b2.tokens_per_s, 1))
 
     def no_mtp(lk, scaled=False):
         return project_no_mtp(b200_scaled(decode) if scaled else decode, bs, shape, lk)
 
-    row("no MTP", no_mtp, SEED_BARS["no_mtp"])
-    ratios = [no_mtp(link).tokens_per_s / SEED_BARS["no_mtp"]]
+    out = {"no_mtp": line(1.0, no_mtp)}
     if verify is not None:
         for acc in accept_lengths:
             def mtp(lk, scaled=False, acc=acc):
                 d, v = (b200_scaled(decode), b200_scaled(verify)) if scaled else (decode, verify)
                 return project_mtp(d, v, acc, num_steps, bs, shape, lk)
-            row(f"MTP {num_steps} steps, accept {acc:g}", mtp, SEED_BARS["mtp"])
-            ratios.append(mtp(link).tokens_per_s / SEED_BARS["mtp"])
+            out[f"mtp_accept_{acc:g}"] = line(float(acc), mtp)
+    return out
+
+
+def projection_report(decode: ForwardTimes, verify: ForwardTimes | None,
+                      accept_lengths=(2.04, 2.5, 3.0), num_steps: int = 3, bs: int = 1,
+                      shape: ModelShape = ModelShape(), link: Link = NVLINK4_H200,
+                      latency_range=(5.0, 10.0)) -> list[str]:
+    """Human-readable lines: tokens/s per user with and without MTP next to the seed's bars
+    (the numbers of :func:`projection_lines`).
+
+    ``latency_range`` reprints each number with the link latency at its low and high end (an
+    estimated ``LinkSpec`` only; a ``MeasuredLink`` has no range: the brackets repeat it).
+    """
+    rng = "" if link.measured else f" (range {latency_range[0]:g}-{latency_range[1]:g} us)"
+    lines = [f"PROJECTION (not a measurement): DeepSeek-V3, {shape.num_dense_layers} dense + "
+             f"{shape.num_moe_layers} MoE layers + lm_head, TP {shape.tp_size}, bs {bs}; "
+             f"collectives {link.describe()}{rng}"]
+    data = projection_lines(decode, verify, accept_lengths, num_steps, bs, shape, link,
+                            latency_range)
+    ratios = []
+    for key, v in data.items():
+        mtp = key != "no_mtp"
+        name = f"MTP {num_steps} steps, accept {v['accept_length']:g}" if mtp else "no MTP"
+        bar = SEED_BARS["mtp" if mtp else "no_mtp"]
+        ratios.append(v["tok_s"] / bar)
+        lines.append(
+            f"  {name:<26} {v['tok_s']:7.1f} tok/s/user [{v['tok_s_range'][0]:.1f}-"
+            f"{v['tok_s_range'][1]:.1f}]  step {v['step_ms']:6.2f} ms (collectives "
+            f"{v['collectives_pct']:4.1f}%)  seed bar {bar:g} on 4xB200: "
+            f"{100 * v['tok_s'] / bar:5.1f}%  | B200-bandwidth-scaled "
+            f"{v['b200_scaled_tok_s']:.1f}")
     verdict = ("at or above the B200 bars" if min(ratios) >= 1 else
                "below the B200 bars" if max(ratios) < 1 else "around the B200 bars")
     lines.append(

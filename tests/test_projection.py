@@ -185,6 +185,13 @@ def test_bench_layer_cpu_smoke(extra, tmp_path, monkeypatch, capsys):
     assert len(saved["rows"]) == len(rows)
     assert (tmp_path / "bench_layer.md").exists()
     assert "collectives: estimated" in out and result["projection"]["collectives"] == "estimated"
+    # the raw JSON has the shipped data file's format (mla_spec/data/bench_layer_h200.json)
+    from mla_spec.viz.layer import load_layer_results
+
+    res = load_layer_results(tmp_path / "bench_layer.json")
+    lines = res["projection"]["ours"]["lines"]
+    assert set(lines) >= {"no_mtp", "mtp_accept_2.04"} and lines["no_mtp"]["tok_s"] > 0
+    assert res["projection_model"]["seed_bars_tok_s"] == {"no_mtp": 75.0, "mtp": 150.0}
 
 
 def test_bench_layer_cpu_smoke_measured(tmp_path, monkeypatch, capsys):
