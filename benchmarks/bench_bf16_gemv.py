@@ -150,16 +150,20 @@ def main(argv=None) -> None:
                   f"BgemvConfig({b['block_n']}, "
                   f"{b['block_k']}, {b['num_warps']}),  # {r['shape']}: {r['best_us']:.2f} vs "
                   f"{r['cublas_us']:.2f} us")
-    print("\n| shape | M | MB | cuBLAS µs | ours default µs | default no PDL µs | ours best µs | "
-          "best tile | TB/s best | x cuBLAS |\n" + "|---" * 10 + "|")
-    for r in rows:
-        b = r["best_us"]
-        tile = "{block_n}x{block_k}w{num_warps}".format(**r["best"]) if r["best"] else "-"
-        print(f"| {r['shape']} | {r['m']} | {r['mb']:.1f} | {r['cublas_us']:.2f} | "
-              f"{r['default_us'] or float('nan'):.2f} | "
-              f"{r['default_nopdl_us'] or float('nan'):.2f} | {b or float('nan'):.2f} | {tile} | "
-              f"{r['mb'] / b if b else float('nan'):.2f} | "
-              f"{r['cublas_us'] / b if b else float('nan'):.2f} |")
+    def us(key):  # 2 decimals, nan when not measured
+        return lambda r: f"{r[key] or float('nan'):.2f}"
+
+    def per_best(num):  # num / best time, nan without a best tile
+        return lambda r: f"{num(r) / r['best_us'] if r['best_us'] else float('nan'):.2f}"
+
+    print("\n" + bench.md_table([
+        ("shape", bench.col("shape")), ("M", bench.col("m")), ("MB", lambda r: f"{r['mb']:.1f}"),
+        ("cuBLAS µs", us("cublas_us")), ("ours default µs", us("default_us")),
+        ("default no PDL µs", us("default_nopdl_us")), ("ours best µs", us("best_us")),
+        ("best tile", lambda r: "{block_n}x{block_k}w{num_warps}".format(**r["best"])
+         if r["best"] else "-"),
+        ("TB/s best", per_best(lambda r: r["mb"])),
+        ("x cuBLAS", per_best(lambda r: r["cublas_us"]))], rows))
     bench.save_results("bench_bf16_gemv", rows=rows)
 
 

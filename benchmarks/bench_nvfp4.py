@@ -320,6 +320,11 @@ def col(key):
     return lambda r: r[key]
 
 
+def gemv_kwargs_cell(kw: dict) -> str:
+    """A ``fused_moe_nvfp4`` gemv keyword dict as ``name=value`` words (``gemv_`` dropped)."""
+    return " ".join(f"{k.removeprefix('gemv_')}={v}" for k, v in kw.items())
+
+
 def pinned_markdown(rows) -> str:
     return md_table([("shape", col("shape")), ("M", col("m")), ("ours µs (PDL)", col("pdl_us")),
                      ("no PDL µs", col("nopdl_us")), ("cuBLAS bf16 µs", col("bf16_us")),

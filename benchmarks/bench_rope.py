@@ -61,12 +61,12 @@ def main() -> None:
         for n in (1, 4, 32, 128, 512):
             rows.append(time_one(h, n, inv_freq, attn))
             print(rows[-1], flush=True)
-    print("\n| H | N | torch twin µs (graph) | fused µs (graph) | twin / fused | twin eager µs | "
-          "fused eager µs | rel err |\n" + "|---" * 8 + "|")
-    for r in rows:
-        print(f"| {r['h']} | {r['n']} | {r['twin_graph_us']} | {r['fused_graph_us']} | "
-              f"{r['ratio_graph']} | {r['twin_eager_us']} | {r['fused_eager_us']} | "
-              f"{r['rel_err']} |")
+    c = bench.col
+    print("\n" + bench.md_table([
+        ("H", c("h")), ("N", c("n")), ("torch twin µs (graph)", c("twin_graph_us")),
+        ("fused µs (graph)", c("fused_graph_us")), ("twin / fused", c("ratio_graph")),
+        ("twin eager µs", c("twin_eager_us")), ("fused eager µs", c("fused_eager_us")),
+        ("rel err", c("rel_err"))], rows))
     bench.save_results("bench_rope", rows=rows)
 
 

@@ -132,11 +132,11 @@ def main(argv=None) -> None:
     print("\nsuggested GATE_CONFIGS = {" + ", ".join(
         f"{n}: GateConfig({c.block_e}, {c.block_k}, {c.num_warps})" for n, c in best.items())
         + "}")
-    print("\n| tokens | piece | implementation | µs (graph) | weight GB/s | x torch/old |\n"
-          + "|---" * 6 + "|")
-    for r in rows:
-        print(f"| {r['n']} | {r['what']} | {r['impl']} | {r['us']:.2f} | {r['gbps']:.0f} | "
-              f"{r['ratio']:.2f} |")
+    print("\n" + bench.md_table([
+        ("tokens", bench.col("n")), ("piece", bench.col("what")),
+        ("implementation", bench.col("impl")), ("µs (graph)", lambda r: f"{r['us']:.2f}"),
+        ("weight GB/s", lambda r: f"{r['gbps']:.0f}"),
+        ("x torch/old", lambda r: f"{r['ratio']:.2f}")], rows))
     bench.save_results("bench_router", rows=rows)
 
 

@@ -195,20 +195,20 @@ def main() -> None:
                     packed_only=args.packed_only, prefetch=args.prefetch,
                     stages=tuple(int(v) for v in args.stages.split(",")))
         rows += sweep_shape(name, *bench.SHAPES[name], ms, args.deadline, grid)
-    print("\n| shape | M | pinned µs | best GEMV fp32 | best GEMV h2 | cuBLAS bf16 µs | "
-          "x cuBLAS (best) | GB/s | h2 err |\n" + "|---" * 9 + "|")
-    for r in rows:
-        print(f"| {r['shape']} | {r['m']} | {r['pinned_us']} | {r['gemv_f32_us']} "
-              f"(`{r['gemv_f32']}`) | {r['gemv_h2_us']} (`{r['gemv_h2']}`) | {r['cublas_us']} "
-              f"| {r['x_cublas_best']} | {r['best_GBps']} | {r['h2_max_err']} |")
+    c = bench.col
+    print("\n" + bench.md_table([
+        ("shape", c("shape")), ("M", c("m")), ("pinned µs", c("pinned_us")),
+        ("best GEMV fp32", lambda r: f"{r['gemv_f32_us']} (`{r['gemv_f32']}`)"),
+        ("best GEMV h2", lambda r: f"{r['gemv_h2_us']} (`{r['gemv_h2']}`)"),
+        ("cuBLAS bf16 µs", c("cublas_us")), ("x cuBLAS (best)", c("x_cublas_best")),
+        ("GB/s", c("best_GBps")), ("h2 err", c("h2_max_err"))], rows))
     if moe:
-        print("\n| MoE M | active | pinned µs | best µs | best variant | bf16 GEMMs µs | "
-              "x bf16 (pinned) | x bf16 (best) | err |\n" + "|---" * 9 + "|")
-        for r in moe:
-            cfg = " ".join(f"{k.removeprefix('gemv_')}={v}" for k, v in r["best"].items())
-            print(f"| {r['m']} | {r['active']} | {r['pinned_us']} | {r['best_us']} | {cfg} | "
-                  f"{r['bf16_gemms_us']} | {r['x_bf16_pinned']} | {r['x_bf16_best']} | "
-                  f"{r['best_err']} |")
+        print("\n" + bench.md_table([
+            ("MoE M", c("m")), ("active", c("active")), ("pinned µs", c("pinned_us")),
+            ("best µs", c("best_us")),
+            ("best variant", lambda r: bench.gemv_kwargs_cell(r["best"])),
+            ("bf16 GEMMs µs", c("bf16_gemms_us")), ("x bf16 (pinned)", c("x_bf16_pinned")),
+            ("x bf16 (best)", c("x_bf16_best")), ("err", c("best_err"))], moe))
     bench.save_results("sweep_gemv", rows=rows, moe=moe)
 
 

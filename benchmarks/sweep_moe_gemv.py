@@ -111,13 +111,12 @@ def main() -> None:
     w13, w2, b13, b2 = bench.moe_weights(E, K, INTER)
     rows = [sweep_m(int(m), w13, w2, b13, b2, time.time() + args.deadline)
             for m in args.ms.split(",")]
-    print("\n| M | active | default µs | best µs | best config | bf16 GEMMs µs | x bf16 "
-          "(default) | x bf16 (best) | byte floor µs |\n" + "|---" * 9 + "|")
-    for r in rows:
-        cfg = " ".join(f"{k.removeprefix('gemv_')}={v}" for k, v in r["best"].items())
-        print(f"| {r['m']} | {r['active_experts']} | {r['default_us']} | {r['best_us']} | {cfg} "
-              f"| {r['bf16_gemms_us']} | {r['x_bf16_default']} | {r['x_bf16_best']} | "
-              f"{r['floor_us']} |")
+    c = bench.col
+    print("\n" + bench.md_table([
+        ("M", c("m")), ("active", c("active_experts")), ("default µs", c("default_us")),
+        ("best µs", c("best_us")), ("best config", lambda r: bench.gemv_kwargs_cell(r["best"])),
+        ("bf16 GEMMs µs", c("bf16_gemms_us")), ("x bf16 (default)", c("x_bf16_default")),
+        ("x bf16 (best)", c("x_bf16_best")), ("byte floor µs", c("floor_us"))], rows))
     bench.save_results("sweep_moe_gemv", rows=rows)
 
 
