@@ -38,8 +38,9 @@ import triton.language as tl
 
 from mla_spec.kernels.pdl import prefetch_l2
 
-__all__ = ["block_rows", "prefetch_kv_tiles", "request_rows", "split_window", "check_mla_inputs",
-           "kv_descriptors", "load_kv_tile", "fp16_prescaled", "online_softmax"]
+__all__ = ["block_rows", "prefetch_kv_tiles", "request_rows", "split_range", "split_window",
+           "check_mla_inputs", "kv_descriptors", "load_kv_tile", "fp16_prescaled",
+           "online_softmax"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
@@ -114,16 +115,25 @@ def block_rows(RPI, b, m0, n_rows, qo_start, H, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``(bound, lo, hi)``: row ``offs_m`` sees ``j < bound`` (``[BLOCK_M]``); split ``sid``
-    covers ``[lo, hi)``, empty when ``lo >= hi``."""
-    bound = kv_len - q_len + offs_m // H + 1
+def split_range(kv_len, q_len, m0, n_rows, H, sid, num_splits, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """``(lo, hi)``: the KV positions split ``sid`` of the row block at ``m0`` covers, empty
+    when ``lo >= hi`` (no row of the block sees past ``hi``)."""
     last_row = tl.minimum(m0 + BLOCK_M, n_rows) - 1
     hi_rows = kv_len - q_len + last_row // H + 1
     chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
     lo = sid * chunk
     hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
+    return lo, hi
+
+
+@triton.jit
+def split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(bound, lo, hi)``: row ``offs_m`` sees ``j < bound`` (``[BLOCK_M]``); split ``sid``
+    covers ``[lo, hi)`` (:func:`split_range`)."""
+    bound = kv_len - q_len + offs_m // H + 1
+    lo, hi = split_range(kv_len, q_len, m0, n_rows, H, sid, num_splits, BLOCK_M, BLOCK_N)
     return bound, lo, hi
 
 
@@ -140,11 +150,7 @@ def prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_
                                                        BLOCK_M, RAGGED)
     if m0 < n_rows:
         req = tl.load(RPI + b).to(tl.int64)
-        last_row = tl.minimum(m0 + BLOCK_M, n_rows) - 1
-        hi_rows = kv_len - q_len + last_row // H + 1
-        chunk = tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N
-        lo = sid * chunk
-        hi = tl.minimum(tl.minimum(lo + chunk, kv_len), hi_rows)
+        lo, hi = split_range(kv_len, q_len, m0, n_rows, H, sid, num_splits, BLOCK_M, BLOCK_N)
         ROW: tl.constexpr = DK * (KV.dtype.element_ty.primitive_bitwidth // 8)
         offs = tl.arange(0, 1024) * 128  # bytes; 1024 lines = the largest tile (bf16, 64 rows)
         for t in tl.static_range(TILES):

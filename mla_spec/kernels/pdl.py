@@ -25,7 +25,7 @@ statement):
    even an address computed from data the previous grid is still writing cannot change a
    result. The attention kernels prefetch their first KV tiles this way (the KV cache's new
    rows are written by the kernel just before) and compute everything else after the wait:
-   0.1-1.2 µs per call at batch 1 (H200, sixth session). Prefetching a weight kernel's whole
+   0.1-1.8 µs per call at batch 1 (H200, sixth session). Prefetching a weight kernel's whole
    slice the same way was tried and measured slower (the DECODE layer 119.9 -> 132.6 µs:
    the prefetches compete with the kernel's own loads), so the weight kernels do not.
 5. *The attention split kernels trigger late.* They wait first (:func:`gdc_wait`) but let the
