@@ -102,8 +102,7 @@ def bench_shape(name, heads, n, k, kind, m, deadline) -> dict:
             calls = [lambda x=x, w=w, o=o, c=cfg: bgemv(x, w, o, cfg=c, static_w=True)
                      for x, w, o, _ in ops]
             if cfg == default:  # as the model runs it (PDL on) and without PDL
-                t = bench._modes(calls, bench.PINNED_MODES)
-                us, nopdl_us = t["pdl"], t["nopdl"]
+                us, nopdl_us = bench.pdl_on_off(calls)
             else:
                 us = bench.graph_us(calls)
         except Exception as e:  # a tile Triton refuses

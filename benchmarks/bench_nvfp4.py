@@ -10,7 +10,7 @@ The grouped MoE (256 experts, 8 active per token, I = 512, K = 7168) runs ``fuse
 against the bf16 GEMMs of the active experts only (x rows pre-gathered, no routing work: the
 strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into ``$OUT`` when set.
 ``--pinned``: no tuning; the automatic configs at M 1-16 and the MoE at 1-4 tokens as the model
-runs them (PDL on) and with PDL off (``_modes``), beside cuBLAS (``bench_nvfp4_pinned.*``).
+runs them (PDL on) and with PDL off (``pdl_on_off``), beside cuBLAS (``bench_nvfp4_pinned.*``).
 """
 
 from __future__ import annotations
@@ -255,24 +255,18 @@ def bench_moe(fast_ok, quick):
     return rows
 
 
-def _modes(calls, modes) -> dict:
-    """Graph µs per call of ``calls`` under each ``(name, PDL, L2_PREFETCH)`` of ``modes``
-    (None: leave the switch as it is)."""
+def pdl_on_off(calls) -> tuple[float, float]:
+    """Graph µs per call of ``calls`` with PDL on (as the model runs) and off (switch restored)."""
     from mla_spec.kernels import pdl
 
-    keep = pdl.PDL, pdl.L2_PREFETCH
-    out = {}
+    keep = pdl.PDL
     try:
-        for name, on, l2 in modes:
-            pdl.PDL = keep[0] if on is None else on
-            pdl.L2_PREFETCH = keep[1] if l2 is None else l2
-            out[name] = graph_us(calls)
+        pdl.PDL = True
+        on = graph_us(calls)
+        pdl.PDL = False
+        return on, graph_us(calls)
     finally:
-        pdl.PDL, pdl.L2_PREFETCH = keep
-    return out
-
-
-PINNED_MODES = (("pdl", True, None), ("nopdl", False, None))
+        pdl.PDL = keep
 
 
 def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
@@ -283,8 +277,7 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
         sets, wbf = weight_sets(n, k)
         for m in ms:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-            t = _modes([lambda a=a, x=x: nvfp4_gemm(x, *a) for a in sets], PINNED_MODES)
-            on, off = t["pdl"], t["nopdl"]
+            on, off = pdl_on_off([lambda a=a, x=x: nvfp4_gemm(x, *a) for a in sets])
             bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
             rows.append(dict(shape=name, n=n, k=k, m=m, pdl_us=round(on, 2),
                              nopdl_us=round(off, 2), bf16_us=round(bf16, 2),
@@ -296,9 +289,8 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
     w13, w2, b13, b2 = moe_weights(e, k, inter)
     for m in moe_ms:
         xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
-        tm = _modes([lambda x=x, t=t, w=w: fused_moe_nvfp4(x, t, w, w13, w2)
-                     for x, t, w in zip(xs, ids, tws)], PINNED_MODES)
-        on, off = tm["pdl"], tm["nopdl"]
+        on, off = pdl_on_off([lambda x=x, t=t, w=w: fused_moe_nvfp4(x, t, w, w13, w2)
+                              for x, t, w in zip(xs, ids, tws)])
         bf16, active = moe_bf16_us(xs, ids, b13, b2, inter)
         rows.append(dict(shape="moe_256e_top8_tp4", n=2 * inter, k=k, m=m, pdl_us=round(on, 2),
                          nopdl_us=round(off, 2), bf16_us=round(bf16, 2),
