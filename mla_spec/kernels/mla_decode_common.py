@@ -36,10 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.pdl import prefetch_l2
+from mla_spec.kernels.pdl import l2pf_on, pdl_kwargs, prefetch_l2
 
-__all__ = ["block_rows", "prefetch_kv_tiles", "request_rows", "split_range", "split_window",
-           "check_mla_inputs", "kv_descriptors", "load_kv_tile", "fp16_prescaled",
+__all__ = ["attn_pdl_kwargs", "block_rows", "prefetch_kv_tiles", "request_rows", "split_range",
+           "split_window", "check_mla_inputs", "kv_descriptors", "load_kv_tile", "fp16_prescaled",
            "online_softmax"]
 
 Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -135,6 +135,14 @@ def split_window(kv_len, q_len, offs_m, m0, n_rows, H, sid, num_splits,
     bound = kv_len - q_len + offs_m // H + 1
     lo, hi = split_range(kv_len, q_len, m0, n_rows, H, sid, num_splits, BLOCK_M, BLOCK_N)
     return bound, lo, hi
+
+
+def attn_pdl_kwargs(q: torch.Tensor, cfg) -> dict:
+    """Launch keywords of a split kernel: ``USE_GDC`` / ``launch_pdl`` (off for a variant with
+    ``cfg.pdl`` False) and ``L2PF``, the KV prefetch before the wait, which only runs under PDL
+    (``pdl`` rules 4 and 5)."""
+    kw = pdl_kwargs(q, cfg.pdl)
+    return {**kw, "L2PF": kw["USE_GDC"] and l2pf_on(q)}
 
 
 @triton.jit

@@ -54,6 +54,7 @@ import triton.language as tl
 from mla_spec.device import triton_interpreting
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
+    attn_pdl_kwargs,
     block_rows,
     check_mla_inputs,
     fp16_prescaled,
@@ -76,7 +77,7 @@ from mla_spec.kernels.mla_decode_tiles import (
     splits_for,
 )
 from mla_spec.kernels.mla_decode_vsplit import launch_vsplit
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait, l2pf_on, pdl_kwargs, pdl_on
+from mla_spec.kernels.pdl import gdc_launch, gdc_wait
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig", "mla_decode_paged", "paged_choice",
@@ -312,8 +313,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=return_lse,
         DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope, cfg.pdl),
-        L2PF=cfg.pdl and pdl_on(q_nope) and l2pf_on(q_nope),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **attn_pdl_kwargs(q_nope, cfg),
     )
     if split:
         combine_splits(part, part_lse, out, lse)

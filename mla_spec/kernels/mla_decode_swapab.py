@@ -29,6 +29,7 @@ import triton.language as tl
 
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
+    attn_pdl_kwargs,
     block_rows,
     fp16_prescaled,
     kv_descriptors,
@@ -37,7 +38,7 @@ from mla_spec.kernels.mla_decode_common import (
     request_rows,
     split_window,
 )
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait, l2pf_on, pdl_kwargs, pdl_on
+from mla_spec.kernels.pdl import gdc_launch, gdc_wait
 
 __all__ = ["launch_swapab"]
 
@@ -167,8 +168,7 @@ def launch_swapab(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens
         DV=dv, DPE=q_pe.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=lse is not None,
         DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope, cfg.pdl),
-        L2PF=cfg.pdl and pdl_on(q_nope) and l2pf_on(q_nope),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **attn_pdl_kwargs(q_nope, cfg),
     )
     if split:
         combine_splits(part, part_lse, out, lse)

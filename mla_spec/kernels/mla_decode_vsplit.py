@@ -45,6 +45,7 @@ import triton.language as tl
 
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
+    attn_pdl_kwargs,
     block_rows,
     online_softmax,
     prefetch_kv_tiles,
@@ -52,7 +53,7 @@ from mla_spec.kernels.mla_decode_common import (
     split_window,
 )
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait, l2pf_on, pdl_kwargs, pdl_on
+from mla_spec.kernels.pdl import gdc_launch, gdc_wait
 
 __all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
 
@@ -328,8 +329,7 @@ def launch_vsplit(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens
         DV=dv, DPE=dpe, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NV=nv, NC=nc,
         RAGGED=qo_indptr is not None, SPLIT=split, FUSED=fused, WRITE_LSE=lse is not None,
         DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_kwargs(q_nope, cfg.pdl),
-        L2PF=cfg.pdl and pdl_on(q_nope) and l2pf_on(q_nope),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **attn_pdl_kwargs(q_nope, cfg),
     )
     if split and not fused:
         combine_splits(part, part_lse[0], out, lse)
