@@ -11,6 +11,10 @@ against the bf16 GEMMs of the active experts only (x rows pre-gathered, no routi
 strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into ``$OUT`` when set.
 ``--pinned``: no tuning; the automatic configs at M 1-16 and the MoE at 1-4 tokens as the model
 runs them (PDL on) and with PDL off (``pdl_on_off``), beside cuBLAS (``bench_nvfp4_pinned.*``).
+``--floors``: per shape at 1 token, the launch floor (an empty PDL kernel) and the read floor
+(``kernels.read_floor.read_checksum``: the weight's bytes read once, best of a few layouts)
+beside ours and cuBLAS: the best ratio to cuBLAS any kernel of this launch path could reach
+(``bench_nvfp4_floors.*``).
 """
 
 from __future__ import annotations
@@ -300,6 +304,74 @@ def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
     return rows
 
 
+FLOOR_LAYOUTS = [(bn, sp, w) for bn in (2, 4, 8, 16) for sp in (1, 2, 4) for w in (1, 2, 4)]
+
+
+def bench_floors():
+    """Launch and read floors per shape at 1 token, with ours (PDL) and cuBLAS in the same run."""
+    from mla_spec.kernels.read_floor import empty_launch, read_checksum
+
+    flag = torch.zeros(1, dtype=torch.int32, device=DEV)
+    empty_on, empty_off = pdl_on_off([lambda: empty_launch(flag)] * 64)
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        sets, wbf = weight_sets(n, k)
+        x = torch.randn(1, k, device=DEV, dtype=torch.bfloat16)
+        best = (float("inf"), None)
+        for bn, sp, w in FLOOR_LAYOUTS:
+            us = graph_us([lambda a=a, c=(bn, sp, w): read_checksum(a[0], a[1], *c)
+                           for a in sets])
+            best = min(best, (us, (bn, sp, w)), key=lambda t: t[0])
+        ours = graph_us([lambda a=a, x=x: nvfp4_gemm(x, *a) for a in sets])
+        bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
+        rows.append(dict(shape=name, n=n, k=k, empty_pdl_us=round(empty_on, 2),
+                         empty_us=round(empty_off, 2), read_us=round(best[0], 2),
+                         read_layout="bn{} s{} w{}".format(*best[1]), ours_us=round(ours, 2),
+                         bf16_us=round(bf16, 2), target_us=round(bf16 / 3, 2),
+                         floor_x_bf16=round(bf16 / best[0], 2), ours_x_bf16=round(bf16 / ours, 2),
+                         read_GBps=round(n * k * 0.5625 / (best[0] * 1e-6) / 1e9)))
+        print(rows[-1], flush=True)
+        del sets, wbf
+    return rows
+
+
+def kv_floors(ctxs=(1024, 4096, 32768)):
+    """The same read floor for one request's bf16 MLA KV (``[ctx, 576]``, 1152 B per token) at
+    batch 1: the bound under issue 4's batch-1 attention goals (one launch; attention at batch
+    1 needs a second one, the split combine, unless fused)."""
+    from mla_spec.kernels.read_floor import read_checksum
+
+    rows = []
+    for ctx in ctxs:
+        nset = max(2, int(ROTATE // (ctx * 1152)) + 1)
+        sets = [(torch.randint(0, 256, (ctx, 1152), dtype=torch.uint8, device=DEV),
+                 torch.zeros(ctx, 4, dtype=torch.uint8, device=DEV)) for _ in range(nset)]
+        best = (float("inf"), None)
+        for bn in (8, 16, 32, 64):
+            for w in (4, 8):
+                if ctx // bn > 4096:
+                    continue
+                us = graph_us([lambda a=a, c=(bn, 1, w): read_checksum(a[0], a[1], *c)
+                               for a in sets])
+                best = min(best, (us, (bn, w)), key=lambda t: t[0])
+        rows.append(dict(ctx=ctx, MB=round(ctx * 1152 / 1e6, 2), read_us=round(best[0], 2),
+                         layout="{} tokens w{}".format(*best[1]),
+                         TBps=round(ctx * 1152 / (best[0] * 1e-6) / 1e12, 2)))
+        print(rows[-1], flush=True)
+        del sets
+    return rows
+
+
+def floors_markdown(rows) -> str:
+    return md_table([("shape", col("shape")), NK, ("empty kernel µs (PDL / no)",
+                     lambda r: f"{r['empty_pdl_us']} / {r['empty_us']}"),
+                     ("read floor µs", col("read_us")), ("layout", col("read_layout")),
+                     ("read GB/s", col("read_GBps")), ("ours µs", col("ours_us")),
+                     ("cuBLAS bf16 µs", col("bf16_us")), ("3x target µs", col("target_us")),
+                     ("floor x bf16", col("floor_x_bf16")), ("ours x bf16", col("ours_x_bf16"))],
+                    rows)
+
+
 def md_table(columns, rows) -> str:
     """A markdown table: ``columns`` is a list of (header, row -> cell) pairs."""
     lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * len(columns)]
@@ -344,6 +416,15 @@ def main() -> None:
         sys.exit("bench_nvfp4 needs a CUDA GPU")
     quick = "--quick" in sys.argv
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    if "--floors" in sys.argv:
+        rows, kv = bench_floors(), kv_floors()
+        md = floors_markdown(rows) + "\n\n" + md_table(
+            [("bf16 KV ctx", col("ctx")), ("MB", col("MB")), ("read floor µs", col("read_us")),
+             ("layout", col("layout")), ("TB/s", col("TBps"))], kv)
+        print(md)
+        save_results("bench_nvfp4_floors", md, torch=torch.__version__,
+                     triton=triton.__version__, rows=rows, kv=kv)
+        return
     if "--pinned" in sys.argv:
         rows = bench_pinned()
         md = pinned_markdown(rows)

@@ -290,8 +290,9 @@ def suggest_defaults(rows):
     """A ``PAGED_DEFAULTS`` literal from the timed rows: per shape class, the variant with the
     smallest mean (time / row's best time) over the class's rows (its best split count there)."""
     from mla_spec.kernels.mla_decode_paged import PAGED_DEFAULTS, shape_class
+    from mla_spec.kernels.mla_decode_tiles import context_class
 
-    by_cls = {}
+    by_cls, by_ctx = {}, {}
     for r in rows:
         kvd = torch.float8_e4m3fn if r["kv"] == "fp8" else torch.bfloat16
         key = "graph_us" if r["bs"] == 1 else "us"
@@ -302,9 +303,12 @@ def suggest_defaults(rows):
                 per[n] = min(per.get(n, float("inf")), v[key])
         if per:
             lo = min(per.values())
-            acc = by_cls.setdefault(shape_class(r["H"] * r["q"], kvd, r["bs"]), {})
+            cls = shape_class(r["H"] * r["q"], kvd, r["bs"])
+            acc = by_cls.setdefault(cls, {})
+            actx = by_ctx.setdefault((*cls, context_class(r["ctx"])), {})
             for n, t in per.items():
                 acc.setdefault(n, []).append(t / lo)
+                actx.setdefault(n, []).append(t / lo)
     new = dict(PAGED_DEFAULTS)
     lines = ["PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {"]
     for k in sorted(new):
@@ -316,6 +320,14 @@ def suggest_defaults(rows):
             note = f"{best} {cand[best]:.2f}x of best; was {new[k]} {cand.get(new[k], 0):.2f}x"
             new[k] = best
         lines.append(f"    {k!r}: {new[k]!r},  # {note}")
+    lines += ["}", "", "# context overrides (>= 5% over the class's choice there):",
+              "PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {"]
+    for k in sorted(by_ctx):
+        cand = {n: sum(v) / len(v) for n, v in by_ctx[k].items()}
+        best, base = min(cand, key=cand.get), cand.get(new.get(k[:3]), float("inf"))
+        if base > 1.05 * cand[best]:
+            lines.append(f"    {k!r}: {best!r},  # {cand[best]:.2f}x of best; "
+                         f"{new.get(k[:3])} {base:.2f}x")
     return "\n".join(lines + ["}"])
 
 

@@ -85,7 +85,7 @@ class TritonMLABackend(MLABackend):
         if self.paged:
             cfg, pinned = ((self.config, None) if self.config is not None else
                            paged_choice(rows_cfg, pool.dtype, self.device, pool.page_size,
-                                        plan.bs))
+                                        plan.bs, plan.max_kv))
             m_blocks = -(-rows // cfg.block_m)
             splits = self.num_splits or pinned or splits_for(
                 cfg, plan.bs, m_blocks, plan.max_kv, rows,

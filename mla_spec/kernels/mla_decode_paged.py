@@ -66,6 +66,7 @@ from mla_spec.kernels.mla_decode_common import (
 )
 from mla_spec.kernels.mla_decode_swapab import launch_swapab
 from mla_spec.kernels.mla_decode_tiles import (
+    PAGED_CONTEXT_DEFAULTS,
     PAGED_DEFAULTS,
     PAGED_VARIANTS,
     PagedConfig,
@@ -80,9 +81,9 @@ from mla_spec.kernels.mla_decode_vsplit import launch_vsplit
 from mla_spec.kernels.pdl import gdc_launch, gdc_wait
 from mla_spec.quant.fp8 import FP8_DTYPE
 
-__all__ = ["PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig", "mla_decode_paged", "paged_choice",
-           "paged_config", "paged_supported", "parse_choice", "pick_num_splits_paged",
-           "shape_class", "splits_for"]
+__all__ = ["PAGED_CONTEXT_DEFAULTS", "PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig",
+           "mla_decode_paged", "paged_choice", "paged_config", "paged_supported", "parse_choice",
+           "pick_num_splits_paged", "shape_class", "splits_for"]
 
 _LOG2E = 1.4426950408889634
 
@@ -234,7 +235,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
     page_size : pool page size, a multiple of ``config.block_n``
     q_len (fixed rows per request) or qo_indptr ``[bs + 1]`` with ``max_q`` (ragged)
     max_kv : longest KV (host int; avoids a device sync when picking splits)
-    config : tile config (default: ``PAGED_DEFAULTS`` for this shape); ``vsplit > 1`` or
+    config : tile config (default: ``paged_choice`` for this shape and context); ``vsplit > 1`` or
         ``fused`` runs the sibling kernel of ``mla_decode_vsplit``
     counters : int32 zeros ``>= bs * m_blocks * vsplit`` for the fused combine (default: a
         cached per-device buffer)
@@ -252,8 +253,10 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         raise ValueError("give exactly one of q_len (fixed rows per request) or qo_indptr")
     pinned = None
     if config is None:
+        if max_kv is None and num_splits is None and dev.type == "cuda":
+            max_kv = int(kv_lens.max()) if bs else 0  # read below for the splits anyway
         config, pinned = paged_choice((q_len or max_q or 1) * h, kv_flat.dtype, dev, page_size,
-                                      bs)
+                                      bs, max_kv)
     cfg = config
     why = paged_supported(dev, dv, dpe, page_size, kv_flat.dtype, cfg)
     if why:

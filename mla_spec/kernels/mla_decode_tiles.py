@@ -5,8 +5,9 @@
 variants the names that ``benchmarks/sweep_mla.py`` prints; ``PAGED_DEFAULTS`` maps a shape
 class ``(kv dtype, rows per request, batch)`` to the winner of the last H200 sweep (edit it
 after a sweep: the sweep's "best" column prints ``NAME/spN`` strings of exactly this form, and
-it prints a suggested table). :func:`pick_num_splits_paged` is the KV-split cost model used
-when no split count is pinned.
+it prints a suggested table), and ``PAGED_CONTEXT_DEFAULTS`` overrides a class per context
+length where the winner changes with it. :func:`pick_num_splits_paged` is the KV-split cost
+model used when no split count is pinned.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import torch
 
 from mla_spec.quant.fp8 import FP8_DTYPE
 
-__all__ = ["PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig", "paged_choice", "paged_config",
-           "parse_choice", "pick_num_splits_paged", "shape_class", "splits_for"]
+__all__ = ["PAGED_CONTEXT_DEFAULTS", "PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig",
+           "context_class", "paged_choice", "paged_config", "parse_choice",
+           "pick_num_splits_paged", "shape_class", "splits_for"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,22 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
 }
 
 
+# Per-context winners where they differ from the class's: (kv, rows, batch, context) -> choice;
+# context: "c2k" (longest KV <= 2048) | "c8k" (<= 8192) | "long". Seventh-session H200 sweep
+# (docs/bench_mla.md v6; batch 1 in a graph, 128 rows = TARGET_VERIFY at H 32 / DECODE at H 128):
+PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
+    ("bf16", "r128", "b1", "long"): "CF",  # 32k: 61.9 vs S16 91.8 µs (S16's 8 row blocks
+    #                                        each re-read the KV from L2)
+    ("fp8", "r128", "b1", "c2k"): "V2",    # 1k: 16.7 vs CF 19.9 µs
+    ("fp8", "r128", "b1", "c8k"): "G4",    # 4k: 26.2 vs CF 28.6 µs (32k: CF, 70.1)
+}
+
+
+def context_class(max_kv: int) -> str:
+    """The context part of a ``PAGED_CONTEXT_DEFAULTS`` key."""
+    return "c2k" if max_kv <= 2048 else "c8k" if max_kv <= 8192 else "long"
+
+
 def shape_class(rows: int, kv_dtype: torch.dtype, bs: int) -> tuple[str, str, str]:
     """The ``PAGED_DEFAULTS`` key of a shape (``rows`` = q_len * H per request)."""
     kv = "fp8" if kv_dtype == FP8_DTYPE else "bf16"
@@ -136,20 +154,28 @@ def parse_choice(choice: str) -> tuple[PagedConfig, int | None]:
 
 
 def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_size: int = 64,
-                 bs: int = 1) -> tuple[PagedConfig, int | None]:
-    """(config, pinned splits or None) of a shape: ``PAGED_DEFAULTS`` on CUDA when the page
-    size is a multiple of 64, fixed fallbacks otherwise (tiny tiles under the interpreter)."""
+                 bs: int = 1, max_kv: int | None = None) -> tuple[PagedConfig, int | None]:
+    """(config, pinned splits or None) of a shape: on CUDA when the page size is a multiple of
+    64, ``PAGED_CONTEXT_DEFAULTS`` (when ``max_kv``, the longest KV, is given) then
+    ``PAGED_DEFAULTS``; fixed fallbacks otherwise (tiny tiles under the interpreter). Under a
+    CUDA graph the capture's ``max_kv`` decides for every replay."""
     if device.type != "cuda":
         return PagedConfig(16, min(8, page_size), 4, 1), None
     if page_size % 64:
         return PagedConfig(64, 32, 8, 3, tma=True, part_bf16=kv_dtype == FP8_DTYPE), None
-    return parse_choice(PAGED_DEFAULTS[shape_class(rows, kv_dtype, bs)])
+    key = shape_class(rows, kv_dtype, bs)
+    if max_kv is not None:
+        by_ctx = PAGED_CONTEXT_DEFAULTS.get((*key, context_class(max_kv)))
+        if by_ctx is not None:
+            return parse_choice(by_ctx)
+    return parse_choice(PAGED_DEFAULTS[key])
 
 
 def paged_config(rows: int, kv_dtype: torch.dtype, device: torch.device,
-                 page_size: int = 64, bs: int = 1) -> PagedConfig:
-    """Default tile per device / KV dtype / rows per request / batch (``PAGED_DEFAULTS``)."""
-    return paged_choice(rows, kv_dtype, device, page_size, bs)[0]
+                 page_size: int = 64, bs: int = 1, max_kv: int | None = None) -> PagedConfig:
+    """Default tile per device / KV dtype / rows per request / batch / context
+    (:func:`paged_choice`)."""
+    return paged_choice(rows, kv_dtype, device, page_size, bs, max_kv)[0]
 
 
 def pick_num_splits_paged(bs: int, m_blocks: int, max_kv: int, block_n: int, rows: int,

@@ -196,6 +196,34 @@ def test_defaults_table_and_choice_strings():
     assert pick_num_splits_paged(1, 1, 4096, 64, 32, 1152, vsplit=4) < 64
 
 
+def test_context_axis_overrides_the_class():
+    """TARGET_VERIFY at batch 1 (128 rows): the winner changes with the context (v6 sweep);
+    without ``max_kv`` (or outside the table) the class default holds."""
+    from mla_spec.kernels.mla_decode_paged import (
+        PAGED_CONTEXT_DEFAULTS,
+        PAGED_DEFAULTS,
+        PAGED_VARIANTS,
+        paged_choice,
+        parse_choice,
+    )
+    from mla_spec.kernels.mla_decode_tiles import context_class
+
+    cuda = torch.device("cuda")  # only the device type is read
+    assert [context_class(n) for n in (0, 2048, 2049, 8192, 8193)] == \
+        ["c2k", "c2k", "c8k", "c8k", "long"]
+    assert all(parse_choice(v)[0] is PAGED_VARIANTS[v.split("/")[0]]
+               for v in PAGED_CONTEXT_DEFAULTS.values())
+    pick = lambda kv, ctx: paged_choice(128, kv, cuda, 64, 1, ctx)[0]  # noqa: E731
+    assert pick(FP8_DTYPE, 1000) is PAGED_VARIANTS["V2"]
+    assert pick(FP8_DTYPE, 4096) is PAGED_VARIANTS["G4"]
+    assert pick(FP8_DTYPE, 32768) is pick(FP8_DTYPE, None) is \
+        parse_choice(PAGED_DEFAULTS[("fp8", "r128", "b1")])[0]
+    assert pick(torch.bfloat16, 32768) is PAGED_VARIANTS["CF"]
+    assert pick(torch.bfloat16, 4096) is PAGED_VARIANTS["S16"]
+    # other classes ignore the context
+    assert paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768)[0] is PAGED_VARIANTS["S16"]
+
+
 
 
 
