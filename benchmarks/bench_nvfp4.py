@@ -362,6 +362,36 @@ def kv_floors(ctxs=(1024, 4096, 32768)):
     return rows
 
 
+def moe_launches(ms=(1, 2, 4), iters=20):
+    """GPU µs of each of the MoE gemv path's two launches (w13 + SiLU, then w2), from
+    ``torch.profiler`` over eager calls (no PDL overlap), with the NVFP4 bytes each reads."""
+    from torch.profiler import ProfilerActivity, profile
+
+    e, k, inter, topk = 256, 7168, 512, 8
+    w13, w2, _, _ = moe_weights(e, k, inter)
+    rows = []
+    for m in ms:
+        xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
+        for i in range(8):
+            fused_moe_nvfp4(xs[i], ids[i], tws[i], w13, w2)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(iters):
+                fused_moe_nvfp4(xs[i % 8], ids[i % 8], tws[i % 8], w13, w2)
+            torch.cuda.synchronize()
+        durs = [ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+                for ev in prof.events() if ev.name == "_moe_gemv_kernel"]
+        active = sum(len(torch.unique(t)) for t in ids) / len(ids)
+        per = [sum(durs[j::2]) / max(len(durs[j::2]), 1) for j in (0, 1)]
+        mb = [active * 2 * inter * k * 0.5625 / 1e6, active * k * inter * 0.5625 / 1e6]
+        rows.append(dict(m=m, active=round(active, 1), w13_us=round(per[0], 2),
+                         w2_us=round(per[1], 2), w13_MB=round(mb[0], 1), w2_MB=round(mb[1], 1),
+                         w13_TBps=round(mb[0] / per[0], 2) if per[0] else 0,  # MB/µs = TB/s
+                         w2_TBps=round(mb[1] / per[1], 2) if per[1] else 0))
+        print(rows[-1], flush=True)
+    return rows
+
+
 def floors_markdown(rows) -> str:
     return md_table([("shape", col("shape")), NK, ("empty kernel µs (PDL / no)",
                      lambda r: f"{r['empty_pdl_us']} / {r['empty_us']}"),
@@ -417,13 +447,18 @@ def main() -> None:
     quick = "--quick" in sys.argv
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
     if "--floors" in sys.argv:
+        launches = moe_launches()
         rows, kv = bench_floors(), kv_floors()
         md = floors_markdown(rows) + "\n\n" + md_table(
             [("bf16 KV ctx", col("ctx")), ("MB", col("MB")), ("read floor µs", col("read_us")),
-             ("layout", col("layout")), ("TB/s", col("TBps"))], kv)
+             ("layout", col("layout")), ("TB/s", col("TBps"))], kv) + "\n\n" + md_table(
+            [("MoE tokens", col("m")), ("active experts", col("active")),
+             ("w13 launch µs", col("w13_us")), ("MB", col("w13_MB")), ("TB/s", col("w13_TBps")),
+             ("w2 launch µs", col("w2_us")), ("MB", col("w2_MB")), ("TB/s", col("w2_TBps"))],
+            launches)
         print(md)
         save_results("bench_nvfp4_floors", md, torch=torch.__version__,
-                     triton=triton.__version__, rows=rows, kv=kv)
+                     triton=triton.__version__, rows=rows, kv=kv, moe_launches=launches)
         return
     if "--pinned" in sys.argv:
         rows = bench_pinned()

@@ -39,13 +39,15 @@ import bench_layer as bl  # noqa: E402
 from mla_spec.config import ModelConfig  # noqa: E402
 from mla_spec.forward_mode import ForwardMode  # noqa: E402
 
-#: fused paths that can be switched off at run time: (label, module, attribute)
+#: paths that can be switched at run time: (label, module, attribute, value timed): fused paths
+#: turned off, candidate paths (off by default) turned on
 TOGGLES = (
-    ("rope", "mla_spec.models.rope", "FUSED_ROPE"),
-    ("qkv_a", "mla_spec.models.mla", "FUSED_QKV_A"),
-    ("bf16_gemv", "mla_spec.kernels.bf16_gemv", "BF16_GEMV"),
-    ("pdl", "mla_spec.kernels.pdl", "PDL"),
-    ("l2pf", "mla_spec.kernels.pdl", "L2_PREFETCH"),
+    ("rope", "mla_spec.models.rope", "FUSED_ROPE", False),
+    ("qkv_a", "mla_spec.models.mla", "FUSED_QKV_A", False),
+    ("bf16_gemv", "mla_spec.kernels.bf16_gemv", "BF16_GEMV", False),
+    ("pdl", "mla_spec.kernels.pdl", "PDL", False),
+    ("l2pf", "mla_spec.kernels.pdl", "L2_PREFETCH", False),
+    ("moe_w2_loop", "mla_spec.kernels.nvfp4_moe_gemv", "MOE_W2_LOOP", True),
 )
 
 
@@ -86,7 +88,7 @@ def main(argv=None) -> dict:
     p.add_argument("--modes", default="DECODE,TARGET_VERIFY")
     p.add_argument("--iters", type=int, default=5, help="profiled eager calls per piece")
     p.add_argument("--rep-ms", type=int, default=40)
-    p.add_argument("--no-toggles", action="store_true", help="skip the fused-path-off timings")
+    p.add_argument("--no-toggles", action="store_true", help="skip the switched-path timings")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_layer profiles GPU kernels: it needs a CUDA GPU")
@@ -129,9 +131,10 @@ def main(argv=None) -> dict:
                                  f"{100 * r['us'] / max(kern_us, 1e-9):.0f}% |")
                 if args.no_toggles:
                     continue
-                for label, mod, attr in TOGGLES:
-                    old = _set(mod, attr, False)
-                    if old is None:
+                for label, mod, attr, value in TOGGLES:
+                    old = _set(mod, attr, value)
+                    if old is None or old == value:
+                        _set(mod, attr, old)
                         continue
                     try:
                         us, _ = timer(fn, f"{mode_name} {part} no {label}")
@@ -139,7 +142,8 @@ def main(argv=None) -> dict:
                     finally:
                         _set(mod, attr, old)
                     result["pieces"].append(dict(mode=mode_name, part=part,
-                                                 variant=f"{label} off", graph_us=us,
+                                                 variant=f"{label} {'on' if value else 'off'}",
+                                                 graph_us=us,
                                                  kernel_us=k_us))
             print(f"[{time.perf_counter() - t0:6.1f} s] {mode_name} done", flush=True)
     notes += timer.notes

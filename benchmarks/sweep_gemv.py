@@ -131,8 +131,16 @@ MOE_VARIANTS = [{}, dict(gemv_prefetch=True)] + [
     for bn2, w2 in ((16, 4), (8, 2))]
 
 
-def sweep_moe(ms, deadline_s):
-    """The MoE gemv path at its pinned tiles ({}) and wide-g tiles, fp32 and packed math."""
+# --moe-w2-loop: the pinned default against the w2 launch of nvfp4_moe_w2 (top-k summed in one
+# program) at a few (rows, warps, g2) tiles, the w13 launch unchanged
+MOE_W2_LOOP_VARIANTS = [{}] + [
+    dict(gemv_w2_loop=True, gemv_block_n2=bn2, gemv_warps2=w2, gemv_g2=g2)
+    for g2 in (16, 32) for bn2, w2 in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4))]
+
+
+def sweep_moe(ms, deadline_s, variants=None):
+    """The MoE gemv path at its pinned tiles ({}) and wide-g tiles, fp32 and packed math
+    (``variants``: another list of ``fused_moe_nvfp4`` keyword dicts)."""
     e, k, inter, topk = 256, 7168, 512, 8
     w13, w2, b13, b2 = bench.moe_weights(e, k, inter)
     rows = []
@@ -142,7 +150,7 @@ def sweep_moe(ms, deadline_s):
         ref = fused_moe_ref(xs[0], ids[0], tws[0], w13, w2)
         bf16, active = bench.moe_bf16_us(xs, ids, b13, b2, inter, timer=graph_us)
         res = []
-        for kw in MOE_VARIANTS:
+        for kw in variants or MOE_VARIANTS:
             for packed in ((None,) if len(kw) <= 1 else (True,)):  # None: pinned default
                 if time.time() > end:
                     break
@@ -182,15 +190,18 @@ def main() -> None:
     ap.add_argument("--packed-only", action="store_true", help="no fp32-math GEMV variants")
     ap.add_argument("--stages", default="1", help="num_stages values, e.g. 1,2")
     ap.add_argument("--prefetch", action="store_true", help="also the 'pf' packed loop")
+    ap.add_argument("--moe-w2-loop", action="store_true",
+                    help="--moe variants: the w2 launch summing the top-k in one program")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_gemv needs a CUDA GPU")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__, flush=True)
     ms = [int(m) for m in args.ms.split(",")]
-    moe = sweep_moe([int(m) for m in args.moe_ms.split(",")], args.deadline) if args.moe else []
+    moe = sweep_moe([int(m) for m in args.moe_ms.split(",")], args.deadline,
+                    MOE_W2_LOOP_VARIANTS if args.moe_w2_loop else None) if args.moe else []
     rows = []
-    for name in args.shapes.split(","):
+    for name in filter(None, args.shapes.split(",")):
         grid = dict(wide=not args.no_wide, narrow=not args.no_narrow,
                     packed_only=args.packed_only, prefetch=args.prefetch,
                     stages=tuple(int(v) for v in args.stages.split(",")))

@@ -198,7 +198,7 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
     except Exception as e:  # noqa: BLE001
         print(f"   flashinfer FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
     rows = h * q
-    dcfg, dpin = paged_choice(rows, kvd, dev, PAGE, bs)
+    dcfg, dpin = paged_choice(rows, kvd, dev, PAGE, bs, ctx)
     dname = next((n for n, c in VARIANTS.items() if c == dcfg), None)
     # m32 tiles only up to 128 rows; the fused merge only at batch <= 2
     fit = [n for n in sorted(names, key=lambda n: PRIORITY.index(n) if n in PRIORITY else 99)

@@ -122,13 +122,14 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
 
 
 # Per-context winners where they differ from the class's: (kv, rows, batch, context) -> choice;
-# context: "c2k" (longest KV <= 2048) | "c8k" (<= 8192) | "long". Seventh-session H200 sweep
-# (docs/bench_mla.md v6; batch 1 in a graph, 128 rows = TARGET_VERIFY at H 32 / DECODE at H 128):
+# context: "c2k" (longest KV <= 2048) | "c8k" (<= 8192) | "long". Seventh-session H200 sweeps,
+# two runs (docs/bench_mla.md v6; batch 1 in a graph, 128 rows = TARGET_VERIFY at H 32 / DECODE
+# at H 128):
 PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
-    ("bf16", "r128", "b1", "long"): "CF",  # 32k: 61.9 vs S16 91.8 µs (S16's 8 row blocks
-    #                                        each re-read the KV from L2)
-    ("fp8", "r128", "b1", "c2k"): "V2",    # 1k: 16.7 vs CF 19.9 µs
-    ("fp8", "r128", "b1", "c8k"): "G4",    # 4k: 26.2 vs CF 28.6 µs (32k: CF, 70.1)
+    ("bf16", "r128", "b1", "long"): "CF",  # 32k: 61.9 / 62.5 vs S16 91.8 / 91.1 µs (S16's 8
+    #                                        row blocks each re-read the KV from L2)
+    ("fp8", "r128", "b1", "c2k"): "G4",    # 1k: 14.1 vs V2 16.7, CF 20.4 µs
+    ("fp8", "r128", "b1", "c8k"): "G4",    # 4k: 26.2 / 26.4 vs CF 28.6 / 28.5 µs (32k: CF, 70)
 }
 
 

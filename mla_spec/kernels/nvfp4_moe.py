@@ -284,7 +284,8 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     gemv_warps: int | None = None, sorted_kernel: str = "mmab",
                     gemv_block_n2: int | None = None, gemv_warps2: int | None = None,
                     gemv_g: int | None = None, gemv_packed: bool | None = None,
-                    gemv_prefetch: bool | None = None,
+                    gemv_prefetch: bool | None = None, gemv_w2_loop: bool | None = None,
+                    gemv_g2: int | None = None,
                     mmab_config: NVFP4MmaConfig | None = None) -> torch.Tensor:
     """Routed experts with NVFP4 weights (see the module docstring for shapes).
 
@@ -297,7 +298,9 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     ``gemv_g``: int64 words per row per step; None: by token count, see
     ``nvfp4_moe_gemv.moe_gemv_tiles``; ``gemv_packed``: packed-fp16 dot products, None:
     ``MOE_GEMV_PACKED``; ``gemv_prefetch``: their double-buffered loop, None:
-    ``MOE_GEMV_PREFETCH``). ``sorted_kernel``: "mmab" (standard orientation,
+    ``MOE_GEMV_PREFETCH``; ``gemv_w2_loop``: the w2 launch that sums the top-k experts in one
+    program, ``nvfp4_moe_w2``, None: ``MOE_W2_LOOP``, with ``gemv_g2`` words per step).
+    ``sorted_kernel``: "mmab" (standard orientation,
     ``_moe_mma_kernel``, tiles from ``mmab_config``: default ``MOE_MMAB_CONFIG``; its
     ``block_m`` 0 = by the mean rows per active expert, ``split_k`` must be 1) or "mma" (the
     swap-AB ``_moe_gemm_kernel``, tiles from ``block_n`` / ``block_k``).
@@ -330,7 +333,7 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                         .float().contiguous(), w13, w2, _scale2_strides(w13.weight_scale_2, True),
                         _scale2_strides(w2.weight_scale_2, False), act_dtype, bn,
                         gemv_split, w, not interp and nvfp4_gemv.GEMV_FAST, bn2, w2_, g,
-                        gemv_packed, gemv_prefetch)
+                        gemv_packed, gemv_prefetch, gemv_w2_loop, gemv_g2)
     mean_rows = triton.cdiv(p, min(e, p))  # rows per active expert, at most
     mmab = sorted_kernel == "mmab"
     bm = (mcfg.block_m or mma_block_m(mean_rows)) if mmab else block_m_for(mean_rows)

@@ -34,10 +34,11 @@ from mla_spec.kernels.nvfp4_gemv import (
     split_k_for,
 )
 from mla_spec.kernels.nvfp4_gemv_packed import packed_prefetch_loop
+from mla_spec.kernels.nvfp4_moe_w2 import moe_w2_loop
 from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES", "MOE_GEMV_PACKED",
-           "MOE_GEMV_PREFETCH"]
+           "MOE_GEMV_PREFETCH", "MOE_W2_LOOP"]
 
 # Packed-fp16 dot products (nvfp4_gemv_packed) for bf16 activations: with the wide tiles below
 # they won at 1 and 4 tokens on the H200 (fp32 math with the same tiles: slower, its x loads
@@ -46,6 +47,9 @@ MOE_GEMV_PACKED = True
 # The packed K loop with register double buffering (dense gate/up GEMV at 1 token: 20.3 -> 15.2
 # µs). In the MoE, H200: 1 token 34.8 -> 34.8, 2 tokens 58.2 -> 56.7, 4 tokens 101.0 -> 99.0.
 MOE_GEMV_PREFETCH = True
+# The w2 launch as one program per (row block, token) walking its top-k experts
+# (``nvfp4_moe_w2``) instead of one per (row block, slot, token) summed through partials.
+MOE_W2_LOOP = False
 
 # tokens; above, the sorted (moe_align) path reads each expert once. H200, 256 experts top-8:
 # this path 58 / 208 / 1100 µs at M = 1 / 4 / 16 (1.86x / 2.0x / 1.27x the bf16 GEMMs); the
@@ -208,7 +212,8 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
              act_dtype: torch.dtype, block_n: int = 128, split13: int | None = None,
              num_warps: int = 1, fast: bool = True, block_n2: int | None = None,
              num_warps2: int | None = None, g: int = 2, packed: bool | None = None,
-             prefetch: bool | None = None) -> torch.Tensor:
+             prefetch: bool | None = None, w2_loop: bool | None = None,
+             g2: int | None = None) -> torch.Tensor:
     """Routed experts without sorting (see the module docstring). ``ids`` / ``tw`` flat
     ``[M * topk]`` int32 / fp32; ``s13`` / ``s2``: (scale_2, stride per expert, gate/up).
 
@@ -216,7 +221,9 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
     ``num_warps2`` of the w2 launch (default: the same); ``g``: 16-element blocks (int64 words)
     per row per loop step, both launches; ``packed``: the packed-fp16 math of
     ``nvfp4_gemv_packed`` where ``packed_ok`` (None: ``MOE_GEMV_PACKED``); ``prefetch``: its
-    double-buffered K loop (None: ``MOE_GEMV_PREFETCH``)."""
+    double-buffered K loop (None: ``MOE_GEMV_PREFETCH``); ``w2_loop``: the w2 launch of
+    ``nvfp4_moe_w2`` when the packed path can read the activations (None: ``MOE_W2_LOOP``),
+    with ``g2`` words per step (default ``g``)."""
     block_n2 = block_n if block_n2 is None else block_n2
     num_warps2 = num_warps if num_warps2 is None else num_warps2
     m, k = x.shape
@@ -249,6 +256,9 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
         GATED=True, BN=bn13, G=g, SPLIT_K=split13 > 1, EVEN=kb13 % g == 0, FAST=fast,
         PACKED=pk13, PREFETCH=pk13 and prefetch, num_warps=num_warps,
         **pdl_kwargs(x))
+    if (MOE_W2_LOOP if w2_loop is None else w2_loop) and pk2:
+        moe_w2_loop(act, ids, tw, w2, s2[0], s2[1], out, block_n2, num_warps2, g2 or g, fast)
+        return out
     _moe_gemv_kernel[(triton.cdiv(k, block_n2), topk, m)](
         a2, w2w, w2.weight_scale, s2[0], out, part2, cnt, ids, tw,
         k, kb2, e, topk, m, topk, a2.stride(0), w2w.stride(0), w2w.stride(1),

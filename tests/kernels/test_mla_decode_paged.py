@@ -214,7 +214,7 @@ def test_context_axis_overrides_the_class():
     assert all(parse_choice(v)[0] is PAGED_VARIANTS[v.split("/")[0]]
                for v in PAGED_CONTEXT_DEFAULTS.values())
     pick = lambda kv, ctx: paged_choice(128, kv, cuda, 64, 1, ctx)[0]  # noqa: E731
-    assert pick(FP8_DTYPE, 1000) is PAGED_VARIANTS["V2"]
+    assert pick(FP8_DTYPE, 1000) is PAGED_VARIANTS["G4"]
     assert pick(FP8_DTYPE, 4096) is PAGED_VARIANTS["G4"]
     assert pick(FP8_DTYPE, 32768) is pick(FP8_DTYPE, None) is \
         parse_choice(PAGED_DEFAULTS[("fp8", "r128", "b1")])[0]

@@ -143,6 +143,32 @@ def test_moe_gemv_matches_twin(m, topk, split, tiles, device):
                                atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("m,topk,inter,tiles", [
+    (1, 2, 32, dict(gemv_block_n2=16, gemv_warps2=1)),
+    (3, 3, 48, dict(gemv_g2=2, gemv_block_n2=32)),  # K/16 = 3 over steps of 2: masked tail
+    (2, 8, 32, dict(gemv_g2=4, gemv_block_n2=16, gemv_warps2=2)),  # one masked step per slot
+    (4, 1, 48, dict(gemv_g2=1, gemv_block_n2=8)),  # three steps, one slot
+])
+def test_moe_w2_loop_matches_twin(m, topk, inter, tiles, device):
+    """The w2 launch summing the top-k experts in one program (``nvfp4_moe_w2``): against the
+    twin and against the per-slot launch, with a skipped expert id and uneven K steps."""
+    e, k = 5, 40
+    w13, w2 = _experts(e, k + 8, inter, device)  # k + 8 = 48: w13's K
+    x = torch.randn(m, k + 8, device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, e, (m, topk), device=device)
+    ids[-1, -1] = -1  # another rank's expert: adds nothing
+    tw = torch.rand(m, topk, device=device) + 0.1
+    kw = dict(path="gemv", gemv_packed=True, gemv_prefetch=True, **tiles)
+    y = fused_moe_nvfp4(x, ids, tw, w13, w2, gemv_w2_loop=True, **kw)
+    ref = fused_moe_ref(x, ids, tw, w13, w2)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2,
+                               atol=2e-2 * ref.abs().max().item())
+    y_slots = fused_moe_nvfp4(x, ids, tw, w13, w2, gemv_w2_loop=False, **kw)
+    torch.testing.assert_close(y.float(), y_slots.float(), rtol=1e-2,
+                               atol=1e-2 * ref.abs().max().item())
+
+
 def test_moe_path_errors():
     w13, w2 = _experts(2, 32, 16, "cpu")
     with pytest.raises(ValueError, match="path must be"):
