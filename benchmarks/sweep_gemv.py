@@ -59,7 +59,8 @@ def split_for(n, k, m, bn, target):
     return split_k_for(triton.cdiv(n, bn) * triton.cdiv(m, 8), k // 64, 2, target)
 
 
-def configs(n, k, m, wide=True, narrow=True, packed_only=False, stages=(1,), prefetch=False):
+def configs(n, k, m, wide=True, narrow=True, packed_only=False, stages=(1,), prefetch=False,
+            one_step=False):
     out = []
     grids = ([(WIDE_GROUPS, WIDE_TILES)] if wide else []) + ([(GROUPS, TILES)] if narrow else [])
     maths = [(True, True), (True, False)] if prefetch else [(True, False)]
@@ -75,6 +76,24 @@ def configs(n, k, m, wide=True, narrow=True, packed_only=False, stages=(1,), pre
                             out.append(GemvConfig(bn, g, split, w, st, packed=packed,
                                                   prefetch=pf))
     return list(dict.fromkeys(out))
+
+
+ONE_STEP_TILES = [(16, 4), (8, 2), (16, 8), (8, 4), (32, 8), (4, 2), (4, 1)]
+
+
+def one_step_configs(n, k, m, **_):
+    """Packed GEMVs whose program reads its whole K slice in one step, all of its weights
+    before the PDL wait: the layouts of the read floor (``bench_nvfp4.py --floors``: 16 rows,
+    2 K splits, 4 warps read one expert's w13 in 2.39 µs)."""
+    kb = k // 16
+    out = []
+    for split in (1, 2, 4, 7, 8):
+        g = triton.next_power_of_2(triton.cdiv(kb, split))
+        if g > 256 or (split > 1 and triton.cdiv(kb, g) < split):
+            continue
+        for bn, w in ONE_STEP_TILES:
+            out.append(GemvConfig(bn, g, split, w, 1, packed=True, prefetch=True))
+    return out
 
 
 def sweep_shape(name, n, k, ms, deadline_s, grid):
@@ -93,7 +112,7 @@ def sweep_shape(name, n, k, ms, deadline_s, grid):
         cublas = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
         best = {False: (float("inf"), ""), True: (float("inf"), "")}
         errs = {False: 0.0, True: 0.0}
-        for cfg in configs(n, k, m, **grid):
+        for cfg in (one_step_configs if grid.get("one_step") else configs)(n, k, m, **grid):
             if time.time() > end:
                 break
             try:
@@ -190,6 +209,8 @@ def main() -> None:
     ap.add_argument("--packed-only", action="store_true", help="no fp32-math GEMV variants")
     ap.add_argument("--stages", default="1", help="num_stages values, e.g. 1,2")
     ap.add_argument("--prefetch", action="store_true", help="also the 'pf' packed loop")
+    ap.add_argument("--one-step", action="store_true",
+                    help="only packed GEMVs that read their whole K slice in one step")
     ap.add_argument("--moe-w2-loop", action="store_true",
                     help="--moe variants: the w2 launch summing the top-k in one program")
     args = ap.parse_args()
@@ -204,6 +225,7 @@ def main() -> None:
     for name in filter(None, args.shapes.split(",")):
         grid = dict(wide=not args.no_wide, narrow=not args.no_narrow,
                     packed_only=args.packed_only, prefetch=args.prefetch,
+                    one_step=args.one_step,
                     stages=tuple(int(v) for v in args.stages.split(",")))
         rows += sweep_shape(name, *bench.SHAPES[name], ms, args.deadline, grid)
     c = bench.col

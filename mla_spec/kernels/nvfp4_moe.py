@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
-from mla_spec.kernels import nvfp4_gemv
+from mla_spec.kernels import nvfp4_gemv, nvfp4_moe_gemv
 from mla_spec.kernels.nvfp4_configs import NVFP4MmaConfig
 from mla_spec.kernels.nvfp4_decode import _decode
 from mla_spec.kernels.nvfp4_gemm import (
@@ -327,13 +327,16 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     act_dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     if path == "gemv" or (path == "auto" and m <= MOE_GEMV_MAX_M):
         x2 = x if x.stride(-1) == 1 else x.contiguous()
-        bn, w, bn2, w2_, g = moe_gemv_tiles(m, gemv_block_n, gemv_warps, gemv_block_n2,
-                                            gemv_warps2, gemv_g)
+        packed = nvfp4_moe_gemv.MOE_GEMV_PACKED if gemv_packed is None else gemv_packed
+        loop = (nvfp4_moe_gemv.MOE_W2_LOOP if gemv_w2_loop is None else gemv_w2_loop) and \
+            packed and x.dtype == torch.bfloat16  # what moe_gemv can run it on
+        bn, w, bn2, w2_, g, g2 = moe_gemv_tiles(m, gemv_block_n, gemv_warps, gemv_block_n2,
+                                                gemv_warps2, gemv_g, loop, gemv_g2)
         return moe_gemv(x2, topk_ids.reshape(-1).to(torch.int32), topk_weights.reshape(-1)
                         .float().contiguous(), w13, w2, _scale2_strides(w13.weight_scale_2, True),
                         _scale2_strides(w2.weight_scale_2, False), act_dtype, bn,
                         gemv_split, w, not interp and nvfp4_gemv.GEMV_FAST, bn2, w2_, g,
-                        gemv_packed, gemv_prefetch, gemv_w2_loop, gemv_g2)
+                        gemv_packed, gemv_prefetch, loop, g2)
     mean_rows = triton.cdiv(p, min(e, p))  # rows per active expert, at most
     mmab = sorted_kernel == "mmab"
     bm = (mcfg.block_m or mma_block_m(mean_rows)) if mmab else block_m_for(mean_rows)

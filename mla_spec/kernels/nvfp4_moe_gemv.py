@@ -38,7 +38,7 @@ from mla_spec.kernels.nvfp4_moe_w2 import moe_w2_loop
 from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES", "MOE_GEMV_PACKED",
-           "MOE_GEMV_PREFETCH", "MOE_W2_LOOP"]
+           "MOE_GEMV_PREFETCH", "MOE_W2_LOOP", "MOE_W2_LOOP_TILE"]
 
 # Packed-fp16 dot products (nvfp4_gemv_packed) for bf16 activations: with the wide tiles below
 # they won at 1 and 4 tokens on the H200 (fp32 math with the same tiles: slower, its x loads
@@ -48,8 +48,14 @@ MOE_GEMV_PACKED = True
 # µs). In the MoE, H200: 1 token 34.8 -> 34.8, 2 tokens 58.2 -> 56.7, 4 tokens 101.0 -> 99.0.
 MOE_GEMV_PREFETCH = True
 # The w2 launch as one program per (row block, token) walking its top-k experts
-# (``nvfp4_moe_w2``) instead of one per (row block, slot, token) summed through partials.
-MOE_W2_LOOP = False
+# (``nvfp4_moe_w2``) instead of one per (row block, slot, token) summed through partials. H200,
+# seventh session (benchmarks/sweep_gemv.py --moe --moe-w2-loop), µs per MoE call in a graph:
+# 1 / 2 / 4 tokens 34.3 / 56.2 / 98.8 -> 32.3 / 44.5 / 77.2 with MOE_W2_LOOP_TILE; alone, the
+# per-slot w2 launch read its 16.5 MB at 1.03 TB/s at 1 token (the w13 launch: 2.0 TB/s).
+MOE_W2_LOOP = True
+#: (block_n2, num_warps2, g2) of the loop launch: the sweep's best at 1, 2 and 4 tokens (8 rows
+#: and one warp per program: 896 programs at 1 token; 4 rows within 3%, 16+ rows 1.2x slower)
+MOE_W2_LOOP_TILE = (8, 1, 32)
 
 # tokens; above, the sorted (moe_align) path reads each expert once. H200, 256 experts top-8:
 # this path 58 / 208 / 1100 µs at M = 1 / 4 / 16 (1.86x / 2.0x / 1.27x the bf16 GEMMs); the
@@ -74,18 +80,24 @@ MOE_GEMV_TILES: dict[int, tuple[int, int, int, int, int]] = {
 
 def moe_gemv_tiles(m: int, block_n: int | None = None, num_warps: int | None = None,
                    block_n2: int | None = None, num_warps2: int | None = None,
-                   g: int | None = None) -> tuple[int, int, int, int, int]:
-    """``(block_n, num_warps, block_n2, num_warps2, g)`` for ``m`` tokens: ``MOE_GEMV_TILES``
-    (the smallest bucket >= m) with the given values over it. A ``block_n`` / ``num_warps``
-    given without their w2 twins sets the w2 launch alike and ``g`` 2 (the single-tile
-    behaviour the sweeps compare against)."""
+                   g: int | None = None, w2_loop: bool = False,
+                   g2: int | None = None) -> tuple[int, int, int, int, int, int]:
+    """``(block_n, num_warps, block_n2, num_warps2, g, g2)`` for ``m`` tokens:
+    ``MOE_GEMV_TILES`` (the smallest bucket >= m) with the given values over it, and for the
+    w2 loop launch (``w2_loop``) ``MOE_W2_LOOP_TILE`` under the given w2 values. A ``block_n``
+    / ``num_warps`` given without their w2 twins sets the per-slot w2 launch alike and ``g`` 2
+    (the single-tile behaviour the sweeps compare against)."""
     t = next((MOE_GEMV_TILES[b] for b in sorted(MOE_GEMV_TILES) if m <= b),
              MOE_GEMV_TILES[max(MOE_GEMV_TILES)])
     if block_n is not None or num_warps is not None:
         bn, w = block_n or t[0], num_warps or t[1]
         t = (bn, w, bn, w, 2)
+    g = t[4] if g is None else g
+    if w2_loop:
+        t = (t[0], t[1], *MOE_W2_LOOP_TILE[:2])
+        g2 = MOE_W2_LOOP_TILE[2] if g2 is None else g2
     return (t[0], t[1], t[2] if block_n2 is None else block_n2,
-            t[3] if num_warps2 is None else num_warps2, t[4] if g is None else g)
+            t[3] if num_warps2 is None else num_warps2, g, g if g2 is None else g2)
 
 
 @triton.jit(do_not_specialize=["R"])  # token x top-k rows follow the batch

@@ -193,3 +193,18 @@ def test_gpu_gemv_graph_capture_and_fast_decoder():
     x.copy_(torch.randn_like(x))
     g.replay()
     torch.testing.assert_close(out.float(), nvfp4_gemm_ref(x, *a).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_moe_gemv_tiles_w2_loop():
+    """The w2 loop launch takes its own tile unless the caller gives w2 values."""
+    from mla_spec.kernels.nvfp4_moe_gemv import (
+        MOE_GEMV_TILES,
+        MOE_W2_LOOP_TILE,
+        moe_gemv_tiles,
+    )
+
+    base = MOE_GEMV_TILES[1]
+    assert moe_gemv_tiles(1) == (*base, base[4])
+    bn2, w2, g2 = MOE_W2_LOOP_TILE
+    assert moe_gemv_tiles(1, w2_loop=True) == (base[0], base[1], bn2, w2, base[4], g2)
+    assert moe_gemv_tiles(1, block_n2=4, g2=8, w2_loop=True)[2:] == (4, w2, base[4], 8)
