@@ -47,7 +47,7 @@ TOGGLES = (
     ("bf16_gemv", "mla_spec.kernels.bf16_gemv", "BF16_GEMV", False),
     ("pdl", "mla_spec.kernels.pdl", "PDL", False),
     ("l2pf", "mla_spec.kernels.pdl", "L2_PREFETCH", False),
-    ("moe_w2_loop", "mla_spec.kernels.nvfp4_moe_gemv", "MOE_W2_LOOP", True),
+    ("moe_w2_loop", "mla_spec.kernels.nvfp4_moe_gemv", "MOE_W2_LOOP", False),
 )
 
 
