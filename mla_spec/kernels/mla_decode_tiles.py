@@ -89,6 +89,7 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "V2bx": PagedConfig(64, 64, 8, 2, tma=True, part_bf16=True, vsplit=2, fused=True),
     # swap AB (mla_decode_swapab): KV tile = MMA M (64 per warpgroup), query rows = MMA N
     "S16": PagedConfig(16, 64, 4, 2, swap=True),
+    "S16b": PagedConfig(16, 64, 4, 2, part_bf16=True, swap=True),
     "S32": PagedConfig(32, 64, 8, 2, swap=True),
     "S32T": PagedConfig(32, 64, 8, 2, tma=True, swap=True),
     "S32b": PagedConfig(32, 64, 8, 2, part_bf16=True, swap=True),

@@ -120,7 +120,9 @@ PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
     (1024, 7168, 128): "mmab bm128 bn64 bk128 w4 st4 s8",  # 13.16 (cuBLAS 10.68); before 14.15
     (1024, 7168, 512): "mmab bm128 bn128 bk64 w4 st4 s8",  # 28.53 (cuBLAS 15.28); before 36.56
     (7168, 512, 1): "gemv bn4 s1 w1 st1 g32 h2 pf",  # 3.16 (cuBLAS 4.78); mmab 5.01
-    (7168, 512, 2): "gemv bn4 s1 w1 st1 g32 h2",  # 3.61 (cuBLAS 4.86); mmab 4.89
+    # seventh session (sweep_gemv --one-step): 2.80 vs 3.95 for the entry before (no pf), cuBLAS
+    # 4.79; the shared expert's w2 at 2 tokens
+    (7168, 512, 2): "gemv bn8 s1 w2 st1 g32 h2 pf",
     (7168, 512, 4): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.66 (cuBLAS 4.77); before 9.66
     (7168, 512, 8): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.52 (cuBLAS 4.78); before 10.84
     (7168, 512, 16): "mmab bm16 bn64 bk128 w4 st4 s1",  # 4.47 (cuBLAS 4.84); before 13.83

@@ -109,10 +109,13 @@ def test_combine_kernel_matches_twin(splits, device):
     lse = torch.randn(splits, 10, device=device) * 3
     lse[:, 4] = float("-inf")  # a row no split saw
     lse[splits // 2, 5] = float("-inf")
+    part[splits // 2, 5] = float("nan")  # an empty split's partial is never read
+    lse[: min(16, splits - 1), 7] = float("-inf")  # the first block empty, a later one not
     a, b = torch.empty(5, 2, 32, device=device), torch.empty(5, 2, 32, device=device)
     la, lb = torch.empty(5, 2, device=device), torch.empty(5, 2, device=device)
     combine_splits(part, lse, a, la)
     combine_splits_ref(part, lse, b, lb)
+    assert torch.isfinite(a).all()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(la, lb)
     assert a.view(10, 32)[4].abs().max() == 0
