@@ -6,11 +6,9 @@ its log2-sum-exp ``lse_s`` (``-inf`` when the split saw no visible KV). The exac
     out = sum_s w_s o_s / sum_s w_s,   w_s = 2 ** (lse_s - max_s lse_s),   lse = log2(sum) + max
 
 (zeros and ``-inf`` when every split was empty). Kernel grid ``(rows, Dv / BLOCK_D)``: one
-program loads the ``[S, BLOCK_D]`` slab of its row in blocks of 16 splits (no serial walk over
-single splits, whose dependent load latencies dominated small batches), each block's LSEs and
-partials together, and merges them online (a running max, its sums rescaled when it grows), so
-that up to 16 splits cost one memory round trip instead of an LSE pass and then a partial
-pass; partials may be fp32 or bf16.
+program loads the ``[S, BLOCK_D]`` slab of its row in one shot (no serial walk over the
+splits, whose dependent load latencies dominated small batches) and reduces it; partials may be
+fp32 or bf16.
 """
 
 from __future__ import annotations
@@ -39,21 +37,22 @@ def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, S_BLOCK)
     m = tl.max(tl.full([S_BLOCK], float("-inf"), dtype=tl.float32), 0)
+    for s0 in range(0, num_splits, S_BLOCK):
+        ls = tl.load(PLse + (s0 + offs_s) * stride_ls + r, mask=s0 + offs_s < num_splits,
+                     other=float("-inf"))
+        m = tl.maximum(m, tl.max(ls, 0))
+    m_use = tl.where(m == float("-inf"), 0.0, m)
     den = tl.sum(tl.zeros([S_BLOCK], dtype=tl.float32), 0)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, S_BLOCK):
         mask_s = s0 + offs_s < num_splits
         ls = tl.load(PLse + (s0 + offs_s) * stride_ls + r, mask=mask_s, other=float("-inf"))
+        w = tl.exp2(ls - m_use)  # [S_BLOCK], 0 for empty / absent splits
+        den += tl.sum(w, 0)
         part = tl.load(Part + (s0 + offs_s)[:, None] * stride_ps + r * DV + offs[None, :],
                        mask=mask_s[:, None], other=0.0).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(ls, 0))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_use)  # 0 while nothing was seen (m = -inf)
-        w = tl.exp2(ls - m_use)  # [S_BLOCK], 0 for empty / absent splits
         part = tl.where(w[:, None] > 0.0, part, 0.0)  # an empty split's partial is never read
-        acc = acc * alpha + tl.sum(part * w[:, None], 0)
-        den = den * alpha + tl.sum(w, 0)
-        m = m_new
+        acc += tl.sum(part * w[:, None], 0)
     has = den > 0.0
     res = tl.where(has, acc / tl.where(has, den, 1.0), 0.0)
     t = r // H
