@@ -2,10 +2,13 @@
 
 Tiny dims (Dv 32, Dpe 16, page 8, BLOCK_N 8, BLOCK_M 16); H = 3 is not a power of two. Pages are
 shuffled, lengths irregular (0-prefix, 1-row, partial last pages). The TMA variant (device-side
-tensor descriptors) runs in the interpreter too; fp8 runs the fp16-MMA path.
+tensor descriptors) runs in the interpreter too; fp8 runs the fp16-MMA path. On a GPU the same
+cases run with page 16 and BLOCK_N 16 (``_tiles``): an MMA's K must be >= 16 there.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -27,20 +30,32 @@ PAGE = 8
 DIMS = dict(kv_lora_rank=32, qk_rope_head_dim=16)
 
 
+def _page(device) -> int:
+    return 2 * PAGE if torch.device(device).type == "cuda" else PAGE
+
+
+def _tiles(cfg: PagedConfig, device) -> PagedConfig:
+    """The interpreter's tiles on CPU; on a GPU the smallest a compiled MMA takes (K >= 16)."""
+    return dataclasses.replace(cfg, block_n=16) if torch.device(device).type == "cuda" else cfg
+
+
 def _scene(mode, prefix, q, kvd, device, **kw):
-    return make_scene(mode, prefix, q, num_heads=3, kv_dtype=kvd, device=device, page_size=PAGE,
-                      k_scale=0.75, v_scale=0.5, q_dtype=torch.bfloat16, **DIMS, **kw)
+    return make_scene(mode, prefix, q, num_heads=3, kv_dtype=kvd, device=device,
+                      page_size=_page(device), k_scale=0.75, v_scale=0.5, q_dtype=torch.bfloat16,
+                      **DIMS, **kw)
 
 
 def _run(sc, cfg, splits, ragged=False, part_lse=True):
     b, pool = sc.batch, sc.pool
+    cfg = _tiles(cfg, sc.q_nope.device)
     flat = pool.get_kv(0).view(pool.num_slots, -1)
     ks, vs = pool.read_scales(0)
     r2t = sc.req_pool.req_to_token
     shape = (dict(qo_indptr=b.qo_indptr.to(torch.int32), max_q=b.max_seq_len_q) if ragged
              else dict(q_len=b.seq_lens_q_cpu[0]))
     o, lse = mla_decode_paged(sc.q_nope, sc.q_pe, flat, r2t, b.req_pool_indices, b.kv_lens, SM,
-                              page_size=PAGE, k_scale=ks, v_scale=vs, num_splits=splits,
+                              page_size=pool.page_size, k_scale=ks, v_scale=vs,
+                              num_splits=splits,
                               return_lse=True, config=cfg, max_kv=b.max_kv_len, **shape)
     ref, lse_ref = mla_attention_ref(sc.q_nope, sc.q_pe, flat, r2t, b.req_pool_indices.tolist(),
                                      b.seq_lens_q_cpu, b.kv_lens_cpu, SM, ks, vs,
@@ -162,15 +177,15 @@ def test_fused_combine_resets_its_counters(device):
     b, pool = sc.batch, sc.pool
     flat = pool.get_kv(0).view(pool.num_slots, -1)
     cnt = torch.zeros(16, dtype=torch.int32, device=device)
-    cfg = PagedConfig(16, 8, 4, 1, vsplit=2, fused=True)
+    cfg = _tiles(PagedConfig(16, 8, 4, 1, vsplit=2, fused=True), device)
     outs = [mla_decode_paged(sc.q_nope, sc.q_pe, flat, sc.req_pool.req_to_token,
-                             b.req_pool_indices, b.kv_lens, SM, page_size=PAGE, q_len=1,
+                             b.req_pool_indices, b.kv_lens, SM, page_size=pool.page_size, q_len=1,
                              num_splits=3, config=cfg, counters=cnt) for _ in range(2)]
     assert int(cnt.abs().sum()) == 0
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
     with pytest.raises(ValueError, match="counters"):
         mla_decode_paged(sc.q_nope, sc.q_pe, flat, sc.req_pool.req_to_token,
-                         b.req_pool_indices, b.kv_lens, SM, page_size=PAGE, q_len=1,
+                         b.req_pool_indices, b.kv_lens, SM, page_size=pool.page_size, q_len=1,
                          num_splits=3, config=cfg, counters=cnt[:2])
 
 
