@@ -11,7 +11,8 @@ against the bf16 GEMMs of the active experts only (x rows pre-gathered, no routi
 strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into ``$OUT`` when set.
 ``--pinned``: no tuning; the automatic configs at M 1-16 and the MoE at 1-4 tokens as the model
 runs them (PDL on) and with PDL off (``pdl_on_off``), beside cuBLAS (``bench_nvfp4_pinned.*``).
-``--floors``: per shape at 1 token, the launch floor (an empty PDL kernel) and the read floor
+``--moe-pdl``: the fused MoE at 1-4 tokens with PDL on, on but not for the w2 loop launch, and
+off. ``--floors``: per shape at 1 token, the launch floor (an empty PDL kernel) and the read floor
 (``kernels.read_floor.read_checksum``: the weight's bytes read once, best of a few layouts)
 beside ours and cuBLAS: the best ratio to cuBLAS any kernel of this launch path could reach
 (``bench_nvfp4_floors.*``).
@@ -392,6 +393,32 @@ def moe_launches(ms=(1, 2, 4), iters=20):
     return rows
 
 
+def moe_pdl_ab(ms=(1, 2, 4)):
+    """The fused MoE per call in a graph chain with PDL on, with PDL on but the w2 loop launch
+    without it (``nvfp4_moe_w2.W2_LOOP_PDL``), and with PDL off."""
+    from mla_spec.kernels import nvfp4_moe_w2, pdl
+
+    e, k, inter, topk = 256, 7168, 512, 8
+    w13, w2, _, _ = moe_weights(e, k, inter)
+    rows = []
+    keep = pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL
+    try:
+        for m in ms:
+            xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
+            calls = [lambda x=x, t=t, w=w: fused_moe_nvfp4(x, t, w, w13, w2)
+                     for x, t, w in zip(xs, ids, tws)]
+            row = dict(m=m)
+            for name, on, w2_on in (("pdl_us", True, True), ("w2_nopdl_us", True, False),
+                                    ("nopdl_us", False, True)):
+                pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL = on, w2_on
+                row[name] = round(graph_us(calls), 2)
+            rows.append(row)
+            print(row, flush=True)
+    finally:
+        pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL = keep
+    return rows
+
+
 def floors_markdown(rows) -> str:
     return md_table([("shape", col("shape")), NK, ("empty kernel µs (PDL / no)",
                      lambda r: f"{r['empty_pdl_us']} / {r['empty_us']}"),
@@ -446,6 +473,14 @@ def main() -> None:
         sys.exit("bench_nvfp4 needs a CUDA GPU")
     quick = "--quick" in sys.argv
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
+    if "--moe-pdl" in sys.argv:
+        rows = moe_pdl_ab()
+        md = md_table([("MoE tokens", col("m")), ("PDL µs", col("pdl_us")),
+                       ("PDL, w2 loop without µs", col("w2_nopdl_us")),
+                       ("no PDL µs", col("nopdl_us"))], rows)
+        print(md)
+        save_results("bench_nvfp4_moe_pdl", md, rows=rows)
+        return
     if "--floors" in sys.argv:
         launches = moe_launches()
         rows, kv = bench_floors(), kv_floors()

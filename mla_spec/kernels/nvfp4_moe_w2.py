@@ -27,7 +27,11 @@ import triton.language as tl
 from mla_spec.kernels.nvfp4_gemv_packed import PACKED_UNIT, dot16_packed, load_xw, x_pairs
 from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
-__all__ = ["moe_w2_loop"]
+__all__ = ["W2_LOOP_PDL", "moe_w2_loop"]
+
+#: launch with PDL (read at every launch; ``benchmarks/bench_nvfp4.py --moe-pdl`` times the MoE
+#: with it on and off)
+W2_LOOP_PDL = True
 
 
 @triton.jit
@@ -102,4 +106,5 @@ def moe_w2_loop(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w2, s2: 
         a64, w64, w2.weight_scale, s2, out, ids, tw,
         k, w64.shape[-1], e, ids.numel() // max(m, 1), a64.stride(0), w64.stride(0),
         w64.stride(1), w2.weight_scale.stride(0), w2.weight_scale.stride(1), s2_stride,
-        out.stride(0), BN=block_n, G=g, FAST=fast, num_warps=num_warps, **pdl_kwargs(act))
+        out.stride(0), BN=block_n, G=g, FAST=fast, num_warps=num_warps,
+        **pdl_kwargs(act, W2_LOOP_PDL))

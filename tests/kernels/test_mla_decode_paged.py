@@ -3,7 +3,7 @@
 Tiny dims (Dv 32, Dpe 16, page 8, BLOCK_N 8, BLOCK_M 16); H = 3 is not a power of two. Pages are
 shuffled, lengths irregular (0-prefix, 1-row, partial last pages). The TMA variant (device-side
 tensor descriptors) runs in the interpreter too; fp8 runs the fp16-MMA path. On a GPU the same
-cases run with page 16 and BLOCK_N 16 (``_tiles``): an MMA's K must be >= 16 there.
+cases run with page 16, BLOCK_N 16 (``_tiles``) and Dv 64: an MMA's K must be >= 16 there.
 """
 
 from __future__ import annotations
@@ -36,13 +36,17 @@ def _page(device) -> int:
 
 def _tiles(cfg: PagedConfig, device) -> PagedConfig:
     """The interpreter's tiles on CPU; on a GPU the smallest a compiled MMA takes (K >= 16)."""
-    return dataclasses.replace(cfg, block_n=16) if torch.device(device).type == "cuda" else cfg
+    if torch.device(device).type != "cuda":
+        return cfg
+    return dataclasses.replace(cfg, block_n=max(cfg.block_n, 16))
 
 
 def _scene(mode, prefix, q, kvd, device, **kw):
+    # on a GPU Dv 64: a V-split of 4 siblings multiplies Dv / 4 = 16 columns (an MMA's K >= 16)
+    dims = dict(DIMS, kv_lora_rank=64) if torch.device(device).type == "cuda" else DIMS
     return make_scene(mode, prefix, q, num_heads=3, kv_dtype=kvd, device=device,
                       page_size=_page(device), k_scale=0.75, v_scale=0.5, q_dtype=torch.bfloat16,
-                      **DIMS, **kw)
+                      **dims, **kw)
 
 
 def _run(sc, cfg, splits, ragged=False, part_lse=True):
@@ -110,7 +114,7 @@ def test_supported_and_validation(device):
     assert paged_supported(torch.device("cpu"), 512, 64, 64, torch.float32) is not None
     sc = _scene(ForwardMode.DECODE, [4, 9], [1, 1], torch.bfloat16, device)
     with pytest.raises(ValueError, match="multiple of BLOCK_N"):
-        _run(sc, PagedConfig(16, 16, 4, 1), 1)
+        _run(sc, PagedConfig(16, 2 * _page(device), 4, 1), 1)
 
 
 def test_split_cost_model():
