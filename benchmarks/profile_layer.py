@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
                         _set(mod, attr, old)
                         continue
                     try:
-                        us, _ = timer(fn, f"{mode_name} {part} no {label}")
+                        us, _ = timer(fn, f"{mode_name} {part} {label} {value}")
                         _, k_us = _kernel_table(fn, 1)
                     finally:
                         _set(mod, attr, old)
