@@ -16,8 +16,9 @@ from mla_spec.quant.nvfp4 import (
     unpack_fp4,
 )
 
-__all__ = ["encode_block", "block_bits_figure", "format_errors", "format_error_figure",
-           "gemm_speed_figure", "weight_distribution", "RECORDED_H200", "RECORDED_H200_MOE"]
+__all__ = ["encode_block", "block_bits_figure", "floors_figure", "format_errors",
+           "format_error_figure", "gemm_speed_figure", "weight_distribution", "RECORDED_H200",
+           "RECORDED_H200_FLOORS", "RECORDED_H200_MOE"]
 
 
 def encode_block(block: torch.Tensor, weight_scale_2: torch.Tensor | None = None) -> list[dict]:
@@ -102,6 +103,33 @@ def gemm_speed_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
+def floors_figure(rows: list[dict]) -> go.Figure:
+    """Per shape at 1 token: the read floor (one pass over the weight's bytes, nothing else),
+    ours and cuBLAS bf16 / 3 (issue 5's goal), in µs per call (rows: ``RECORDED_H200_FLOORS``
+    or ``bench_nvfp4.py --floors``)."""
+    shapes = [r["shape"] for r in rows]
+    fig = go.Figure()
+    for key, name, color in (("read_us", "read floor", "#bbb"), ("ours_us", "NVFP4 (ours)", "#36c"),
+                             ("target_us", "3x goal (cuBLAS bf16 / 3)", "#e63")):
+        fig.add_bar(x=shapes, y=[r[key] for r in rows], name=name, marker_color=color)
+    fig.update_layout(barmode="group", height=340, yaxis_title="µs per call (graph chain)",
+                      title="where 3x stops paying: a goal bar below the floor bar is out of reach")
+    return fig
+
+
+# `python3 benchmarks/bench_nvfp4.py --floors` on an H200 (2026-11-30, seventh session; torch
+# 2.11, triton 3.6): per call in a replayed CUDA graph with PDL, weights rotated past the L2, at
+# 1 token. read_us: the fastest of 36 layouts of ``kernels.read_floor.read_checksum`` (the
+# weight's NVFP4 bytes and block scales read once, XOR per row); ours_us: ``nvfp4_gemm``'s pinned
+# config; bf16_us: cuBLAS in the same run; target_us = bf16_us / 3.
+RECORDED_H200_FLOORS = [
+    dict(shape="dense_gate_up_tp4", read_us=11.25, ours_us=14.71, bf16_us=43.75, target_us=14.58),
+    dict(shape="dense_down_tp4", read_us=6.44, ours_us=10.09, bf16_us=23.54, target_us=7.85),
+    dict(shape="expert_w13_tp4", read_us=2.39, ours_us=4.87, bf16_us=9.37, target_us=3.12),
+    dict(shape="expert_w2_tp4", read_us=2.05, ours_us=2.95, bf16_us=4.79, target_us=1.60),
+]
+
+
 # M = 1 rows: `benchmarks/sweep_gemv.py` on an H200 (2026-11-29, fourth session): the packed,
 # wide, double-buffered GEMV now pinned; default_us = the mmab pin it replaced, same day.
 # Other rows: `benchmarks/sweep_nvfp4.py --mma-only` on an H200 (2026-11-29, second session;
@@ -149,14 +177,15 @@ RECORDED_H200 = [
 # third session, benchmarks/sweep_moe_gemv.py, per-M tiles; default_us = the second session's
 # single tile), above: the sorted path with the "mmab" grouped kernel (second session).
 RECORDED_H200_MOE = [
-    # 1-4 tokens: fourth session (`sweep_gemv.py --moe`): packed math, wide tiles, double
-    # buffering; default_us = the third session's fp32-math tiles
-    dict(shape='moe_256e_top8_tp4', m=1, ours_us=34.76, default_us=40.82, bf16_gemms_us=109.85,
-         speedup_vs_bf16=3.16, active_experts=8.0, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=2, ours_us=56.7, default_us=69.55, bf16_gemms_us=212.39,
-         speedup_vs_bf16=3.75, active_experts=15.2, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=4, ours_us=98.98, default_us=124.05, bf16_gemms_us=431.03,
-         speedup_vs_bf16=4.35, active_experts=30.9, path='gemv'),
+    # 1-4 tokens: seventh session (`sweep_gemv.py --moe --moe-w2-loop`): the w2 launch summing
+    # each token's top-k experts in one program; default_us = the per-slot w2 launch (fourth
+    # session's packed, wide, double-buffered tiles), same run
+    dict(shape='moe_256e_top8_tp4', m=1, ours_us=32.32, default_us=34.25, bf16_gemms_us=108.91,
+         speedup_vs_bf16=3.37, active_experts=8.0, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=2, ours_us=44.45, default_us=56.17, bf16_gemms_us=218.7,
+         speedup_vs_bf16=4.92, active_experts=15.9, path='gemv'),
+    dict(shape='moe_256e_top8_tp4', m=4, ours_us=77.17, default_us=98.8, bf16_gemms_us=419.62,
+         speedup_vs_bf16=5.44, active_experts=30.5, path='gemv'),
     dict(shape='moe_256e_top8_tp4', m=16, ours_us=416.85, bf16_gemms_us=1369.79,
          speedup_vs_bf16=3.29, active_experts=100.5, path='sorted'),
     dict(shape='moe_256e_top8_tp4', m=32, ours_us=604.8, bf16_gemms_us=2234.1,
