@@ -10,7 +10,7 @@ with the same launch path as the GEMV (a Triton kernel in a CUDA graph, PDL on o
 - :func:`read_checksum`: reads a weight's bytes and block scales exactly once, the weights
   before the PDL wait as the GEMV does (``pdl`` rule 3), and writes one word per row and split:
   the XOR of the row's int32 words. A GEMV of the same bytes cannot be faster than the fastest
-  layout of this kernel (``benchmarks/bench_nvfp4.py --floors`` sweeps a few).
+  layout of this kernel (``benchmarks/bench_floors.py`` sweeps a few).
 
 Both have torch twins (:func:`read_checksum_ref`) so the probe itself is tested on CPU.
 """
