@@ -68,6 +68,43 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 @triton.jit
+def _slot_rows(slot, sorted_ptr, P, TOPK, BM: tl.constexpr, GATED: tl.constexpr):
+    """A slot's ``BM`` rows: their offsets, pair ids (``P`` = padding), the mask of real pairs,
+    and the activation row each reads (w13: the pair's token, a valid row for padding; w2: the
+    slot row of ``act``)."""
+    offs_r = slot * BM + tl.arange(0, BM)
+    pair = tl.load(sorted_ptr + offs_r)
+    r_ok = pair < P
+    if GATED:
+        a_rows = (tl.minimum(pair, P - 1) // TOPK).to(tl.int64)
+    else:
+        a_rows = offs_r.to(tl.int64)
+    return offs_r, pair, r_ok, a_rows
+
+
+@triton.jit
+def _slot_epilogue(acc, acc_up, ws2_ptr, e64, stride_s2e, stride_s2h, topk_w_ptr, pair, r_ok,
+                   offs_r, GATED: tl.constexpr, ROWS_AXIS: tl.constexpr):
+    """Apply ``weight_scale_2`` (and the packed decoders' 256 unit); w13: ``SiLU(gate) * up``
+    into the slot's rows, w2: the routing weight into the pairs' rows. ``ROWS_AXIS``: the axis
+    of ``acc`` that holds the rows (1 for the swap-AB kernel's ``[BN, BM]``). Returns the
+    result and the output row of each slot row."""
+    acc = acc * (tl.load(ws2_ptr + e64 * stride_s2e) * 256.0)
+    if GATED:
+        acc_up = acc_up * (tl.load(ws2_ptr + e64 * stride_s2e + stride_s2h) * 256.0)
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        rows = offs_r.to(tl.int64)
+    else:
+        tw = tl.load(topk_w_ptr + pair, mask=r_ok, other=0.0)
+        if ROWS_AXIS == 1:
+            acc = acc * tw[None, :]
+        else:
+            acc = acc * tw[:, None]
+        rows = pair.to(tl.int64)
+    return acc, rows
+
+
+@triton.jit
 def _moe_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, sorted_ptr, slot_expert_ptr, topk_w_ptr,
     N, K, P, TOPK,
@@ -83,13 +120,7 @@ def _moe_gemm_kernel(
         return
     pid_n = tl.program_id(0)
     G: tl.constexpr = BK // 16
-    offs_r = slot * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + offs_r)
-    r_ok = pair < P
-    if GATED:
-        a_rows = (pair // TOPK).to(tl.int64)
-    else:
-        a_rows = offs_r.to(tl.int64)
+    offs_r, pair, r_ok, a_rows = _slot_rows(slot, sorted_ptr, P, TOPK, BM, GATED)
     offs_n = pid_n * BN + tl.arange(0, BN)
     n_ok = offs_n < N
     offs_g = tl.arange(0, G)
@@ -128,14 +159,8 @@ def _moe_gemm_kernel(
             lo, hi = _decode(wb, s8[:, :, None], DOT_F32, FAST)
             acc_up = tl.dot(tl.reshape(lo, (BN, BK // 2)), xe, acc_up)
             acc_up = tl.dot(tl.reshape(hi, (BN, BK // 2)), xo, acc_up)
-    acc = acc * (tl.load(ws2_ptr + e64 * stride_s2e) * 256.0)
-    if GATED:
-        acc_up = acc_up * (tl.load(ws2_ptr + e64 * stride_s2e + stride_s2h) * 256.0)
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        rows = offs_r.to(tl.int64)
-    else:
-        acc = acc * tl.load(topk_w_ptr + pair, mask=r_ok, other=0.0)[None, :]
-        rows = pair.to(tl.int64)
+    acc, rows = _slot_epilogue(acc, acc_up, ws2_ptr, e64, stride_s2e, stride_s2h, topk_w_ptr,
+                               pair, r_ok, offs_r, GATED, 1)
     out = out_ptr + rows[None, :] * stride_om + offs_n[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & r_ok[None, :])
 
@@ -174,13 +199,7 @@ def _moe_mma_kernel(
         return
     pid_n = tl.program_id(1)
     G: tl.constexpr = BK // 16
-    offs_r = slot * BM + tl.arange(0, BM)
-    pair = tl.load(sorted_ptr + offs_r)
-    r_ok = pair < P
-    if GATED:
-        a_rows = (tl.minimum(pair, P - 1) // TOPK).to(tl.int64)  # padding: a valid row
-    else:
-        a_rows = offs_r.to(tl.int64)
+    offs_r, pair, r_ok, a_rows = _slot_rows(slot, sorted_ptr, P, TOPK, BM, GATED)
     offs_n = pid_n * BN + tl.arange(0, BN)
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BK)
@@ -203,14 +222,8 @@ def _moe_mma_kernel(
             w = _moe_w_tile(w_row + N * stride_wn, s_row + N * stride_sn, it, K, BN, BK, EVEN_K,
                             DOT_F32, FAST)
             acc_up = tl.dot(xt, tl.trans(w), acc_up)
-    acc = acc * (tl.load(ws2_ptr + e64 * stride_s2e) * 256.0)
-    if GATED:
-        acc_up = acc_up * (tl.load(ws2_ptr + e64 * stride_s2e + stride_s2h) * 256.0)
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        rows = offs_r.to(tl.int64)
-    else:
-        acc = acc * tl.load(topk_w_ptr + pair, mask=r_ok, other=0.0)[:, None]
-        rows = pair.to(tl.int64)
+    acc, rows = _slot_epilogue(acc, acc_up, ws2_ptr, e64, stride_s2e, stride_s2h, topk_w_ptr,
+                               pair, r_ok, offs_r, GATED, 0)
     out = out_ptr + rows[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & (offs_n < N)[None, :])
 
