@@ -59,8 +59,7 @@ def split_for(n, k, m, bn, target):
     return split_k_for(triton.cdiv(n, bn) * triton.cdiv(m, 8), k // 64, 2, target)
 
 
-def configs(n, k, m, wide=True, narrow=True, packed_only=False, stages=(1,), prefetch=False,
-            one_step=False):
+def configs(n, k, m, wide=True, narrow=True, packed_only=False, stages=(1,), prefetch=False):
     out = []
     grids = ([(WIDE_GROUPS, WIDE_TILES)] if wide else []) + ([(GROUPS, TILES)] if narrow else [])
     maths = [(True, True), (True, False)] if prefetch else [(True, False)]
@@ -81,7 +80,7 @@ def configs(n, k, m, wide=True, narrow=True, packed_only=False, stages=(1,), pre
 ONE_STEP_TILES = [(16, 4), (8, 2), (16, 8), (8, 4), (32, 8), (4, 2), (4, 1)]
 
 
-def one_step_configs(n, k, m, **_):
+def one_step_configs(n, k):
     """Packed GEMVs whose program reads its whole K slice in one step, all of its weights
     before the PDL wait: the layouts of the read floor (``bench_nvfp4.py --floors``: 16 rows,
     2 K splits, 4 warps read one expert's w13 in 2.39 µs)."""
@@ -96,7 +95,9 @@ def one_step_configs(n, k, m, **_):
     return out
 
 
-def sweep_shape(name, n, k, ms, deadline_s, grid):
+def sweep_shape(name, n, k, ms, deadline_s, grid, one_step=False):
+    """Per M: pinned, cuBLAS and the GEMV variants of ``configs`` (``grid``: its options), or
+    with ``one_step`` those of ``one_step_configs``."""
     q = quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.02)
     args_q = (q.weight, q.weight_scale, q.weight_scale_2)
     nq = max(2, int(bench.ROTATE // (n * k * 0.5625)) + 1)
@@ -112,7 +113,7 @@ def sweep_shape(name, n, k, ms, deadline_s, grid):
         cublas = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
         best = {False: (float("inf"), ""), True: (float("inf"), "")}
         errs = {False: 0.0, True: 0.0}
-        for cfg in (one_step_configs if grid.get("one_step") else configs)(n, k, m, **grid):
+        for cfg in one_step_configs(n, k) if one_step else configs(n, k, m, **grid):
             if time.time() > end:
                 break
             try:
@@ -225,9 +226,8 @@ def main() -> None:
     for name in filter(None, args.shapes.split(",")):
         grid = dict(wide=not args.no_wide, narrow=not args.no_narrow,
                     packed_only=args.packed_only, prefetch=args.prefetch,
-                    one_step=args.one_step,
                     stages=tuple(int(v) for v in args.stages.split(",")))
-        rows += sweep_shape(name, *bench.SHAPES[name], ms, args.deadline, grid)
+        rows += sweep_shape(name, *bench.SHAPES[name], ms, args.deadline, grid, args.one_step)
     c = bench.col
     print("\n" + bench.md_table([
         ("shape", c("shape")), ("M", c("m")), ("pinned µs", c("pinned_us")),
