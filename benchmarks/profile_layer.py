@@ -133,8 +133,7 @@ def main(argv=None) -> dict:
                     continue
                 for label, mod, attr, value in TOGGLES:
                     old = _set(mod, attr, value)
-                    if old is None or old == value:
-                        _set(mod, attr, old)
+                    if old is None or old == value:  # absent, or already the timed value
                         continue
                     try:
                         us, _ = timer(fn, f"{mode_name} {part} {label} {value}")
