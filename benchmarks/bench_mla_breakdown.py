@@ -1,0 +1,127 @@
+"""Where batch-1 attention time goes: the split kernel alone, the combine alone, the whole call.
+
+    python benchmarks/bench_mla_breakdown.py [--shapes bf16:32x1:4096,...]
+
+Issue 4's batch-1 goals (< 10 µs at ctx 4k, >= 2.5 TB/s at 32k, in a CUDA graph) sit far above
+the chip's read floor (``bench_floors.py``: 2.3 / 11.3 µs), so the question is which part of
+the call costs the rest. Per shape, at the default variant and split count (``paged_choice``),
+each timed per call inside a replayed CUDA graph that rotates KV copies past the L2:
+
+- ``full``: ``mla_decode_paged`` as the backend calls it;
+- ``split``: the same with the combine launch left out (its output is then garbage);
+- ``combine``: ``combine_splits`` alone on partials of the same shape;
+- ``empty2``: two empty PDL launches (what any split + combine pair pays to launch);
+- ``fi``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` in the same run.
+
+Prints a table last. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_mla import DPE, DV, PAGE, SM_SCALE, build, fi_wrapper, graph_time  # noqa: E402
+
+from mla_spec.kernels import mla_decode_paged as paged_mod  # noqa: E402
+from mla_spec.kernels import mla_decode_swapab, mla_decode_vsplit  # noqa: E402
+from mla_spec.kernels.mla_decode_combine import combine_splits  # noqa: E402
+from mla_spec.kernels.mla_decode_tiles import paged_choice, splits_for  # noqa: E402
+from mla_spec.kernels.read_floor import empty_launch  # noqa: E402
+from mla_spec.quant.fp8 import FP8_DTYPE  # noqa: E402
+
+DEFAULT_SHAPES = ("bf16:32x1:1024,bf16:32x1:4096,bf16:32x1:32768,bf16:32x4:4096,"
+                  "fp8:32x1:4096,fp8:32x1:32768")
+
+
+def parse_shapes(text: str):
+    """``kv:HxQ:ctx,...`` -> [(kv dtype, H, q, ctx)]."""
+    out = []
+    for item in text.split(","):
+        kv, hq, ctx = item.split(":")
+        h, q = hq.split("x")
+        out.append((FP8_DTYPE if kv == "fp8" else torch.bfloat16, int(h), int(q), int(ctx)))
+    return out
+
+
+def row(kvd, h, q, ctx, dev):
+    fp8 = kvd == FP8_DTYPE
+    kv_bytes = ctx * (DV + DPE) * (1 if fp8 else 2)
+    reps = max(2, min(64, -(-250_000_000 // kv_bytes)))
+    pool, r2t, rpis, kv_lens, qn, qp, perm = build(h, q, 1, ctx, kvd, dev, reps)
+    flat = pool.kv_buffer[0].view(-1, DV + DPE)
+    rows = h * q
+    cfg, pin = paged_choice(rows, kvd, dev, PAGE, 1, ctx)
+    mb = -(-rows // cfg.block_m)
+    sp = pin or splits_for(cfg, 1, mb, ctx, rows, (DV + DPE) * (1 if fp8 else 2), 132, DV)
+    out = torch.empty_like(qn)
+
+    def call(rpi):
+        return lambda: paged_mod.mla_decode_paged(qn, qp, flat, r2t, rpi, kv_lens, SM_SCALE,
+                                                  page_size=PAGE, q_len=q, num_splits=sp,
+                                                  config=cfg, max_kv=ctx, out=out, num_sms=132)
+
+    fns = [call(r) for r in rpis]
+    res = {"shape": f"{'fp8' if fp8 else 'bf16'} {h}x{q} {ctx}", "variant": f"{cfg.tag}/sp{sp}",
+           "MB": kv_bytes / 1e6}
+    res["full"] = graph_time(fns)
+    noop = lambda *a, **k: None  # noqa: E731
+    with mock.patch.object(paged_mod, "combine_splits", noop), \
+            mock.patch.object(mla_decode_swapab, "combine_splits", noop), \
+            mock.patch.object(mla_decode_vsplit, "combine_splits", noop):
+        res["split"] = graph_time(fns)
+    if sp > 1:
+        pdt = torch.bfloat16 if cfg.part_bf16 else torch.float32
+        parts = [(torch.randn(sp, q * h, DV, device=dev).to(pdt),
+                  torch.randn(sp, q * h, device=dev)) for _ in range(4)]
+        res["combine"] = graph_time([lambda p=p: combine_splits(p[0], p[1], out) for p in parts])
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    res["empty2"] = graph_time([lambda: (empty_launch(flag), empty_launch(flag))])
+    try:
+        ws = [fi_wrapper(pool, perm[r:r + 1], 1, q, h, ctx, dev, kvd, True)
+              for r in range(min(reps, 16))]
+        res["fi"] = graph_time([(lambda r=r: r(qn, qp)) for _, r in ws])
+    except Exception as e:  # noqa: BLE001
+        print(f"   flashinfer FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
+    res["TBps"] = kv_bytes / res["full"] / 1e6
+    print(res, flush=True)
+    del pool
+    torch.cuda.empty_cache()
+    return res
+
+
+def table(rows) -> str:
+    cols = ("shape", "variant", "MB", "full", "split", "combine", "empty2", "fi", "TBps")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
+                 for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_mla_breakdown: needs a CUDA GPU")
+        return
+    dev = torch.device("cuda")
+    rows = [row(*s, dev) for s in parse_shapes(args.shapes)]
+    print("\nµs per call in a replayed CUDA graph (batch 1); TBps = KV bytes / full")
+    print(table(rows))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "mla_breakdown.md"), "w") as f:
+            f.write(table(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
