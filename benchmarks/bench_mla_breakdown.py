@@ -1,6 +1,7 @@
 """Where batch-1 attention time goes: the split kernel alone, the combine alone, the whole call.
 
-    python benchmarks/bench_mla_breakdown.py [--shapes bf16:32x1:4096,...]
+    python benchmarks/bench_mla_breakdown.py [--shapes bf16:32x1:4096,...] [--variants K,K8]
+        [--splits 16,32,64]
 
 Issue 4's batch-1 goals (< 10 µs at ctx 4k, >= 2.5 TB/s at 32k, in a CUDA graph) sit far above
 the chip's read floor (``bench_floors.py``: 2.3 / 11.3 µs), so the question is which part of
@@ -13,6 +14,8 @@ each timed per call inside a replayed CUDA graph that rotates KV copies past the
 - ``empty2``: two empty PDL launches (what any split + combine pair pays to launch);
 - ``fi``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` in the same run.
 
+``--variants`` adds rows for other ``PAGED_VARIANTS`` (e.g. the CUDA kernel's ``K*``) at each
+of ``--splits``: full and split-only times, each checked against ``mla_decode_ref`` first.
 Prints a table last. GPU only.
 """
 
@@ -30,10 +33,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_mla import DPE, DV, PAGE, SM_SCALE, build, fi_wrapper, graph_time  # noqa: E402
 
+from mla_spec.kernels import mla_decode_cuda, mla_decode_swapab, mla_decode_vsplit  # noqa: E402
 from mla_spec.kernels import mla_decode_paged as paged_mod  # noqa: E402
-from mla_spec.kernels import mla_decode_swapab, mla_decode_vsplit  # noqa: E402
+from mla_spec.kernels.mla_decode import mla_decode_ref  # noqa: E402
 from mla_spec.kernels.mla_decode_combine import combine_splits  # noqa: E402
-from mla_spec.kernels.mla_decode_tiles import paged_choice, splits_for  # noqa: E402
+from mla_spec.kernels.mla_decode_tiles import (  # noqa: E402
+    PAGED_VARIANTS,
+    paged_choice,
+    splits_for,
+)
 from mla_spec.kernels.read_floor import empty_launch  # noqa: E402
 from mla_spec.quant.fp8 import FP8_DTYPE  # noqa: E402
 
@@ -51,7 +59,7 @@ def parse_shapes(text: str):
     return out
 
 
-def row(kvd, h, q, ctx, dev):
+def row(kvd, h, q, ctx, dev, variants=(), splits=()):
     fp8 = kvd == FP8_DTYPE
     kv_bytes = ctx * (DV + DPE) * (1 if fp8 else 2)
     reps = max(2, min(64, -(-250_000_000 // kv_bytes)))
@@ -63,20 +71,14 @@ def row(kvd, h, q, ctx, dev):
     sp = pin or splits_for(cfg, 1, mb, ctx, rows, (DV + DPE) * (1 if fp8 else 2), 132, DV)
     out = torch.empty_like(qn)
 
-    def call(rpi):
+    def call(rpi, cfg=cfg, sp=sp):
         return lambda: paged_mod.mla_decode_paged(qn, qp, flat, r2t, rpi, kv_lens, SM_SCALE,
                                                   page_size=PAGE, q_len=q, num_splits=sp,
                                                   config=cfg, max_kv=ctx, out=out, num_sms=132)
 
-    fns = [call(r) for r in rpis]
-    res = {"shape": f"{'fp8' if fp8 else 'bf16'} {h}x{q} {ctx}", "variant": f"{cfg.tag}/sp{sp}",
-           "MB": kv_bytes / 1e6}
-    res["full"] = graph_time(fns)
-    noop = lambda *a, **k: None  # noqa: E731
-    with mock.patch.object(paged_mod, "combine_splits", noop), \
-            mock.patch.object(mla_decode_swapab, "combine_splits", noop), \
-            mock.patch.object(mla_decode_vsplit, "combine_splits", noop):
-        res["split"] = graph_time(fns)
+    shape = f"{'fp8' if fp8 else 'bf16'} {h}x{q} {ctx}"
+    res = {"shape": shape, "variant": f"{cfg.tag}/sp{sp}", "MB": kv_bytes / 1e6}
+    res["full"], res["split"] = _full_and_split([call(r) for r in rpis])
     if sp > 1:
         pdt = torch.bfloat16 if cfg.part_bf16 else torch.float32
         parts = [(torch.randn(sp, q * h, DV, device=dev).to(pdt),
@@ -92,9 +94,44 @@ def row(kvd, h, q, ctx, dev):
         print(f"   flashinfer FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
     res["TBps"] = kv_bytes / res["full"] / 1e6
     print(res, flush=True)
+    out_rows = [res]
+    ref = mla_decode_ref(qn, qp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
+    for name in variants:
+        vcfg = PAGED_VARIANTS[name]
+        if vcfg.cuda and fp8:
+            continue
+        for vsp in splits:
+            tag = f"{name}/sp{vsp}"
+            try:
+                fn = call(rpis[0], vcfg, vsp)
+                fn()
+                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+                if not err < 1e-2:
+                    print(f"   {tag} WRONG: rel err {err:.3g}", flush=True)
+                    continue
+                full, split = _full_and_split([call(r, vcfg, vsp) for r in rpis])
+            except Exception as e:  # noqa: BLE001
+                print(f"   {tag} FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            r = {"shape": shape, "variant": tag, "MB": kv_bytes / 1e6, "full": full,
+                 "split": split, "fi": res.get("fi"), "TBps": kv_bytes / full / 1e6}
+            print(r, flush=True)
+            out_rows.append(r)
     del pool
     torch.cuda.empty_cache()
-    return res
+    return out_rows
+
+
+def _full_and_split(fns):
+    """Graph µs of ``fns`` as they are, and with every combine launch left out."""
+    full = graph_time(fns)
+    noop = lambda *a, **k: None  # noqa: E731
+    with mock.patch.object(paged_mod, "combine_splits", noop), \
+            mock.patch.object(mla_decode_swapab, "combine_splits", noop), \
+            mock.patch.object(mla_decode_vsplit, "combine_splits", noop), \
+            mock.patch.object(mla_decode_cuda, "combine_splits", noop):
+        split = graph_time(fns)
+    return full, split
 
 
 def table(rows) -> str:
@@ -110,12 +147,19 @@ def table(rows) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
+    ap.add_argument("--variants", default="", help="extra PAGED_VARIANTS names, e.g. K,K8")
+    ap.add_argument("--splits", default="16,32,64", help="split counts of the extra variants")
     args = ap.parse_args(argv)
+    variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in variants if v not in PAGED_VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}: one of {', '.join(PAGED_VARIANTS)}")
+    splits = [int(v) for v in args.splits.split(",") if v]
     if not torch.cuda.is_available():
         print("bench_mla_breakdown: needs a CUDA GPU")
         return
     dev = torch.device("cuda")
-    rows = [row(*s, dev) for s in parse_shapes(args.shapes)]
+    rows = [r for s in parse_shapes(args.shapes) for r in row(*s, dev, variants, splits)]
     print("\nµs per call in a replayed CUDA graph (batch 1); TBps = KV bytes / full")
     print(table(rows))
     if os.environ.get("OUT"):

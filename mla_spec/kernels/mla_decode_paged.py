@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import triton_interpreting
+from mla_spec.kernels.cuda_driver import cuda_kernels_available
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
     attn_pdl_kwargs,
@@ -64,6 +65,7 @@ from mla_spec.kernels.mla_decode_common import (
     prefetch_kv_tiles,
     request_rows,
 )
+from mla_spec.kernels.mla_decode_cuda import CudaTile, cuda_mla_supported, launch_cuda_mla
 from mla_spec.kernels.mla_decode_swapab import launch_swapab
 from mla_spec.kernels.mla_decode_tiles import (
     PAGED_CONTEXT_DEFAULTS,
@@ -198,6 +200,14 @@ def paged_supported(device: torch.device, dv: int, dpe: int, page_size: int,
         return "needs CUDA or the Triton interpreter"
     if kv_dtype == torch.float32:
         return "fp32 caches use the generic kernel"
+    if cfg is not None and cfg.cuda:
+        if device.type != "cuda":
+            return "the CUDA kernel needs a CUDA device"
+        why = cuda_kernels_available(device)
+        if why:
+            return why
+        if kv_dtype != torch.bfloat16 or (dv, dpe) != (512, 64):
+            return "the CUDA kernel takes a bf16 cache with Dv 512 / Dpe 64"
     if dv % 32 or dv & (dv - 1) or dpe & (dpe - 1) or dpe < 16:
         return f"needs Dv a power of two >= 32 and Dpe a power of two >= 16 (got {dv}/{dpe})"
     cfg = cfg or paged_config(1, kv_dtype, device, page_size)
@@ -286,6 +296,15 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         raise ValueError(f"queries {q_nope.dtype} must match the {kv_flat.dtype} cache")
     if cfg.tma and not interp:
         _ensure_allocator()
+    if cfg.cuda:
+        tile = CudaTile(cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_warps)
+        why = cuda_mla_supported(q_nope, q_pe, kv_flat, page_size, tile, q_len)
+        if why:
+            raise ValueError(f"mla_decode_paged: variant {cfg.tag}: {why}")
+        launch_cuda_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
+                        float(sm_scale) * float(k_scale) * _LOG2E, v_scale, q_len=q_len,
+                        m_blocks=m_blocks, num_splits=num_splits, tile=tile)
+        return (out, lse) if return_lse else out
     if cfg.swap:
         launch_swapab(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
                       out, lse, float(sm_scale) * float(k_scale) * _LOG2E, v_scale, q_len=q_len,

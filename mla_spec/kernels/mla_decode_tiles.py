@@ -45,17 +45,23 @@ class PagedConfig:
     ctas_per_sm: int = 1
     #: launched with programmatic dependent launch (``kernels.pdl``)
     pdl: bool = True
+    #: the hand-written CUDA kernel (``mla_decode_cuda``; ``num_stages`` bulk-copy stages)
+    cuda: bool = False
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
             raise ValueError("swap excludes vsplit / fused (different kernels)")
+        if self.cuda and (self.swap or self.vsplit > 1 or self.fused or self.tma
+                          or self.part_bf16):
+            raise ValueError("the CUDA kernel has its own tile (block_m, block_n, warps, "
+                             "stages) only")
 
     @property
     def tag(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
                 f"{'T' if self.tma else 'P'}{'b' if self.part_bf16 else 'f'}"
                 f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
-                f"{'S' if self.swap else ''}")
+                f"{'S' if self.swap else ''}{'K' if self.cuda else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -96,6 +102,12 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "S32w4": PagedConfig(32, 64, 4, 2, swap=True),
     "S64": PagedConfig(64, 64, 8, 2, swap=True),
     "S64T": PagedConfig(64, 64, 8, 2, tma=True, swap=True),
+    # the hand-written CUDA kernel (mla_decode_cuda; bf16 cache, fixed q_len, nvcc on first use)
+    "K": PagedConfig(32, 64, 4, 2, cuda=True),
+    "K8": PagedConfig(32, 64, 8, 2, cuda=True),
+    "Kn32": PagedConfig(32, 32, 4, 4, cuda=True),
+    "K16": PagedConfig(16, 64, 4, 2, cuda=True),
+    "K16n32": PagedConfig(16, 32, 4, 4, cuda=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins

@@ -1,0 +1,176 @@
+"""Build a CUDA C++ kernel file with ``nvcc`` and launch it through the CUDA driver (ctypes).
+
+Why not ``torch.utils.cpp_extension``: an extension compiles PyTorch's headers (a minute per
+fresh machine) and binds one torch ABI. The kernels here take plain pointers and a parameter
+struct, so the package ships the ``.cu`` source (``mla_spec/kernels/csrc``), compiles it to a
+cubin once per source / architecture / nvcc (about a second; cached under
+``$MLA_SPEC_CACHE`` or ``~/.cache/mla_spec``), loads it with ``cuModuleLoadData`` into the
+current (PyTorch's primary) context and launches with ``cuLaunchKernelEx`` on PyTorch's current
+stream, so CUDA-graph capture and programmatic dependent launch (PDL) work as for any kernel.
+
+Nothing here runs on the CPU: :func:`cuda_kernels_available` says why not (no GPU, no nvcc, no
+driver), and callers fall back to a Triton kernel or raise with that reason.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["CudaKernel", "cuda_kernels_available", "compile_cubin", "nvcc_path", "CSRC"]
+
+CSRC = Path(__file__).with_name("csrc")
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+class _LaunchAttr(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
+
+
+def nvcc_path() -> str | None:
+    """``$MLA_SPEC_NVCC``, ``$CUDA_HOME/bin/nvcc``, or ``nvcc`` on the PATH (None if none)."""
+    for cand in (os.environ.get("MLA_SPEC_NVCC"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return shutil.which("nvcc")
+
+
+@functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True,
+                          check=True).stdout.strip().splitlines()[-1]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("MLA_SPEC_CACHE") or os.path.join(Path.home(), ".cache", "mla_spec")
+    return Path(root) / "cubin"
+
+
+def compile_cubin(src: Path, arch: str = "sm_90") -> bytes:
+    """The cubin of ``src`` for ``arch`` (``nvcc -cubin -O3``), from the cache when the source,
+    the architecture and the compiler are unchanged. Raises RuntimeError with nvcc's message."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set MLA_SPEC_NVCC or CUDA_HOME): the CUDA kernels "
+                           "are compiled on first use")
+    text = src.read_bytes()
+    key = hashlib.sha256(text + arch.encode() + _nvcc_version(nvcc).encode()).hexdigest()[:24]
+    cache = _cache_dir()
+    path = cache / f"{src.stem}-{arch}-{key}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    res = subprocess.run([nvcc, f"-arch={arch}", "-cubin", "-O3", "-std=c++17", "-o", str(tmp),
+                          str(src)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"nvcc failed on {src.name} for {arch}:\n{res.stderr[-2000:]}")
+    os.replace(tmp, path)
+    return path.read_bytes()
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    lib.cuModuleLoadData.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p]
+    lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                        ctypes.c_char_p]
+    lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
+                                     ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return lib
+
+
+def _check(res: int, what: str) -> None:
+    if res != 0:
+        msg = ctypes.c_char_p()
+        _libcuda().cuGetErrorString(res, ctypes.byref(msg))
+        raise RuntimeError(f"{what}: CUDA driver error {res} "
+                           f"({(msg.value or b'?').decode()})")
+
+
+def cuda_kernels_available(device: torch.device) -> str | None:
+    """None when the hand-written CUDA kernels can run on ``device``, else why not."""
+    if device.type != "cuda":
+        return "the CUDA kernels need a CUDA device"
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return "the CUDA kernels need sm_90 (Hopper) or newer (bulk copies, mbarriers, PDL)"
+    if nvcc_path() is None:
+        return "nvcc not found (set MLA_SPEC_NVCC or CUDA_HOME)"
+    try:
+        _libcuda()
+    except OSError as e:
+        return f"libcuda.so.1 not loadable: {e}"
+    return None
+
+
+class CudaKernel:
+    """One ``extern "C" __global__`` function of a ``csrc`` file, loaded per device.
+
+    ``kernel(grid, block, smem, params, device, pdl=...)`` launches it on the current stream
+    of ``device`` with ``params`` (a ctypes Structure passed by value as the only argument).
+    """
+
+    _lock = threading.Lock()
+
+    def __init__(self, src: str, name: str, arch: str = "sm_90"):
+        self.src, self.name, self.arch = CSRC / src, name, arch
+        self._fn: dict[int, tuple[int, int]] = {}  # device index -> (function, smem attribute)
+
+    def _function(self, device: torch.device, smem: int) -> int:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        got = self._fn.get(idx)
+        if got is None or got[1] < smem:
+            with self._lock, torch.cuda.device(idx):
+                torch.cuda.init()
+                torch.empty(1, device=f"cuda:{idx}")  # the primary context is current
+                lib = _libcuda()
+                fn = got[0] if got else None
+                if fn is None:
+                    mod = ctypes.c_void_p()
+                    _check(lib.cuModuleLoadData(ctypes.byref(mod),
+                                                compile_cubin(self.src, self.arch)),
+                           f"loading {self.src.name}")
+                    f = ctypes.c_void_p()
+                    _check(lib.cuModuleGetFunction(ctypes.byref(f), mod, self.name.encode()),
+                           f"finding {self.name} in {self.src.name}")
+                    fn = f.value
+                _check(lib.cuFuncSetAttribute(fn, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                              smem), f"{self.name}: {smem} B of shared memory")
+                got = (fn, smem)
+                self._fn[idx] = got
+        return got[0]
+
+    def __call__(self, grid, block: int, smem: int, params: ctypes.Structure,
+                 device: torch.device, pdl: bool = False) -> None:
+        fn = self._function(device, smem)
+        cfg = _LaunchConfig(*grid, block, 1, 1, smem,
+                            torch.cuda.current_stream(device).cuda_stream, None, 0)
+        attr = _LaunchAttr()
+        if pdl:
+            attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)
+            cfg.attrs = ctypes.pointer(attr)
+            cfg.numAttrs = 1
+        arg = ctypes.c_void_p(ctypes.addressof(params))
+        _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, ctypes.byref(arg), None),
+               f"launching {self.name}")
