@@ -128,14 +128,16 @@ def moe_launches(ms=(1, 2, 4), iters=20):
 
 
 def moe_pdl_ab(ms=(1, 2, 4)):
-    """The fused MoE per call in a graph chain with PDL on, with PDL on but the w2 loop launch
-    without it (``nvfp4_moe_w2.W2_LOOP_PDL``), and with PDL off."""
+    """The fused MoE per call in a graph chain with PDL on for every launch (the w2 loop's
+    ``W2_LOOP_PDL_MIN_M`` rule off), with PDL on but the w2 loop launch without it
+    (``nvfp4_moe_w2.W2_LOOP_PDL``), and with PDL off."""
     from mla_spec.kernels import nvfp4_moe_w2, pdl
 
     e, k, inter, topk = 256, 7168, 512, 8
     w13, w2, _, _ = moe_weights(e, k, inter)
     rows = []
-    keep = pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL
+    keep = pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL, nvfp4_moe_w2.W2_LOOP_PDL_MIN_M
+    nvfp4_moe_w2.W2_LOOP_PDL_MIN_M = 1
     try:
         for m in ms:
             xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
@@ -149,7 +151,7 @@ def moe_pdl_ab(ms=(1, 2, 4)):
             rows.append(row)
             print(row, flush=True)
     finally:
-        pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL = keep
+        pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL, nvfp4_moe_w2.W2_LOOP_PDL_MIN_M = keep
     return rows
 
 

@@ -27,11 +27,15 @@ import triton.language as tl
 from mla_spec.kernels.nvfp4_gemv_packed import PACKED_UNIT, dot16_packed, load_xw, x_pairs
 from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 
-__all__ = ["W2_LOOP_PDL", "moe_w2_loop"]
+__all__ = ["W2_LOOP_PDL", "W2_LOOP_PDL_MIN_M", "moe_w2_loop"]
 
 #: launch with PDL (read at every launch; ``benchmarks/bench_nvfp4.py --moe-pdl`` times the MoE
-#: with it on and off)
+#: with it on and off) ...
 W2_LOOP_PDL = True
+#: ... from this many tokens on. The MoE in a graph chain, H200 (``--moe-pdl``, two sessions):
+#: at 1 token the loop without PDL saves 1.8-2.8 µs (29.8 vs 31.6 µs, eighth session); at 2 / 4
+#: tokens PDL saves 1.5-1.7 µs (44.2 vs 45.9, 77.2 vs 78.7)
+W2_LOOP_PDL_MIN_M = 2
 
 
 @triton.jit
@@ -107,4 +111,4 @@ def moe_w2_loop(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w2, s2: 
         k, w64.shape[-1], e, ids.numel() // max(m, 1), a64.stride(0), w64.stride(0),
         w64.stride(1), w2.weight_scale.stride(0), w2.weight_scale.stride(1), s2_stride,
         out.stride(0), BN=block_n, G=g, FAST=fast, num_warps=num_warps,
-        **pdl_kwargs(act, W2_LOOP_PDL))
+        **pdl_kwargs(act, W2_LOOP_PDL and m >= W2_LOOP_PDL_MIN_M))
