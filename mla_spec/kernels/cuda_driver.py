@@ -33,7 +33,8 @@ _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
 class _LaunchAttr(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+    # value: a 64-byte union; a c_char array field would read back as a bytes copy
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_int), ("value", ctypes.c_int * 16)]
 
 
 class _LaunchConfig(ctypes.Structure):
@@ -168,7 +169,7 @@ class CudaKernel:
         attr = _LaunchAttr()
         if pdl:
             attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            ctypes.memmove(attr.value, ctypes.byref(ctypes.c_int(1)), 4)
+            attr.value[0] = 1  # programmaticStreamSerializationAllowed
             cfg.attrs = ctypes.pointer(attr)
             cfg.numAttrs = 1
         arg = ctypes.c_void_p(ctypes.addressof(params))

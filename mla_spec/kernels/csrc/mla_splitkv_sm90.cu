@@ -115,7 +115,8 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 template <int BM, int BN, int STAGES, int NW>
 __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
-  static_assert(BM % 16 == 0 && (BN / NW) % 8 == 0 && (DV / NW) % 16 == 0, "tile shape");
+  static_assert(BM % 16 == 0 && (BN / NW) % 8 == 0 && (DV / NW) % 16 == 0 && STAGES < 16,
+                "tile shape");
   constexpr int MT = BM / 16;           // m16 tiles of the rows
   constexpr int TW = BN / NW;           // tokens per warp in S
   constexpr int NTW = TW / 8;           // n8 tiles per warp in S
@@ -123,7 +124,7 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
   constexpr int NPV = CW / 8;           // n8 tiles per warp in O
   constexpr int SP = BN + 8;            // P row stride (elements)
   extern __shared__ __align__(128) unsigned char smem[];
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem);  // [STAGES + 1], in the first 128 B
   __nv_bfloat16* qs = reinterpret_cast<__nv_bfloat16*>(smem + 128);
   __nv_bfloat16* ks = qs + BM * SK;
   __nv_bfloat16* ps = ks + STAGES * BN * SK;
@@ -132,7 +133,7 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
   const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) mbar_init(&bars[s], 1);
+    for (int s = 0; s <= STAGES; ++s) mbar_init(&bars[s], 1);  // KV stages, then Q
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   griddep_wait();
@@ -162,19 +163,25 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
   if (warp == 0)
     for (int s = 0; s < STAGES && s < ntiles; ++s) issue(s, s);
 
-  // queries -> shared (zero rows past n_rows); 72 chunks of 8 elements per row
-  for (int c = tid; c < BM * 72; c += NW * 32) {
-    const int r = c / 72, ch = c % 72, row = m0 + r;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (row < n_rows) {
+  // queries -> shared by bulk copies too (a plain load loop waits one memory latency per
+  // trip): warp 1 copies the valid rows (q_nope 1024 B + q_pe 128 B each) onto bars[STAGES],
+  // the other warps zero the rows past n_rows
+  const int q_rows = min(BM, n_rows - m0);
+  if (warp == 1 % NW) {
+    if (lane == 0) mbar_expect_tx(&bars[STAGES], q_rows * DK * 2);
+    __syncwarp();
+    for (int r = lane; r < q_rows; r += 32) {
+      const int row = m0 + r;
       const long long tok = static_cast<long long>(b) * q_len + row / H, h = row % H;
-      const __nv_bfloat16* src = ch < 64 ? p.qn + tok * p.s_qn_t + h * p.s_qn_h + ch * 8
-                                         : p.qp + tok * p.s_qp_t + h * p.s_qp_h + (ch - 64) * 8;
-      v = *reinterpret_cast<const uint4*>(src);
+      bulk_g2s(qs + r * SK, p.qn + tok * p.s_qn_t + h * p.s_qn_h, DV * 2, &bars[STAGES]);
+      bulk_g2s(qs + r * SK + DV, p.qp + tok * p.s_qp_t + h * p.s_qp_h, DPE * 2,
+               &bars[STAGES]);
     }
-    *reinterpret_cast<uint4*>(qs + r * SK + ch * 8) = v;
   }
+  for (int c = q_rows * 72 + tid; c < BM * 72; c += NW * 32)
+    *reinterpret_cast<uint4*>(qs + (c / 72) * SK + (c % 72) * 8) = make_uint4(0, 0, 0, 0);
   __syncthreads();
+  mbar_wait(&bars[STAGES], 0);
 
   float o[MT][NPV][4];
 #pragma unroll
