@@ -53,7 +53,7 @@ PRIORITY = ["S32", "S32T", "S16", "S64", "S64T", "S32b",
             "CF", "G", "A", "F"]
 SKIP = ("A", "F")  # round-2 twins of C / CF (checked and timed only with --variants)
 # fp8 spills 500+ bytes at sm_90 (--sm90-offline); S32w4 / S64: 1.2-1.6 KB
-BF16_ONLY = ("V4", "V4x", "S32w4", "S64")
+BF16_ONLY = ("V4", "V4x", "S32w4", "S64", *(n for n, c in VARIANTS.items() if c.cuda))
 SHAPES = [(1, 4096), (1, 32768), (32, 4096), (128, 8192), (64, 32768)]
 
 
@@ -341,6 +341,10 @@ def sm90_offline(names):
     print("| name | tag | kv | split | regs | spill st/ld B | smem KB |\n" + "|---" * 7 + "|")
     for name in names:
         cfg = VARIANTS[name]
+        if cfg.cuda:
+            print(f"| {name} | {cfg.tag} | CUDA C++: nvcc -Xptxas -v on "
+                  "mla_spec/kernels/csrc/mla_splitkv_sm90.cu |")
+            continue
         for fp8 in (False, True):
             for split in (False, True):
                 try:

@@ -23,37 +23,50 @@ from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 __all__ = ["combine_splits", "combine_splits_ref"]
 
 
-# Two binaries for every split count: the splits are walked in fixed blocks of S_BLOCK, 16 up to
-# 16 splits and 64 beyond (a next_power_of_2(num_splits) block would compile anew each time the
-# split count crosses a power of two, e.g. as contexts grow in an eager serving loop; at 128
-# splits 16-blocks made 16 dependent load rounds, ~10 µs at batch 1 on the H200).
+# Three binaries for every split count: up to 64 splits all LSEs and partials load in one round
+# (a block of 16 or 64), past 64 the splits are walked in fixed blocks of 64, LSEs first. A
+# next_power_of_2(num_splits) block would compile anew each time the split count crosses a power
+# of two (e.g. as contexts grow in an eager serving loop); 16-blocks at 128 splits made 16
+# dependent load rounds, ~10 µs at batch 1 on the H200 (eighth session).
 @triton.jit(do_not_specialize=["num_splits", "H", "stride_ls"])
 def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
                     stride_o_t, stride_o_h,
                     DV: tl.constexpr, BLOCK_D: tl.constexpr, S_BLOCK: tl.constexpr,
-                    WRITE_LSE: tl.constexpr, USE_GDC: tl.constexpr):
+                    WRITE_LSE: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
     gdc_enter(USE_GDC)
     r = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, S_BLOCK)
-    m = tl.max(tl.full([S_BLOCK], float("-inf"), dtype=tl.float32), 0)
-    for s0 in range(0, num_splits, S_BLOCK):
-        ls = tl.load(PLse + (s0 + offs_s) * stride_ls + r, mask=s0 + offs_s < num_splits,
-                     other=float("-inf"))
-        m = tl.maximum(m, tl.max(ls, 0))
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    den = tl.sum(tl.zeros([S_BLOCK], dtype=tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, S_BLOCK):
-        mask_s = s0 + offs_s < num_splits
-        ls = tl.load(PLse + (s0 + offs_s) * stride_ls + r, mask=mask_s, other=float("-inf"))
-        w = tl.exp2(ls - m_use)  # [S_BLOCK], 0 for empty / absent splits
-        den += tl.sum(w, 0)
-        part = tl.load(Part + (s0 + offs_s)[:, None] * stride_ps + r * DV + offs[None, :],
+    if ONE_BLOCK:  # every split in one block: the LSEs and the partials in one load round
+        mask_s = offs_s < num_splits
+        ls = tl.load(PLse + offs_s * stride_ls + r, mask=mask_s, other=float("-inf"))
+        part = tl.load(Part + offs_s[:, None] * stride_ps + r * DV + offs[None, :],
                        mask=mask_s[:, None], other=0.0).to(tl.float32)
+        m = tl.max(ls, 0)
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(ls - m_use)
+        den = tl.sum(w, 0)
         part = tl.where(w[:, None] > 0.0, part, 0.0)  # an empty split's partial is never read
-        acc += tl.sum(part * w[:, None], 0)
+        acc = tl.sum(part * w[:, None], 0)
+    else:
+        m = tl.max(tl.full([S_BLOCK], float("-inf"), dtype=tl.float32), 0)
+        for s0 in range(0, num_splits, S_BLOCK):
+            ls = tl.load(PLse + (s0 + offs_s) * stride_ls + r, mask=s0 + offs_s < num_splits,
+                         other=float("-inf"))
+            m = tl.maximum(m, tl.max(ls, 0))
+        m_use = tl.where(m == float("-inf"), 0.0, m)
+        den = tl.sum(tl.zeros([S_BLOCK], dtype=tl.float32), 0)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, num_splits, S_BLOCK):
+            mask_s = s0 + offs_s < num_splits
+            ls = tl.load(PLse + (s0 + offs_s) * stride_ls + r, mask=mask_s, other=float("-inf"))
+            w = tl.exp2(ls - m_use)  # [S_BLOCK], 0 for empty / absent splits
+            den += tl.sum(w, 0)
+            part = tl.load(Part + (s0 + offs_s)[:, None] * stride_ps + r * DV + offs[None, :],
+                           mask=mask_s[:, None], other=0.0).to(tl.float32)
+            part = tl.where(w[:, None] > 0.0, part, 0.0)  # an empty split's partial is never read
+            acc += tl.sum(part * w[:, None], 0)
     has = den > 0.0
     res = tl.where(has, acc / tl.where(has, den, 1.0), 0.0)
     t = r // H
@@ -82,10 +95,12 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     if rows == 0:
         return
     block_d = min(dv, 128) if part.is_cuda else dv
+    s_block = 16 if s <= 16 else 64
     _combine_kernel[(rows, dv // block_d)](
         part, part_lse, out, lse if lse is not None else part_lse, s, h,
         part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
-        DV=dv, BLOCK_D=block_d, S_BLOCK=16 if s <= 16 else 64, WRITE_LSE=lse is not None,
+        DV=dv, BLOCK_D=block_d, S_BLOCK=s_block, WRITE_LSE=lse is not None,
+        ONE_BLOCK=s <= s_block,
         num_warps=4, **pdl_kwargs(part),
     )
 

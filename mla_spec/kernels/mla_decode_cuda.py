@@ -52,7 +52,7 @@ class CudaTile:
 
 #: The instantiations the ``.cu`` file compiles (keep in sync with its ``MLA_SPLITKV`` lines).
 CUDA_TILES = (CudaTile(32, 64, 2, 4), CudaTile(32, 64, 2, 8), CudaTile(32, 32, 4, 4),
-              CudaTile(16, 64, 2, 4), CudaTile(16, 32, 4, 4))
+              CudaTile(16, 64, 2, 4), CudaTile(16, 32, 4, 4), CudaTile(16, 32, 2, 4))
 _KERNELS = {t: CudaKernel(_SRC, t.name) for t in CUDA_TILES}
 
 

@@ -108,6 +108,7 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "Kn32": PagedConfig(32, 32, 4, 4, cuda=True),
     "K16": PagedConfig(16, 64, 4, 2, cuda=True),
     "K16n32": PagedConfig(16, 32, 4, 4, cuda=True),
+    "K16n32s2": PagedConfig(16, 32, 4, 2, cuda=True, ctas_per_sm=2),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins

@@ -380,3 +380,4 @@ MLA_SPLITKV(32, 64, 2, 8)
 MLA_SPLITKV(32, 32, 4, 4)
 MLA_SPLITKV(16, 64, 2, 4)
 MLA_SPLITKV(16, 32, 4, 4)
+MLA_SPLITKV(16, 32, 2, 4)  // 95 KB of shared memory: two CTAs per SM
