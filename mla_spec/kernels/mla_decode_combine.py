@@ -23,8 +23,9 @@ from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 __all__ = ["combine_splits", "combine_splits_ref"]
 
 
-# Three binaries for every split count: up to 64 splits all LSEs and partials load in one round
-# (a block of 16 or 64), past 64 the splits are walked in fixed blocks of 64, LSEs first. A
+# Four binaries for every split count: up to 128 splits all LSEs and partials load in one round
+# (a block of 16, 64 or 128; 64 columns per program at 128), past 128 the splits are walked in
+# fixed blocks of 64, LSEs first. A
 # next_power_of_2(num_splits) block would compile anew each time the split count crosses a power
 # of two (e.g. as contexts grow in an eager serving loop); 16-blocks at 128 splits made 16
 # dependent load rounds, ~10 µs at batch 1 on the H200 (eighth session).
@@ -94,8 +95,8 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         return
     if rows == 0:
         return
-    block_d = min(dv, 128) if part.is_cuda else dv
-    s_block = 16 if s <= 16 else 64
+    s_block = 16 if s <= 16 else 64 if s <= 64 else 128 if s <= 128 else 64
+    block_d = min(dv, 64 if s_block == 128 else 128) if part.is_cuda else dv
     _combine_kernel[(rows, dv // block_d)](
         part, part_lse, out, lse if lse is not None else part_lse, s, h,
         part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),

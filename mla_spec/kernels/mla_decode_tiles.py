@@ -144,6 +144,9 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     #                                        row blocks each re-read the KV from L2)
     ("fp8", "r128", "b1", "c2k"): "G4",    # 1k: 14.1 vs V2 16.7, CF 20.4 µs
     ("fp8", "r128", "b1", "c8k"): "G4",    # 4k: 26.2 / 26.4 vs CF 28.6 / 28.5 µs (32k: CF, 70)
+    # eighth session, after the one-round combine (docs/bench_mla.md v7): 64 one-tile splits at
+    # 4k, 9.57 vs 11.41 µs at the model's 32 (at 1k the model's 16 stays: 7.44 vs 8.20 at 64)
+    ("bf16", "r32", "b1", "c8k"): "S16/sp64",
 }
 
 

@@ -103,7 +103,7 @@ def test_out_path_and_validation(device):
                    b.kv_lens, SM, q_len=1)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 16, 17, 40, 64, 65, 130])  # one block <= 64
+@pytest.mark.parametrize("splits", [1, 3, 16, 17, 40, 64, 65, 128, 130])  # one block <= 128
 def test_combine_kernel_matches_twin(splits, device):
     part = torch.randn(splits, 10, 32, device=device)
     lse = torch.randn(splits, 10, device=device) * 3
