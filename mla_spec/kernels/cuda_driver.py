@@ -109,9 +109,11 @@ def _check(res: int, what: str) -> None:
                            f"({(msg.value or b'?').decode()})")
 
 
+@functools.lru_cache(maxsize=None)
 def cuda_kernels_available(device: torch.device) -> str | None:
-    """None when the hand-written CUDA kernels can run on ``device``, else why not."""
-    if device.type != "cuda":
+    """None when the hand-written CUDA kernels can run on ``device``, else why not (cached: the
+    attention plan asks once per step)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
         return "the CUDA kernels need a CUDA device"
     if torch.cuda.get_device_capability(device) < (9, 0):
         return "the CUDA kernels need sm_90 (Hopper) or newer (bulk copies, mbarriers, PDL)"

@@ -266,7 +266,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         if max_kv is None and num_splits is None and dev.type == "cuda":
             max_kv = int(kv_lens.max()) if bs else 0  # read below for the splits anyway
         config, pinned = paged_choice((q_len or max_q or 1) * h, kv_flat.dtype, dev, page_size,
-                                      bs, max_kv)
+                                      bs, max_kv, fixed=q_len is not None)
     cfg = config
     why = paged_supported(dev, dv, dpe, page_size, kv_flat.dtype, cfg)
     if why:

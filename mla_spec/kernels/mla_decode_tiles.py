@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mla_spec.kernels.cuda_driver import cuda_kernels_available
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["PAGED_CONTEXT_DEFAULTS", "PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig",
@@ -147,6 +148,9 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # eighth session, after the one-round combine (docs/bench_mla.md v7): 64 one-tile splits at
     # 4k, 9.57 vs 11.41 µs at the model's 32 (at 1k the model's 16 stays: 7.44 vs 8.20 at 64)
     ("bf16", "r32", "b1", "c8k"): "S16/sp64",
+    # the CUDA kernel's 128 splits at 32k: 28.8 vs S16/sp64 31.0 µs (its split phase 25.0-25.5
+    # µs in three runs; the one-round combine of 128 splits measured once)
+    ("bf16", "r32", "b1", "long"): "K/sp128",
 }
 
 
@@ -172,11 +176,14 @@ def parse_choice(choice: str) -> tuple[PagedConfig, int | None]:
 
 
 def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_size: int = 64,
-                 bs: int = 1, max_kv: int | None = None) -> tuple[PagedConfig, int | None]:
+                 bs: int = 1, max_kv: int | None = None,
+                 fixed: bool = True) -> tuple[PagedConfig, int | None]:
     """(config, pinned splits or None) of a shape: on CUDA when the page size is a multiple of
     64, ``PAGED_CONTEXT_DEFAULTS`` (when ``max_kv``, the longest KV, is given) then
     ``PAGED_DEFAULTS``; fixed fallbacks otherwise (tiny tiles under the interpreter). Under a
-    CUDA graph the capture's ``max_kv`` decides for every replay."""
+    CUDA graph the capture's ``max_kv`` decides for every replay. A CUDA-kernel entry (``K*``)
+    applies only where that kernel runs (fixed rows, ``fixed``; a bf16 cache; nvcc and sm_90:
+    ``cuda_kernels_available``), else the class default does."""
     if device.type != "cuda":
         return PagedConfig(16, min(8, page_size), 4, 1), None
     if page_size % 64:
@@ -185,7 +192,10 @@ def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_si
     if max_kv is not None:
         by_ctx = PAGED_CONTEXT_DEFAULTS.get((*key, context_class(max_kv)))
         if by_ctx is not None:
-            return parse_choice(by_ctx)
+            cfg, pin = parse_choice(by_ctx)
+            if not cfg.cuda or (fixed and kv_dtype == torch.bfloat16
+                                and cuda_kernels_available(device) is None):
+                return cfg, pin
     return parse_choice(PAGED_DEFAULTS[key])
 
 

@@ -240,7 +240,10 @@ def test_context_axis_overrides_the_class():
     assert pick(torch.bfloat16, 32768) is PAGED_VARIANTS["CF"]
     assert pick(torch.bfloat16, 4096) is PAGED_VARIANTS["S16"]
     # other classes ignore the context
-    assert paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768)[0] is PAGED_VARIANTS["S16"]
+    assert paged_choice(32, torch.bfloat16, cuda, 64, 32, 32768)[0] is PAGED_VARIANTS["S16"]
+    # the 32-row batch-1 class: 64 one-tile splits up to 8k, the model's count at 1k
+    assert paged_choice(32, torch.bfloat16, cuda, 64, 1, 4096) == (PAGED_VARIANTS["S16"], 64)
+    assert paged_choice(32, torch.bfloat16, cuda, 64, 1, 1024) == (PAGED_VARIANTS["S16"], None)
 
 
 
@@ -259,3 +262,25 @@ def test_swap_excludes_vsplit():
     with pytest.raises(ValueError, match="swap excludes"):
         PagedConfig(32, 64, 8, 2, vsplit=2, swap=True)
     assert PagedConfig(32, 64, 8, 2, swap=True).tag.endswith("S")
+
+
+def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
+    """A ``K*`` (CUDA kernel) context entry applies only with fixed rows, a bf16 cache and the
+    kernel available; else the class default (never a CUDA variant) holds."""
+    from mla_spec.kernels import mla_decode_tiles as mt
+
+    cuda = torch.device("cuda")  # only the device type is read (availability is patched)
+    assert not any(mt.parse_choice(v)[0].cuda for v in mt.PAGED_DEFAULTS.values())
+    key = next(k for k, v in mt.PAGED_CONTEXT_DEFAULTS.items() if mt.parse_choice(v)[0].cuda)
+    kv, rc, bc, cc = key
+    rows = {"r32": 32, "r128": 128, "big": 256}[rc]
+    bs = {"b1": 1, "b48": 32, "big": 64}[bc]
+    ctx = {"c2k": 1024, "c8k": 4096, "long": 32768}[cc]
+    dtype = torch.bfloat16 if kv == "bf16" else FP8_DTYPE
+    monkeypatch.setattr(mt, "cuda_kernels_available", lambda dev: None)
+    assert mt.paged_choice(rows, dtype, cuda, 64, bs, ctx)[0].cuda
+    base = mt.parse_choice(mt.PAGED_DEFAULTS[key[:3]])
+    assert mt.paged_choice(rows, dtype, cuda, 64, bs, ctx, fixed=False) == base
+    assert mt.paged_choice(rows, torch.float16, cuda, 64, bs, ctx) == base
+    monkeypatch.setattr(mt, "cuda_kernels_available", lambda dev: "nvcc not found")
+    assert mt.paged_choice(rows, dtype, cuda, 64, bs, ctx) == base
