@@ -113,6 +113,16 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+template <int A, int B>
+__device__ __forceinline__ void zero_frags(float (&f)[A][B][4]) {  // mma accumulators
+#pragma unroll
+  for (int a = 0; a < A; ++a)
+#pragma unroll
+    for (int b = 0; b < B; ++b)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) f[a][b][e] = 0.f;
+}
+
 template <int BM, int BN, int STAGES, int NW>
 __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
   static_assert(BM % 16 == 0 && (BN / NW) % 8 == 0 && (DV / NW) % 16 == 0 && STAGES < 16,
@@ -184,12 +194,7 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
   mbar_wait(&bars[STAGES], 0);
 
   float o[MT][NPV][4];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < NPV; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mt][j][e] = 0.f;
+  zero_frags(o);
   float m_r[MT][2], l_r[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -206,12 +211,7 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
     mbar_wait(&bars[stage], (it / STAGES) & 1);
     const __nv_bfloat16* kt = ks + stage * BN * SK;
     float s[MT][NTW][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NTW; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+    zero_frags(s);
 #pragma unroll 2
     for (int kk = 0; kk < DK; kk += 32) {
       uint32_t bfr[NTW][4];
