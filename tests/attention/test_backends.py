@@ -7,6 +7,8 @@ stand-in kernel (no Blackwell here); flashinfer needs a GPU (skipped on CPU).
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -30,7 +32,10 @@ def _make(name, sc, **kw):
 
 
 BACKENDS = ["torch", "triton", "trtllm",
-            pytest.param("flashinfer", marks=pytest.mark.gpu)]
+            pytest.param("flashinfer", marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None,
+                                   reason="flashinfer-python is not installed (extra 'gpu')")])]
 
 
 @pytest.mark.parametrize("kvd", [torch.bfloat16, FP8_DTYPE])
