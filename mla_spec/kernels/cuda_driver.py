@@ -109,7 +109,7 @@ def _check(res: int, what: str) -> None:
                            f"({(msg.value or b'?').decode()})")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cuda_kernels_available(device: torch.device) -> str | None:
     """None when the hand-written CUDA kernels can run on ``device``, else why not (cached: the
     attention plan asks once per step)."""
