@@ -83,11 +83,14 @@ class TritonMLABackend(MLABackend):
         # from step to step (eager steps would otherwise compile mid-run)
         ndt = batch.num_draft_tokens if batch.forward_mode == ForwardMode.DRAFT_EXTEND else None
         rows_cfg = max(rows, (ndt or 0) * self.num_heads)
+        # v1 draft extend stays ragged even when every request accepted as many tokens: the
+        # fixed-q_len binary (RAGGED is a constexpr) would otherwise be compiled mid-run the
+        # first time the accept lengths differ (bench_e2e's "compiles" column, bs 32)
+        plan.extra["ragged"] = plan.fixed_q is None or plan.mode == ForwardMode.DRAFT_EXTEND
         if self.paged:
-            fixed = not (plan.fixed_q is None or batch.forward_mode == ForwardMode.DRAFT_EXTEND)
             cfg, pinned = ((self.config, None) if self.config is not None else
                            paged_choice(rows_cfg, pool.dtype, self.device, pool.page_size,
-                                        plan.bs, plan.max_kv, fixed=fixed))
+                                        plan.bs, plan.max_kv, fixed=not plan.extra["ragged"]))
             m_blocks = -(-rows // cfg.block_m)
             splits = self.num_splits or pinned or splits_for(
                 cfg, plan.bs, m_blocks, plan.max_kv, rows,
@@ -107,12 +110,7 @@ class TritonMLABackend(MLABackend):
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         kv_flat = pool.get_kv(layer_id).view(pool.num_slots, pool.kv_cache_dim)
-        # v1 draft extend stays ragged even when every request accepted as many tokens: the
-        # fixed-q_len binary (RAGGED is a constexpr) would otherwise be compiled mid-run the
-        # first time the accept lengths differ (bench_e2e's "compiles" column, bs 32); the plan
-        # picked the tile with the same rule (_plan_extra)
-        ragged = plan.fixed_q is None or plan.mode == ForwardMode.DRAFT_EXTEND
-        shape = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if ragged
+        shape = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if plan.extra["ragged"]
                  else dict(q_len=plan.fixed_q))
         common = dict(k_scale=k_scale, v_scale=v_scale, **shape)
         if self.paged and (q_nope.dtype == pool.dtype or q_nope.device.type == "cpu"
