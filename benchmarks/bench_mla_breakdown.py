@@ -95,7 +95,8 @@ def row(kvd, h, q, ctx, dev, variants=(), splits=()):
     res["TBps"] = kv_bytes / res["full"] / 1e6
     print(res, flush=True)
     out_rows = [res]
-    ref = mla_decode_ref(qn, qp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
+    ref = (mla_decode_ref(qn, qp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
+           if variants else None)
     for name in variants:
         vcfg = PAGED_VARIANTS[name]
         if vcfg.cuda and fp8:
