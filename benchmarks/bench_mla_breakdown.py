@@ -5,7 +5,8 @@
 
 Issue 4's batch-1 goals (< 10 µs at ctx 4k, >= 2.5 TB/s at 32k, in a CUDA graph) sit far above
 the chip's read floor (``bench_floors.py``: 2.3 / 11.3 µs), so the question is which part of
-the call costs the rest. Per shape, at the default variant and split count (``paged_choice``),
+the call costs the rest. Per shape (``kv:HxQ:ctx[:bs]``; batch 1 unless a
+fourth field says otherwise), at the default variant and split count (``paged_choice``),
 each timed per call inside a replayed CUDA graph that rotates KV copies past the L2:
 
 - ``full``: ``mla_decode_paged`` as the backend calls it;
@@ -33,7 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_mla import DPE, DV, PAGE, SM_SCALE, build, fi_wrapper, graph_time  # noqa: E402
 
-from mla_spec.kernels import mla_decode_cuda, mla_decode_swapab, mla_decode_vsplit  # noqa: E402
+from mla_spec.kernels import (  # noqa: E402
+    mla_decode_cuda,
+    mla_decode_swapab,
+    mla_decode_vsplit,
+    mla_decode_wgmma,
+)
 from mla_spec.kernels import mla_decode_paged as paged_mod  # noqa: E402
 from mla_spec.kernels.mla_decode import mla_decode_ref  # noqa: E402
 from mla_spec.kernels.mla_decode_combine import combine_splits  # noqa: E402
@@ -50,25 +56,26 @@ DEFAULT_SHAPES = ("bf16:32x1:1024,bf16:32x1:4096,bf16:32x1:32768,bf16:32x4:4096,
 
 
 def parse_shapes(text: str):
-    """``kv:HxQ:ctx,...`` -> [(kv dtype, H, q, ctx)]."""
+    """``kv:HxQ:ctx[:bs],...`` -> [(kv dtype, H, q, ctx, bs)] (bs 1 unless given)."""
     out = []
     for item in text.split(","):
-        kv, hq, ctx = item.split(":")
+        kv, hq, ctx, *bs = item.split(":")
         h, q = hq.split("x")
-        out.append((FP8_DTYPE if kv == "fp8" else torch.bfloat16, int(h), int(q), int(ctx)))
+        out.append((FP8_DTYPE if kv == "fp8" else torch.bfloat16, int(h), int(q), int(ctx),
+                    int(bs[0]) if bs else 1))
     return out
 
 
-def row(kvd, h, q, ctx, dev, variants=(), splits=()):
+def row(kvd, h, q, ctx, bs, dev, variants=(), splits=()):
     fp8 = kvd == FP8_DTYPE
-    kv_bytes = ctx * (DV + DPE) * (1 if fp8 else 2)
+    kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
     reps = max(2, min(64, -(-250_000_000 // kv_bytes)))
-    pool, r2t, rpis, kv_lens, qn, qp, perm = build(h, q, 1, ctx, kvd, dev, reps)
+    pool, r2t, rpis, kv_lens, qn, qp, perm = build(h, q, bs, ctx, kvd, dev, reps)
     flat = pool.kv_buffer[0].view(-1, DV + DPE)
     rows = h * q
-    cfg, pin = paged_choice(rows, kvd, dev, PAGE, 1, ctx)
+    cfg, pin = paged_choice(rows, kvd, dev, PAGE, bs, ctx)
     mb = -(-rows // cfg.block_m)
-    sp = pin or splits_for(cfg, 1, mb, ctx, rows, (DV + DPE) * (1 if fp8 else 2), 132, DV)
+    sp = pin or splits_for(cfg, bs, mb, ctx, rows, (DV + DPE) * (1 if fp8 else 2), 132, DV)
     out = torch.empty_like(qn)
 
     def call(rpi, cfg=cfg, sp=sp):
@@ -76,18 +83,18 @@ def row(kvd, h, q, ctx, dev, variants=(), splits=()):
                                                   page_size=PAGE, q_len=q, num_splits=sp,
                                                   config=cfg, max_kv=ctx, out=out, num_sms=132)
 
-    shape = f"{'fp8' if fp8 else 'bf16'} {h}x{q} {ctx}"
+    shape = f"{'fp8' if fp8 else 'bf16'} {h}x{q} {ctx}" + (f" bs{bs}" if bs > 1 else "")
     res = {"shape": shape, "variant": f"{cfg.tag}/sp{sp}", "MB": kv_bytes / 1e6}
     res["full"], res["split"] = _full_and_split([call(r) for r in rpis])
     if sp > 1:
         pdt = torch.bfloat16 if cfg.part_bf16 else torch.float32
-        parts = [(torch.randn(sp, q * h, DV, device=dev).to(pdt),
-                  torch.randn(sp, q * h, device=dev)) for _ in range(4)]
+        parts = [(torch.randn(sp, bs * q * h, DV, device=dev).to(pdt),
+                  torch.randn(sp, bs * q * h, device=dev)) for _ in range(4)]
         res["combine"] = graph_time([lambda p=p: combine_splits(p[0], p[1], out) for p in parts])
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     res["empty2"] = graph_time([lambda: (empty_launch(flag), empty_launch(flag))])
     try:
-        ws = [fi_wrapper(pool, perm[r:r + 1], 1, q, h, ctx, dev, kvd, True)
+        ws = [fi_wrapper(pool, perm[r * bs:(r + 1) * bs], bs, q, h, ctx, dev, kvd, True)
               for r in range(min(reps, 16))]
         res["fi"] = graph_time([(lambda r=r: r(qn, qp)) for _, r in ws])
     except Exception as e:  # noqa: BLE001
@@ -130,7 +137,8 @@ def _full_and_split(fns):
     with mock.patch.object(paged_mod, "combine_splits", noop), \
             mock.patch.object(mla_decode_swapab, "combine_splits", noop), \
             mock.patch.object(mla_decode_vsplit, "combine_splits", noop), \
-            mock.patch.object(mla_decode_cuda, "combine_splits", noop):
+            mock.patch.object(mla_decode_cuda, "combine_splits", noop), \
+            mock.patch.object(mla_decode_wgmma, "combine_splits", noop):
         split = graph_time(fns)
     return full, split
 
@@ -161,7 +169,7 @@ def main(argv=None) -> None:
         return
     dev = torch.device("cuda")
     rows = [r for s in parse_shapes(args.shapes) for r in row(*s, dev, variants, splits)]
-    print("\nµs per call in a replayed CUDA graph (batch 1); TBps = KV bytes / full")
+    print("\nµs per call in a replayed CUDA graph; TBps = KV bytes / full")
     print(table(rows))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "mla_breakdown.md"), "w") as f:

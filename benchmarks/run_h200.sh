@@ -38,7 +38,7 @@ step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemv.py tests/ker
 step layer_tests 120 python3 -m pytest tests/kernels/test_rope_kernel.py tests/models/test_rope.py tests/models/test_qkv_a_fusion.py tests/kernels/test_moe_router.py tests/models/test_moe_routing.py tests/models/test_shared_expert_fusion.py tests/kernels/test_bf16_gemv.py tests/kernels/test_pdl.py -q -p no:cacheprovider
 step norm_tests  60 python3 -m pytest -m gpu tests/kernels/test_rmsnorm.py -q -s -p no:cacheprovider
 step paged_tests 120 python3 -m pytest tests/kernels/test_mla_decode_paged.py -q -x -p no:cacheprovider
-step cuda_tests  120 python3 -m pytest tests/kernels/test_mla_decode_cuda.py tests/kernels/test_mla_decode.py -q -p no:cacheprovider
+step cuda_tests  120 python3 -m pytest tests/kernels/test_mla_decode_cuda.py tests/kernels/test_mla_decode_wgmma.py tests/kernels/test_mla_decode.py -q -p no:cacheprovider
 step mla_breakdown 120 python3 benchmarks/bench_mla_breakdown.py ${MLA_BREAKDOWN_ARGS:-}
 step moe_pdl     90 python3 benchmarks/bench_nvfp4.py --moe-pdl
 step gpu_tests  200 python3 -m pytest -m gpu tests -q -p no:cacheprovider

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CudaKernel", "cuda_kernels_available", "compile_cubin", "nvcc_path", "CSRC"]
+__all__ = ["CudaKernel", "cuda_kernels_available", "compile_cubin", "nvcc_path", "CSRC",
+           "tensor_map_2d"]
 
 CSRC = Path(__file__).with_name("csrc")
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -66,13 +67,15 @@ def _cache_dir() -> Path:
 
 
 def compile_cubin(src: Path, arch: str = "sm_90") -> bytes:
-    """The cubin of ``src`` for ``arch`` (``nvcc -cubin -O3``), from the cache when the source,
-    the architecture and the compiler are unchanged. Raises RuntimeError with nvcc's message."""
+    """The cubin of ``src`` for ``arch`` (``nvcc -cubin -O3``), from the cache when the source
+    (with the ``.cuh`` headers beside it), the architecture and the compiler are unchanged.
+    Raises RuntimeError with nvcc's message."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise RuntimeError("nvcc not found (set MLA_SPEC_NVCC or CUDA_HOME): the CUDA kernels "
                            "are compiled on first use")
-    text = src.read_bytes()
+    text = src.read_bytes() + b"".join(h.read_bytes()
+                                       for h in sorted(src.parent.glob("*.cuh")))
     key = hashlib.sha256(text + arch.encode() + _nvcc_version(nvcc).encode()).hexdigest()[:24]
     cache = _cache_dir()
     path = cache / f"{src.stem}-{arch}-{key}.cubin"
@@ -99,6 +102,38 @@ def _libcuda():
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
     return lib
+
+
+_TMAP_DTYPES = {torch.uint8: 0, torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
+
+
+def tensor_map_2d(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
+    """A TMA descriptor (``CUtensorMap``, 128 bytes) of the 2-D tensor ``t`` ``[rows, cols]``
+    (unit column stride, row stride a multiple of 16 B) with ``[box_rows, box_cols]`` boxes,
+    128-byte swizzle (``box_cols`` elements must span at most 128 B) and 256-byte L2
+    promotion; to be passed by value in a kernel's ``__grid_constant__`` parameters."""
+    if t.dtype not in _TMAP_DTYPES or t.dim() != 2 or t.stride(1) != 1:
+        raise ValueError(f"tensor_map_2d takes a 2-D tensor with unit column stride of "
+                         f"{list(_TMAP_DTYPES)} (got {t.dtype}, {tuple(t.shape)})")
+    esz = t.element_size()
+    if (t.stride(0) * esz) % 16 or t.data_ptr() % 16 or box_cols * esz > 128:
+        raise ValueError("tensor_map_2d: 16-byte aligned base and row stride, and a box "
+                         "row of at most 128 bytes, are required")
+    lib = _libcuda()
+    fn = lib.cuTensorMapEncodeTiled
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64),
+                   ctypes.POINTER(u64), ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    out = (ctypes.c_ubyte * 128)()
+    dims = (u64 * 2)(t.shape[1], t.shape[0])
+    strides = (u64 * 1)(t.stride(0) * esz)
+    box = (u32 * 2)(box_cols, box_rows)
+    elem = (u32 * 2)(1, 1)
+    # interleave none, swizzle 128B (3), L2 promotion 256B (3), out-of-bounds fill zeros (0)
+    _check(fn(ctypes.addressof(out), _TMAP_DTYPES[t.dtype], 2, t.data_ptr(), dims, strides, box,
+              elem, 0, 3, 3, 0), f"encoding a tensor map of {tuple(t.shape)}")
+    return bytes(out)
 
 
 def _check(res: int, what: str) -> None:

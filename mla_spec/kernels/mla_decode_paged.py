@@ -80,6 +80,7 @@ from mla_spec.kernels.mla_decode_tiles import (
     splits_for,
 )
 from mla_spec.kernels.mla_decode_vsplit import launch_vsplit
+from mla_spec.kernels.mla_decode_wgmma import launch_wgmma_mla, wgmma_mla_supported
 from mla_spec.kernels.pdl import gdc_launch, gdc_wait
 from mla_spec.quant.fp8 import FP8_DTYPE
 
@@ -298,12 +299,18 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         _ensure_allocator()
     if cfg.cuda:
         tile = CudaTile(cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_warps)
-        why = cuda_mla_supported(q_nope, q_pe, kv_flat, page_size, tile, q_len)
+        why = (wgmma_mla_supported(q_nope, q_pe, kv_flat, page_size, cfg.block_m, q_len)
+               if cfg.wgmma else cuda_mla_supported(q_nope, q_pe, kv_flat, page_size, tile, q_len))
         if why:
             raise ValueError(f"mla_decode_paged: variant {cfg.tag}: {why}")
-        launch_cuda_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
-                        float(sm_scale) * float(k_scale) * _LOG2E, v_scale, q_len=q_len,
-                        m_blocks=m_blocks, num_splits=num_splits, tile=tile)
+        args = (q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
+                float(sm_scale) * float(k_scale) * _LOG2E, v_scale)
+        if cfg.wgmma:
+            launch_wgmma_mla(*args, q_len=q_len, m_blocks=m_blocks, num_splits=num_splits,
+                             block_m=cfg.block_m)
+        else:
+            launch_cuda_mla(*args, q_len=q_len, m_blocks=m_blocks, num_splits=num_splits,
+                            tile=tile)
         return (out, lse) if return_lse else out
     if cfg.swap:
         launch_swapab(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,

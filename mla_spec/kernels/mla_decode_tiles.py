@@ -48,6 +48,9 @@ class PagedConfig:
     pdl: bool = True
     #: the hand-written CUDA kernel (``mla_decode_cuda``; ``num_stages`` bulk-copy stages)
     cuda: bool = False
+    #: with ``cuda``: its warpgroup-MMA sibling (``mla_decode_wgmma``, sm_90 only; 64-token
+    #: tiles, two stages, 8 warps, ``block_m`` 32 or 16)
+    wgmma: bool = False
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
@@ -56,13 +59,18 @@ class PagedConfig:
                           or self.part_bf16):
             raise ValueError("the CUDA kernel has its own tile (block_m, block_n, warps, "
                              "stages) only")
+        if self.wgmma and not (self.cuda and self.block_n == 64 and self.num_warps == 8
+                               and self.num_stages == 2 and self.block_m in (16, 32)):
+            raise ValueError("wgmma is a CUDA kernel (cuda=True) with block_m 16 or 32, "
+                             "block_n 64, 8 warps, 2 stages")
 
     @property
     def tag(self) -> str:
         return (f"m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
                 f"{'T' if self.tma else 'P'}{'b' if self.part_bf16 else 'f'}"
                 f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
-                f"{'S' if self.swap else ''}{'K' if self.cuda else ''}")
+                f"{'S' if self.swap else ''}{'K' if self.cuda else ''}"
+                f"{'W' if self.wgmma else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -110,6 +118,9 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "K16": PagedConfig(16, 64, 4, 2, cuda=True),
     "K16n32": PagedConfig(16, 32, 4, 4, cuda=True),
     "K16n32s2": PagedConfig(16, 32, 4, 2, cuda=True, ctas_per_sm=2),
+    # its warpgroup-MMA sibling (mla_decode_wgmma; TMA tiles, sm_90 only)
+    "W": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True),
+    "W16": PagedConfig(16, 64, 8, 2, cuda=True, wgmma=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins
@@ -183,7 +194,7 @@ def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_si
     ``PAGED_DEFAULTS``; fixed fallbacks otherwise (tiny tiles under the interpreter). Under a
     CUDA graph the capture's ``max_kv`` decides for every replay. A CUDA-kernel entry (``K*``)
     applies only where that kernel runs (fixed rows, ``fixed``; a bf16 cache; nvcc and sm_90:
-    ``cuda_kernels_available``), else the class default does."""
+    ``cuda_kernels_available``; exactly sm_90 for ``wgmma``), else the class default does."""
     if device.type != "cuda":
         return PagedConfig(16, min(8, page_size), 4, 1), None
     if page_size % 64:
@@ -194,7 +205,9 @@ def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_si
         if by_ctx is not None:
             cfg, pin = parse_choice(by_ctx)
             if not cfg.cuda or (fixed and kv_dtype == torch.bfloat16
-                                and cuda_kernels_available(device) is None):
+                                and cuda_kernels_available(device) is None
+                                and (not cfg.wgmma
+                                     or torch.cuda.get_device_capability(device) == (9, 0))):
                 return cfg, pin
     return parse_choice(PAGED_DEFAULTS[key])
 

@@ -1,4 +1,5 @@
-"""The hand-written Hopper MLA kernel (``mla_decode_cuda``) against its twin ``mla_decode_ref``.
+"""The hand-written Hopper MLA kernels (``mla_decode_cuda``, ``mla_decode_wgmma``: every ``cuda``
+variant) against their twin ``mla_decode_ref``.
 
 On the GPU: DeepSeek dims (Dv 512, Dpe 64, bf16 cache), irregular lengths (0, 1, a page - 1, a
 page, a page + 1, 1000, 3001), q_len 1 / 2 / 4, H 16 / 32 / 128 (row blocks past one CTA),
@@ -38,7 +39,7 @@ def test_tiles_match_source():
              re.findall(r"^MLA_SPLITKV\((\d+), (\d+), (\d+), (\d+)\)", src, re.M)}
     assert built == {(t.block_m, t.block_n, t.stages, t.warps) for t in mc.CUDA_TILES}
     for name, cfg in PAGED_VARIANTS.items():
-        if cfg.cuda:
+        if cfg.cuda and not cfg.wgmma:
             assert mc.CudaTile(cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_warps) in \
                 mc.CUDA_TILES, name
     for t in mc.CUDA_TILES:
@@ -117,8 +118,9 @@ def test_matches_twin_on_gpu(name, h, q_len, lens, page, splits, idx):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_reads_new_data():
-    cfg = PAGED_VARIANTS["K"]
+@pytest.mark.parametrize("name", ["K", "W"])
+def test_cuda_graph_replay_reads_new_data(name):
+    cfg = PAGED_VARIANTS[name]
     qn, qp, kv, r2t, rpi, kv_lens = _case(32, 1, [2000, 300], 64, torch.int64, seed=5)
     out = torch.empty_like(qn)
 

@@ -19,9 +19,9 @@
 // fall in distinct banks; each KV row is therefore its own 1152-byte bulk copy.
 // Output: with split, the normalized fp32 partial and its log2-sum-exp per row (merged by
 // mla_decode_combine.combine_splits); without, the bf16 result and optionally the natural lse.
-#include <cuda_bf16.h>
 #include <stddef.h>
-#include <stdint.h>
+
+#include "sm90_common.cuh"
 
 constexpr int DV = 512, DPE = 64, DK = DV + DPE, SK = DK + 8;
 
@@ -45,9 +45,7 @@ static_assert(sizeof(MlaParams) == 192 && offsetof(MlaParams, qk_scale_log2) == 
 
 namespace {
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using namespace sm90;
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -66,51 +64,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "LAB_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra DONE;\n"
-      "bra LAB_WAIT;\n"
-      "DONE:\n"
-      "}\n" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void bulk_g2s(void* dst, const void* src, uint32_t bytes,
-                                         uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ void griddep_wait() {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void griddep_launch() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
 }
 
 template <int A, int B>
@@ -144,7 +97,7 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   if (tid == 0) {
     for (int s = 0; s <= STAGES; ++s) mbar_init(&bars[s], 1);  // KV stages, then Q
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    mbar_fence_init();
   }
   griddep_wait();
   const int H = p.H, q_len = p.q_len;
@@ -210,6 +163,11 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
     const int stage = it % STAGES;
     mbar_wait(&bars[stage], (it / STAGES) & 1);
     const __nv_bfloat16* kt = ks + stage * BN * SK;
+    const int nvalid = hi - (lo + it * BN);
+    if (nvalid < BN)  // slots past hi may hold anything (a freed slot's NaN): zero their V
+      for (int c = tid; c < (BN - nvalid) * (DV / 8); c += NW * 32)  // rows (P = 0 times NaN)
+        *reinterpret_cast<uint4*>(ks + (stage * BN + nvalid + c / (DV / 8)) * SK +
+                                  c % (DV / 8) * 8) = make_uint4(0, 0, 0, 0);
     float s[MT][NTW][4];
     zero_frags(s);
 #pragma unroll 2
@@ -318,7 +276,7 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
     }
     __syncthreads();  // every warp is done with this stage and with P
     if (warp == 0 && it + STAGES < ntiles) {
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      fence_proxy_async();
       issue(it + STAGES, stage);
     }
   }

@@ -1,0 +1,100 @@
+"""The warpgroup-MMA MLA kernel (``mla_decode_wgmma``): what can be checked without a GPU, and
+long-context GPU cases beside ``test_mla_decode_cuda.py`` (which runs the ``W`` variants
+through its whole matrix of lengths, q_len, H, pages and index dtypes).
+
+CPU: the parameter struct's layout against the source, the compiled instantiations against
+``WGMMA_BLOCK_M``, shared memory within the H200's 227 KB, an nvcc compile for sm_90a when nvcc
+is present, the refusal messages. GPU: contexts up to 32k with up to 128 splits, and the bf16
+cache's tail slots past kv_len holding NaN (they must be masked, never multiplied in).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+import torch
+
+from mla_spec.kernels import mla_decode_wgmma as mw
+from mla_spec.kernels.cuda_driver import CSRC, compile_cubin, nvcc_path
+from mla_spec.kernels.mla_decode import mla_decode_ref
+from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS, mla_decode_paged
+
+SM = 0.1352338
+DV, DPE = 512, 64
+SRC = CSRC / "mla_wgmma_sm90.cu"
+
+
+def test_params_layout_matches_source():
+    size, off = re.search(r"sizeof\(WgParams\) == (\d+) && offsetof\(WgParams, "
+                          r"qk_scale_log2\) == (\d+)", SRC.read_text()).groups()
+    assert ctypes.sizeof(mw._WgParams) == int(size)
+    assert mw._WgParams.qk_scale_log2.offset == int(off)
+    assert mw._WgParams.qn.offset == 128  # right after the 128-byte tensor map
+
+
+def test_instantiations_match_source():
+    built = {int(m) for m in re.findall(r"^MLA_WGMMA\((\d+)\)", SRC.read_text(), re.M)}
+    assert built == set(mw.WGMMA_BLOCK_M)
+    for name, cfg in PAGED_VARIANTS.items():
+        if cfg.wgmma:
+            assert cfg.block_m in mw.WGMMA_BLOCK_M, name
+    for bm in mw.WGMMA_BLOCK_M:
+        assert mw.wgmma_smem(bm) <= 227 * 1024
+
+
+def test_cpu_is_refused_with_a_reason():
+    q = torch.zeros(1, 2, DV, dtype=torch.bfloat16)
+    qp = torch.zeros(1, 2, DPE, dtype=torch.bfloat16)
+    kv = torch.zeros(64, DV + DPE, dtype=torch.bfloat16)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1)
+    assert why and "CUDA" in why
+    with pytest.raises(ValueError, match="wgmma"):
+        PAGED_VARIANTS["W"].__class__(32, 32, 8, 2, cuda=True, wgmma=True)  # block_n 32
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_source_compiles_for_sm90a(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLA_SPEC_CACHE", str(tmp_path))
+    cubin = compile_cubin(SRC, "sm_90a")
+    assert cubin[:4] == b"\x7fELF"
+    for bm in mw.WGMMA_BLOCK_M:
+        assert f"mla_wgmma_m{bm}".encode() in cubin
+
+
+def _long_case(lens, h, page, seed, nan_tail):
+    g = torch.Generator().manual_seed(seed)
+    bs = len(lens)
+    pages_per = [-(-max(n, 1) // page) for n in lens]
+    num_pages = sum(pages_per) + 2
+    perm = torch.randperm(num_pages, generator=g)
+    kv = torch.randn(num_pages * page, DV + DPE, generator=g).to(torch.bfloat16)
+    r2t = torch.zeros(bs, max(lens) + page, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens):
+        pos = torch.arange(n)
+        r2t[i, :n] = (perm[used + pos // page] * page + pos % page).int()
+        if nan_tail and n % page:  # the slots of the last page past kv_len
+            last = int(perm[used + (n - 1) // page]) * page
+            kv[last + n % page:last + page] = float("nan")
+        used += pages_per[i]
+    qn = torch.randn(bs, h, DV, generator=g).to(torch.bfloat16)
+    qp = torch.randn(bs, h, DPE, generator=g).to(torch.bfloat16)
+    rpi = torch.arange(bs, dtype=torch.int32)
+    kl = torch.tensor(lens, dtype=torch.int32)
+    return [t.cuda() for t in (qn, qp, kv, r2t, rpi, kl)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["W", "W16", "K"])
+@pytest.mark.parametrize("lens,splits", [([32768], 128), ([16383, 77], 64), ([8191], 1)])
+def test_long_contexts_and_nan_tails(name, lens, splits):
+    qn, qp, kv, r2t, rpi, kl = _long_case(lens, 32, 64, seed=len(lens) + splits, nan_tail=True)
+    ref = mla_decode_ref(qn, qp, kv, r2t, rpi, kl, SM, q_len=1)
+    out = mla_decode_paged(qn, qp, kv, r2t, rpi, kl, SM, page_size=64, q_len=1,
+                           num_splits=splits, config=PAGED_VARIANTS[name], max_kv=max(lens))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+    assert err.item() < 1e-2
