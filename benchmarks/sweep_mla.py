@@ -317,14 +317,16 @@ def suggest_defaults(rows):
         note = "not measured: kept"
         if cand:
             best = min(cand, key=cand.get)
-            note = f"{best} {cand[best]:.2f}x of best; was {new[k]} {cand.get(new[k], 0):.2f}x"
+            was = new[k].split("|")[0].split("/")[0]
+            note = f"{best} {cand[best]:.2f}x of best; was {new[k]} {cand.get(was, 0):.2f}x"
             new[k] = best
         lines.append(f"    {k!r}: {new[k]!r},  # {note}")
     lines += ["}", "", "# context overrides (>= 5% over the class's choice there):",
               "PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {"]
     for k in sorted(by_ctx):
         cand = {n: sum(v) / len(v) for n, v in by_ctx[k].items()}
-        best, base = min(cand, key=cand.get), cand.get(new.get(k[:3]), float("inf"))
+        cls_name = new.get(k[:3], "").split("|")[0].split("/")[0]
+        best, base = min(cand, key=cand.get), cand.get(cls_name, float("inf"))
         if base > 1.05 * cand[best]:
             lines.append(f"    {k!r}: {best!r},  # {cand[best]:.2f}x of best; "
                          f"{new.get(k[:3])} {base:.2f}x")

@@ -23,12 +23,13 @@ from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
 __all__ = ["combine_splits", "combine_splits_ref"]
 
 
-# Four binaries for every split count: up to 128 splits all LSEs and partials load in one round
-# (a block of 16, 64 or 128; 64 columns per program at 128), past 128 the splits are walked in
-# fixed blocks of 64, LSEs first. A
-# next_power_of_2(num_splits) block would compile anew each time the split count crosses a power
-# of two (e.g. as contexts grow in an eager serving loop); 16-blocks at 128 splits made 16
-# dependent load rounds, ~10 µs at batch 1 on the H200 (eighth session).
+# One load round up to 128 splits: the block is the split count's power of two (2 ... 128; one
+# binary each, compiled once), past 128 the splits are walked in fixed blocks of 64, LSEs first.
+# The program shape follows the row count (ninth session, H200, per call in a graph): few rows
+# (batch 1) take 64 columns per program and 1-2 warps (32 splits x 32 rows 2.16 -> 1.75 µs);
+# many rows take whole rows (2 splits x 2048 rows: 16-split blocks of 128 columns 25.2 µs,
+# [2, 512] blocks 3.05 µs; 4 x 1024: 13.7 -> 2.87). 16-blocks at 128 splits made 16 dependent
+# load rounds, ~10 µs at batch 1 (eighth session).
 @triton.jit
 def _weighted(ls, part, m_use):
     """One block of splits: ``(sum_s w_s, sum_s w_s o_s)`` with ``w_s = 2 ** (lse_s - m_use)``
@@ -101,14 +102,21 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         return
     if rows == 0:
         return
-    s_block = 16 if s <= 16 else 64 if s <= 64 else 128 if s <= 128 else 64
-    block_d = min(dv, 64 if s_block == 128 else 128) if part.is_cuda else dv
-    _combine_kernel[(rows, dv // block_d)](
+    s_block = max(2, triton.next_power_of_2(s)) if s <= 128 else 64
+    if not part.is_cuda:
+        block_d, warps = dv, 4
+    elif s > 128:
+        block_d, warps = min(dv, 128), 4
+    elif rows >= 256:  # ~32 fp32 per thread, whole rows where that allows
+        block_d, warps = min(dv, max(64, 4096 // s_block)), 2 if s_block == 2 else 4
+    else:
+        block_d, warps = min(dv, 64), 2 if s_block >= 128 else 1
+    _combine_kernel[(rows, triton.cdiv(dv, block_d))](
         part, part_lse, out, lse if lse is not None else part_lse, s, h,
         part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
         DV=dv, BLOCK_D=block_d, S_BLOCK=s_block, WRITE_LSE=lse is not None,
         ONE_BLOCK=s <= s_block,
-        num_warps=4, **pdl_kwargs(part),
+        num_warps=warps, **pdl_kwargs(part),
     )
 
 

@@ -124,7 +124,8 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins
-# the split count; omit it to keep the cost model, which adapts to the context length).
+# the split count; omit it to keep the cost model, which adapts to the context length), or
+# alternatives "A|B": the first that runs on the device and call wins (``paged_choice``).
 # kv: "bf16" (bf16 / fp16 caches) | "fp8"; rows (= q_len * H per request): "r32" (<= 32) |
 # "r128" (<= 128) | "big"; batch: "b1" (bs <= 2) | "b48" (<= 48) | "big".
 # Values: winners of the H200 sweeps (docs/bench_mla.md, v2 and v3).
@@ -138,8 +139,12 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # (G, still faster at ctx 32k: 31.2 vs 34.6); bs 128 ctx 8k 511 vs 581 µs, bs 64 ctx 32k
     # 961 vs 1066 µs
     ("bf16", "r32", "b1"): "S16",
-    ("bf16", "r32", "b48"): "S16",  # bs 32 ctx 4k: 152.7 vs 175.6 µs (eager)
-    ("bf16", "r32", "big"): "S32w4",
+    # ninth session, the warpgroup-MMA CUDA kernel (docs/bench_mla.md v8; graph µs, FlashInfer
+    # in the same run): bs 32 ctx 4k W/sp4 61.8 vs S16/sp2 107.6 (FlashInfer 49.0); bs 128 ctx
+    # 8k 303.8 vs S32w4 514 (281-289); bs 64 ctx 32k W/sp2 627.7 vs 984.7 (658.0). Where W
+    # cannot run (not sm_90, no nvcc, ragged rows, fp16), the Triton variant after the "|".
+    ("bf16", "r32", "b48"): "W|S16",  # S16: bs 32 ctx 4k 152.7 vs G 175.6 µs (eager)
+    ("bf16", "r32", "big"): "W|S32w4",
     # third H200 sweep (sixth session, bs 1 at ctx 1k / 4k / 32k in a graph, after the split
     # model's combine term): S16 within 1.09x of the best over the class (V2: 1.25x), C 1.00x
     ("bf16", "r128", "b1"): "S16",
@@ -160,8 +165,9 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # 4k, 9.57 vs 11.41 µs at the model's 32 (at 1k the model's 16 stays: 7.44 vs 8.20 at 64)
     ("bf16", "r32", "b1", "c8k"): "S16/sp64",
     # the CUDA kernel's 128 splits at 32k: 28.8 vs S16/sp64 31.0 µs (its split phase 25.0-25.5
-    # µs in three runs; the one-round combine of 128 splits measured once)
-    ("bf16", "r32", "b1", "long"): "K/sp128",
+    # µs in three runs; the one-round combine of 128 splits measured once); ninth session: the
+    # wgmma kernel W/sp128 24.8 vs K 28.2 at 32k (16k: 19.6 vs 18.5)
+    ("bf16", "r32", "b1", "long"): "W/sp128|K/sp128",
 }
 
 
@@ -186,15 +192,35 @@ def parse_choice(choice: str) -> tuple[PagedConfig, int | None]:
     return PAGED_VARIANTS[name], (int(sp) if sp else None)
 
 
+def _runs_here(cfg: PagedConfig, kv_dtype: torch.dtype, device: torch.device,
+               fixed: bool) -> bool:
+    """Whether a table entry's variant runs on ``device`` for this call: the Triton ones
+    always; a CUDA one (``K*`` / ``W*``) with fixed rows, a bf16 cache, nvcc and sm_90+
+    (``cuda_kernels_available``), ``wgmma`` on exactly sm_90."""
+    if not cfg.cuda:
+        return True
+    return (fixed and kv_dtype == torch.bfloat16 and cuda_kernels_available(device) is None
+            and (not cfg.wgmma or torch.cuda.get_device_capability(device) == (9, 0)))
+
+
+def _first_runnable(entry: str, kv_dtype, device, fixed) -> tuple[PagedConfig, int | None] | None:
+    for alt in entry.split("|"):
+        cfg, pin = parse_choice(alt)
+        if _runs_here(cfg, kv_dtype, device, fixed):
+            return cfg, pin
+    return None
+
+
 def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_size: int = 64,
                  bs: int = 1, max_kv: int | None = None,
                  fixed: bool = True) -> tuple[PagedConfig, int | None]:
     """(config, pinned splits or None) of a shape: on CUDA when the page size is a multiple of
     64, ``PAGED_CONTEXT_DEFAULTS`` (when ``max_kv``, the longest KV, is given) then
     ``PAGED_DEFAULTS``; fixed fallbacks otherwise (tiny tiles under the interpreter). Under a
-    CUDA graph the capture's ``max_kv`` decides for every replay. A CUDA-kernel entry (``K*``)
-    applies only where that kernel runs (fixed rows, ``fixed``; a bf16 cache; nvcc and sm_90:
-    ``cuda_kernels_available``; exactly sm_90 for ``wgmma``), else the class default does."""
+    CUDA graph the capture's ``max_kv`` decides for every replay. A table entry may list
+    alternatives, ``"W|S32w4"``: the first that runs here wins (:func:`_runs_here`: the CUDA
+    kernels need fixed rows, a bf16 cache, nvcc, sm_90); a context entry none of whose
+    alternatives runs gives way to the class entry."""
     if device.type != "cuda":
         return PagedConfig(16, min(8, page_size), 4, 1), None
     if page_size % 64:
@@ -202,14 +228,15 @@ def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_si
     key = shape_class(rows, kv_dtype, bs)
     if max_kv is not None:
         by_ctx = PAGED_CONTEXT_DEFAULTS.get((*key, context_class(max_kv)))
-        if by_ctx is not None:
-            cfg, pin = parse_choice(by_ctx)
-            if not cfg.cuda or (fixed and kv_dtype == torch.bfloat16
-                                and cuda_kernels_available(device) is None
-                                and (not cfg.wgmma
-                                     or torch.cuda.get_device_capability(device) == (9, 0))):
-                return cfg, pin
-    return parse_choice(PAGED_DEFAULTS[key])
+        got = by_ctx and _first_runnable(by_ctx, kv_dtype, device, fixed)
+        if got:
+            return got
+    entry = PAGED_DEFAULTS[key]
+    got = _first_runnable(entry, kv_dtype, device, fixed)
+    if got is None:
+        raise ValueError(f"PAGED_DEFAULTS[{key}] = {entry!r} lists no variant that runs here; "
+                         "end it with a Triton variant")
+    return got
 
 
 def paged_config(rows: int, kv_dtype: torch.dtype, device: torch.device,

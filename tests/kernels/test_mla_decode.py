@@ -103,22 +103,27 @@ def test_out_path_and_validation(device):
                    b.kv_lens, SM, q_len=1)
 
 
-@pytest.mark.parametrize("splits", [1, 3, 16, 17, 40, 64, 65, 128, 130])  # one block <= 128
-def test_combine_kernel_matches_twin(splits, device):
-    part = torch.randn(splits, 10, 32, device=device)
-    lse = torch.randn(splits, 10, device=device) * 3
+@pytest.mark.parametrize("splits,rows", [(1, 10), (2, 10), (3, 10), (16, 10), (17, 10),
+                                         (40, 10), (64, 10), (65, 10), (128, 10), (130, 10),
+                                         (2, 300), (5, 300), (33, 300)])  # one block <= 128
+def test_combine_kernel_matches_twin(splits, rows, device):
+    """Every split block (2 ... 128, and the walk past 128), few rows and many (whole-row
+    programs on the GPU)."""
+    part = torch.randn(splits, rows, 32, device=device)
+    lse = torch.randn(splits, rows, device=device) * 3
     lse[:, 4] = float("-inf")  # a row no split saw
     lse[splits // 2, 5] = float("-inf")
     part[splits // 2, 5] = float("nan")  # an empty split's partial is never read
     lse[: min(16, splits - 1), 7] = float("-inf")  # the first block empty, a later one not
-    a, b = torch.empty(5, 2, 32, device=device), torch.empty(5, 2, 32, device=device)
-    la, lb = torch.empty(5, 2, device=device), torch.empty(5, 2, device=device)
+    a, b = torch.empty(rows // 2, 2, 32, device=device), torch.empty(rows // 2, 2, 32,
+                                                                     device=device)
+    la, lb = torch.empty(rows // 2, 2, device=device), torch.empty(rows // 2, 2, device=device)
     combine_splits(part, lse, a, la)
     combine_splits_ref(part, lse, b, lb)
     assert torch.isfinite(a).all()
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(la, lb)
-    assert a.view(10, 32)[4].abs().max() == 0
+    assert a.view(rows, 32)[4].abs().max() == 0
 
 
 def test_split_heuristic():

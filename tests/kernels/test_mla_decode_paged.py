@@ -202,8 +202,10 @@ def test_defaults_table_and_choice_strings():
         shape_class,
     )
 
-    assert all(parse_choice(v)[0] is PAGED_VARIANTS[v.split("/")[0]]
-               for v in PAGED_DEFAULTS.values())
+    assert all(parse_choice(a)[0] is PAGED_VARIANTS[a.split("/")[0]]
+               for v in PAGED_DEFAULTS.values() for a in v.split("|"))
+    # a class entry ends with a Triton variant (it must run everywhere)
+    assert not any(parse_choice(v.split("|")[-1])[0].cuda for v in PAGED_DEFAULTS.values())
     assert parse_choice("G4x/sp16") == (PAGED_VARIANTS["G4x"], 16)
     with pytest.raises(ValueError, match="unknown paged variant"):
         parse_choice("nope")
@@ -230,8 +232,8 @@ def test_context_axis_overrides_the_class():
     cuda = torch.device("cuda")  # only the device type is read
     assert [context_class(n) for n in (0, 2048, 2049, 8192, 8193)] == \
         ["c2k", "c2k", "c8k", "c8k", "long"]
-    assert all(parse_choice(v)[0] is PAGED_VARIANTS[v.split("/")[0]]
-               for v in PAGED_CONTEXT_DEFAULTS.values())
+    assert all(parse_choice(a)[0] is PAGED_VARIANTS[a.split("/")[0]]
+               for v in PAGED_CONTEXT_DEFAULTS.values() for a in v.split("|"))
     pick = lambda kv, ctx: paged_choice(128, kv, cuda, 64, 1, ctx)[0]  # noqa: E731
     assert pick(FP8_DTYPE, 1000) is PAGED_VARIANTS["G4"]
     assert pick(FP8_DTYPE, 4096) is PAGED_VARIANTS["G4"]
@@ -239,8 +241,9 @@ def test_context_axis_overrides_the_class():
         parse_choice(PAGED_DEFAULTS[("fp8", "r128", "b1")])[0]
     assert pick(torch.bfloat16, 32768) is PAGED_VARIANTS["CF"]
     assert pick(torch.bfloat16, 4096) is PAGED_VARIANTS["S16"]
-    # other classes ignore the context
-    assert paged_choice(32, torch.bfloat16, cuda, 64, 32, 32768)[0] is PAGED_VARIANTS["S16"]
+    # other classes ignore the context (W where the wgmma kernel runs)
+    assert paged_choice(32, torch.bfloat16, cuda, 64, 32, 32768)[0] in \
+        (PAGED_VARIANTS["W"], PAGED_VARIANTS["S16"])
     # the 32-row batch-1 class: 64 one-tile splits up to 8k, the model's count at 1k
     assert paged_choice(32, torch.bfloat16, cuda, 64, 1, 4096) == (PAGED_VARIANTS["S16"], 64)
     assert paged_choice(32, torch.bfloat16, cuda, 64, 1, 1024) == (PAGED_VARIANTS["S16"], None)
@@ -265,22 +268,27 @@ def test_swap_excludes_vsplit():
 
 
 def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
-    """A ``K*`` (CUDA kernel) context entry applies only with fixed rows, a bf16 cache and the
-    kernel available; else the class default (never a CUDA variant) holds."""
+    """A CUDA-kernel alternative (``K*`` / ``W*``) applies only with fixed rows, a bf16 cache,
+    the kernels available and (``W*``) sm_90; else the next alternative, and for a context
+    entry none of whose alternatives runs, the class entry."""
     from mla_spec.kernels import mla_decode_tiles as mt
 
     cuda = torch.device("cuda")  # only the device type is read (availability is patched)
-    assert not any(mt.parse_choice(v)[0].cuda for v in mt.PAGED_DEFAULTS.values())
-    key = next(k for k, v in mt.PAGED_CONTEXT_DEFAULTS.items() if mt.parse_choice(v)[0].cuda)
-    kv, rc, bc, cc = key
-    rows = {"r32": 32, "r128": 128, "big": 256}[rc]
-    bs = {"b1": 1, "b48": 32, "big": 64}[bc]
-    ctx = {"c2k": 1024, "c8k": 4096, "long": 32768}[cc]
-    dtype = torch.bfloat16 if kv == "bf16" else FP8_DTYPE
+    cap = {"v": (9, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: cap["v"])
     monkeypatch.setattr(mt, "cuda_kernels_available", lambda dev: None)
-    assert mt.paged_choice(rows, dtype, cuda, 64, bs, ctx)[0].cuda
-    base = mt.parse_choice(mt.PAGED_DEFAULTS[key[:3]])
-    assert mt.paged_choice(rows, dtype, cuda, 64, bs, ctx, fixed=False) == base
-    assert mt.paged_choice(rows, torch.float16, cuda, 64, bs, ctx) == base
+    V = mt.PAGED_VARIANTS
+    # the 32-row large-batch class: W on sm_90, its Triton alternative elsewhere
+    assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 128, 8192) == (V["W"], None)
+    assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 128, 8192, fixed=False) == \
+        (V["S32w4"], None)
+    assert mt.paged_choice(32, torch.float16, cuda, 64, 128, 8192) == (V["S32w4"], None)
+    # the 32-row batch-1 long-context entry: W, then K (sm_100 has no wgmma), then the class
+    assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768) == (V["W"], 128)
+    cap["v"] = (10, 0)
+    assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768) == (V["K"], 128)
+    assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 128, 8192) == (V["S32w4"], None)
+    base = mt.parse_choice(mt.PAGED_DEFAULTS[("bf16", "r32", "b1")])
+    assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768, fixed=False) == base
     monkeypatch.setattr(mt, "cuda_kernels_available", lambda dev: "nvcc not found")
-    assert mt.paged_choice(rows, dtype, cuda, 64, bs, ctx) == base
+    assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768) == base

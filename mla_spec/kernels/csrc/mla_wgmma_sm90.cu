@@ -262,8 +262,8 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& p) {
 
   for (int it = 0; it < ntiles; ++it) {
     const int stage = it % STAGES, t0 = lo + it * BN;
-    mbar_wait(&full[stage], (it / STAGES) & 1);
     const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
+    mbar_wait(&full[stage], (it / STAGES) & 1);
     const int nvalid = hi - t0;
     if (nvalid < BN)  // slots past hi may hold anything (a freed slot's NaN): zero their V
       for (int c = tid; c < (BN - nvalid) * 64; c += NT)  // rows, since P = 0 times NaN is NaN
