@@ -49,7 +49,7 @@ class PagedConfig:
     #: the hand-written CUDA kernel (``mla_decode_cuda``; ``num_stages`` bulk-copy stages)
     cuda: bool = False
     #: with ``cuda``: its warpgroup-MMA sibling (``mla_decode_wgmma``, sm_90 only; 64-token
-    #: tiles, two stages, 8 warps, ``block_m`` 32 or 16)
+    #: tiles, two stages, 8 consumer warps, ``block_m`` 64, 32 or 16)
     wgmma: bool = False
 
     def __post_init__(self) -> None:
@@ -60,9 +60,9 @@ class PagedConfig:
             raise ValueError("the CUDA kernel has its own tile (block_m, block_n, warps, "
                              "stages) only")
         if self.wgmma and not (self.cuda and self.block_n == 64 and self.num_warps == 8
-                               and self.num_stages == 2 and self.block_m in (16, 32)):
-            raise ValueError("wgmma is a CUDA kernel (cuda=True) with block_m 16 or 32, "
-                             "block_n 64, 8 warps, 2 stages")
+                               and self.num_stages == 2 and self.block_m in (16, 32, 64)):
+            raise ValueError("wgmma is a CUDA kernel (cuda=True) with block_m 16, 32 or 64, "
+                             "block_n 64, 8 (consumer) warps, 2 stages")
 
     @property
     def tag(self) -> str:
@@ -121,6 +121,7 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     # its warpgroup-MMA sibling (mla_decode_wgmma; TMA tiles, sm_90 only)
     "W": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True),
     "W16": PagedConfig(16, 64, 8, 2, cuda=True, wgmma=True),
+    "W64": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins
@@ -145,6 +146,12 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # cannot run (not sm_90, no nvcc, ragged rows, fp16), the Triton variant after the "|".
     ("bf16", "r32", "b48"): "W|S16",  # S16: bs 32 ctx 4k 152.7 vs G 175.6 µs (eager)
     ("bf16", "r32", "big"): "W|S32w4",
+    # 128 rows (H 128 q 1; H 32 q 4 = TARGET_VERIFY at TP4): W64, two 64-row CTAs per request
+    # (C: one per 64 rows too, but Triton's per-tile cost). bs 128 ctx 8k H 128: 730 vs C 1105
+    # (FlashInfer 574); H 32 q 4: 762 vs 1128 (567); bs 32 ctx 4k q 4: W64/sp2 103.6 vs C/sp2
+    # 152.8 (75.1); bs 64 ctx 32k H 128: 1466 vs 2160 (1192)
+    ("bf16", "r128", "b48"): "W64|C",
+    ("bf16", "r128", "big"): "W64|C",
     # third H200 sweep (sixth session, bs 1 at ctx 1k / 4k / 32k in a graph, after the split
     # model's combine term): S16 within 1.09x of the best over the class (V2: 1.25x), C 1.00x
     ("bf16", "r128", "b1"): "S16",
@@ -157,8 +164,9 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
 # two runs (docs/bench_mla.md v6; batch 1 in a graph, 128 rows = TARGET_VERIFY at H 32 / DECODE
 # at H 128):
 PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
-    ("bf16", "r128", "b1", "long"): "CF",  # 32k: 61.9 / 62.5 vs S16 91.8 / 91.1 µs (S16's 8
-    #                                        row blocks each re-read the KV from L2)
+    # 32k: CF 61.9 / 62.5 vs S16 91.8 / 91.1 µs (S16's 8 row blocks each re-read the KV from
+    # L2); ninth session: W64/sp64 41.2 vs CF 51.8 (FlashInfer 39.8)
+    ("bf16", "r128", "b1", "long"): "W64/sp64|CF",
     ("fp8", "r128", "b1", "c2k"): "G4",    # 1k: 14.1 vs V2 16.7, CF 20.4 µs
     ("fp8", "r128", "b1", "c8k"): "G4",    # 4k: 26.2 / 26.4 vs CF 28.6 / 28.5 µs (32k: CF, 70)
     # eighth session, after the one-round combine (docs/bench_mla.md v7): 64 one-tile splits at

@@ -4,10 +4,11 @@ Same contract and result as :func:`mla_spec.kernels.mla_decode_paged.mla_decode_
 the shapes it takes: fixed ``q_len`` (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2), a contiguous
 bf16 cache ``[slots, 576]`` whose page size is a multiple of 64 (one KV tile = 64 consecutive
 slots of one page, fetched by TMA), Dv 512 / Dpe 64, bf16 queries with 16-byte aligned rows,
-an sm_90 GPU (``wgmma`` exists on Hopper only). 32 (or 16) query rows per CTA; more rows per
-request run more row blocks, each streaming the KV. Splits merge through ``combine_splits``.
+an sm_90 GPU (``wgmma`` exists on Hopper only). 64, 32 or 16 query rows per CTA; more rows
+per request run more row blocks, each streaming the KV. Splits merge through
+``combine_splits``.
 
-Why it exists: see the ``.cu`` file's header. Its torch twin is ``mla_decode_ref``
+Why it exists: see the ``.cu`` files' headers. Its torch twin is ``mla_decode_ref``
 (``tests/kernels/test_mla_decode_cuda.py`` runs every ``cuda`` variant against it on the GPU).
 """
 
@@ -23,18 +24,25 @@ from mla_spec.kernels.pdl import pdl_on
 
 __all__ = ["WGMMA_BLOCK_M", "launch_wgmma_mla", "wgmma_mla_supported", "wgmma_smem"]
 
-_SRC = "mla_wgmma_sm90.cu"
 _DV, _DPE, _DK, _BN, _STAGES = 512, 64, 576, 64, 2
-#: rows per CTA the ``.cu`` file compiles (keep in sync with its ``MLA_WGMMA`` lines)
-WGMMA_BLOCK_M = (32, 16)
-_KERNELS = {bm: CudaKernel(_SRC, f"mla_wgmma_m{bm}", arch="sm_90a") for bm in WGMMA_BLOCK_M}
+#: rows per CTA -> (source, threads): 32 / 16 rows split the QK depth between the two consumer
+#: warpgroups (``mla_wgmma_sm90.cu``, a producer warp), 64 rows split the rows
+#: (``mla_wgmma64_sm90.cu``, a producer warpgroup); keep in sync with the sources' kernels
+_SOURCES = {32: ("mla_wgmma_sm90.cu", 288), 16: ("mla_wgmma_sm90.cu", 288),
+            64: ("mla_wgmma64_sm90.cu", 384)}
+WGMMA_BLOCK_M = tuple(_SOURCES)
+_KERNELS = {bm: CudaKernel(src, f"mla_wgmma_m{bm}", arch="sm_90a")
+            for bm, (src, _) in _SOURCES.items()}
 
 
 def wgmma_smem(block_m: int) -> int:
-    """Dynamic shared memory of one CTA (as laid out in the ``.cu``): 1 KB of alignment slack,
-    the KV stages, the queries, P^T, the S^T exchange, the reductions, the stage barriers."""
-    return (1024 + _STAGES * 9 * _BN * 128 + 9 * block_m * 128 + block_m * 128
-            + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4 + 16 * _STAGES)
+    """Dynamic shared memory of one CTA (as laid out in the ``.cu`` files): 1 KB of alignment
+    slack, the KV stages, the queries, P^T, then the S^T exchange (16 / 32 rows) or the
+    per-row rescale factors (64), the reductions, the stage barriers."""
+    base = 1024 + _STAGES * 9 * _BN * 128 + 9 * block_m * 128 + block_m * 128 + 16 * _STAGES
+    if block_m == 64:
+        return base + 8 * 32 * 4 + 2 * block_m * 4
+    return base + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4
 
 
 class _WgParams(ctypes.Structure):
@@ -128,7 +136,7 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                       ("write_lse", int(lse is not None)), ("qk_scale_log2", qk_scale_log2),
                       ("v_scale", v_scale)):
         setattr(p, name, val)
-    _KERNELS[block_m]((num_splits, m_blocks, bs), 288, wgmma_smem(block_m), p, dev,
+    _KERNELS[block_m]((num_splits, m_blocks, bs), _SOURCES[block_m][1], wgmma_smem(block_m), p, dev,
                       pdl=pdl_on(q_nope))
     if split:
         combine_splits(part, part_lse, out, lse)

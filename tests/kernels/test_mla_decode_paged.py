@@ -239,7 +239,7 @@ def test_context_axis_overrides_the_class():
     assert pick(FP8_DTYPE, 4096) is PAGED_VARIANTS["G4"]
     assert pick(FP8_DTYPE, 32768) is pick(FP8_DTYPE, None) is \
         parse_choice(PAGED_DEFAULTS[("fp8", "r128", "b1")])[0]
-    assert pick(torch.bfloat16, 32768) is PAGED_VARIANTS["CF"]
+    assert pick(torch.bfloat16, 32768) in (PAGED_VARIANTS["W64"], PAGED_VARIANTS["CF"])
     assert pick(torch.bfloat16, 4096) is PAGED_VARIANTS["S16"]
     # other classes ignore the context (W where the wgmma kernel runs)
     assert paged_choice(32, torch.bfloat16, cuda, 64, 32, 32768)[0] in \
@@ -288,6 +288,11 @@ def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
     cap["v"] = (10, 0)
     assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768) == (V["K"], 128)
     assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 128, 8192) == (V["S32w4"], None)
+    assert mt.paged_choice(128, torch.bfloat16, cuda, 64, 1, 32768) == (V["CF"], None)
+    cap["v"] = (9, 0)
+    assert mt.paged_choice(128, torch.bfloat16, cuda, 64, 1, 32768) == (V["W64"], 64)
+    assert mt.paged_choice(128, torch.bfloat16, cuda, 64, 32, 4096) == (V["W64"], None)
+    cap["v"] = (10, 0)
     base = mt.parse_choice(mt.PAGED_DEFAULTS[("bf16", "r32", "b1")])
     assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768, fixed=False) == base
     monkeypatch.setattr(mt, "cuda_kernels_available", lambda dev: "nvcc not found")

@@ -23,12 +23,13 @@ from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS, mla_decode_paged
 
 SM = 0.1352338
 DV, DPE = 512, 64
-SRC = CSRC / "mla_wgmma_sm90.cu"
+SRC, SRC64, HDR = (CSRC / n for n in ("mla_wgmma_sm90.cu", "mla_wgmma64_sm90.cu",
+                                      "sm90_wgmma.cuh"))
 
 
 def test_params_layout_matches_source():
     size, off = re.search(r"sizeof\(WgParams\) == (\d+) && offsetof\(WgParams, "
-                          r"qk_scale_log2\) == (\d+)", SRC.read_text()).groups()
+                          r"qk_scale_log2\) == (\d+)", HDR.read_text()).groups()
     assert ctypes.sizeof(mw._WgParams) == int(size)
     assert mw._WgParams.qk_scale_log2.offset == int(off)
     assert mw._WgParams.qn.offset == 128  # right after the 128-byte tensor map
@@ -36,6 +37,7 @@ def test_params_layout_matches_source():
 
 def test_instantiations_match_source():
     built = {int(m) for m in re.findall(r"^MLA_WGMMA\((\d+)\)", SRC.read_text(), re.M)}
+    built |= {int(m) for m in re.findall(r"mla_wgmma_m(\d+)\(", SRC64.read_text())}
     assert built == set(mw.WGMMA_BLOCK_M)
     for name, cfg in PAGED_VARIANTS.items():
         if cfg.wgmma:
@@ -57,10 +59,12 @@ def test_cpu_is_refused_with_a_reason():
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_source_compiles_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("MLA_SPEC_CACHE", str(tmp_path))
-    cubin = compile_cubin(SRC, "sm_90a")
-    assert cubin[:4] == b"\x7fELF"
-    for bm in mw.WGMMA_BLOCK_M:
-        assert f"mla_wgmma_m{bm}".encode() in cubin
+    for src in (SRC, SRC64):
+        cubin = compile_cubin(src, "sm_90a")
+        assert cubin[:4] == b"\x7fELF"
+        for bm in mw.WGMMA_BLOCK_M:
+            if mw._SOURCES[bm][0] == src.name:
+                assert f"mla_wgmma_m{bm}".encode() in cubin
 
 
 def _long_case(lens, h, page, seed, nan_tail):
@@ -87,7 +91,7 @@ def _long_case(lens, h, page, seed, nan_tail):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["W", "W16", "K"])
+@pytest.mark.parametrize("name", ["W", "W16", "W64", "K"])
 @pytest.mark.parametrize("lens,splits", [([32768], 128), ([16383, 77], 64), ([8191], 1)])
 def test_long_contexts_and_nan_tails(name, lens, splits):
     qn, qp, kv, r2t, rpi, kl = _long_case(lens, 32, 64, seed=len(lens) + splits, nan_tail=True)

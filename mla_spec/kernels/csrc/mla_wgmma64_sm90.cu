@@ -1,0 +1,228 @@
+// Split-KV MLA decode with warpgroup MMA for 64 query rows per CTA (sm_90a): the 128-row
+// classes (H 128 at q_len 1, DECODE without tensor parallelism; H 32 at q_len 4, TARGET_VERIFY
+// at TP4), where mla_wgmma_sm90.cu's 32-row CTAs made four CTAs per request that each streamed
+// the request's KV. Here two do.
+//
+// Same tile, stages, producer warp and output path as mla_wgmma_sm90.cu (sm90_wgmma.cuh); the
+// two consumer warpgroups split the work by rows instead of by the QK depth:
+//   S_w^T[64 tok, 32] = K[64 tok, 576] . Q_w^T      warpgroup w: its 32 rows, all 36 k16 steps
+//   softmax of its 32 rows (no exchange of S halves; the row max crosses its own 4 warps)
+//   O_w^T[256, 64]   += V_w^T[256, 64 tok] . P^T     its 256 output dims, all 64 rows
+// so P^T and every row's rescale factor cross through shared memory. The producer is a whole
+// warpgroup that hands its registers to the consumers (setmaxnreg). Shared memory: two KV
+// stages (144 KB), the queries (72 KB), P^T (8 KB), reductions: 227 KB less 480 bytes.
+// What it computes: exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache).
+#include "sm90_wgmma.cuh"
+
+namespace {
+
+using namespace sm90;
+
+constexpr int BM = 64, RW = 32;  // query rows per CTA, per warpgroup
+
+// S_w^T over all 36 k16 steps: A = K tile, B = the warpgroup's 32 query rows (both K-major)
+__device__ __forceinline__ void qk_rows(float (&s)[RW / 2], uint64_t a_desc, uint64_t b_desc) {
+#pragma unroll
+  for (int j = 0; j < 36; ++j) {
+    const uint32_t a_off = (j >> 2) * BLK + (j & 3) * 32, b_off = (j >> 2) * BM * 128 + (j & 3) * 32;
+    Wgmma<RW, 0>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
+  }
+}
+
+__device__ __forceinline__ void mla_wgmma64(const WgParams& p) {
+  constexpr int NA = RW / 2;  // S^T accumulators (m64n32) per thread
+  constexpr int NC = RW / 4;  // own query rows a thread holds (S^T column 8 jn + 2 t4 + e)
+  constexpr int NO = BM / 2;  // O^T accumulators per m64n64 tile
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* kv_s = smem;                          // [STAGES][9][64 tok][128 B]
+  unsigned char* q_s = kv_s + STAGES * TILE;           // [9][64 rows][128 B]
+  unsigned char* p_s = q_s + NCH * BM * 128;           // P^T [64 rows][64 tok] bf16, swizzled
+  float* red = reinterpret_cast<float*>(p_s + BM * 128);  // [2 wg][4 warps][RW]
+  float* alpha_s = red + 8 * RW;                          // [BM] this tile's rescale factors
+  float* rowv = alpha_s + BM;                             // [BM] v_scale / l
+  uint64_t* full = reinterpret_cast<uint64_t*>(rowv + BM);
+  uint64_t* empty = full + STAGES;
+
+  const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, wg = tid >> 7, wq = (tid & 127) >> 5;
+  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  CtaWork w;
+  if (!cta_start<BM>(p, mb, tid, full, empty, w)) return;
+  QueryLoad<BM> qload;
+  if (tid < NT) qload.issue(p, b, w.m0, w.n_rows, tid);
+  cta_range<BM>(p, split, b, w);
+  __syncthreads();  // barriers initialized
+  if (tid >= NT) {  // a producer warpgroup (one lane works) gives its registers away
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (tid == NT) produce(p, w, kv_s, full, empty);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  qload.store(q_s, tid);
+  fence_proxy_async();
+  named_barrier(1, NT);
+
+  const int rbase = RW * wg;  // this warpgroup's rows
+  int bound[NC];
+  float m_r[NC], l_r[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int col = rbase + 8 * (c >> 1) + 2 * t4 + (c & 1);
+    bound[c] = min(w.kv_len - p.q_len + (w.m0 + col) / p.H + 1, w.hi);
+    m_r[c] = -INFINITY;
+    l_r[c] = 0.f;
+  }
+  const int min_bound = min(w.kv_len - p.q_len + w.m0 / p.H + 1, w.hi);
+  float o[4][NO];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int i = 0; i < NO; ++i) o[mt][i] = 0.f;
+  const uint32_t p_base = smem_u32(p_s);
+  const uint64_t q_desc = sw128_desc(smem_u32(q_s) + rbase * 128, 16, 1024);
+  const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
+  const int sm_m = lane >> 3, sm_r = lane & 7;  // stmatrix: matrix and row of this lane
+  const float scale = p.qk_scale_log2;
+
+  for (int it = 0; it < w.ntiles; ++it) {
+    const int stage = it % STAGES, t0 = w.lo + it * BN;
+    const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
+    mbar_wait(&full[stage], (it / STAGES) & 1);
+    zero_v_tail(kv_s + stage * TILE, w.hi - t0, tid);
+    float s[NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) s[i] = 0.f;
+    wgmma_fence();
+    qk_rows(s, sw128_desc(kv_base, 16, 1024), q_desc);
+    wgmma_commit();
+    wgmma_wait0();
+
+    const int tok0 = t0 + wq * 16 + g;
+    const bool masked = t0 + BN > min_bound;
+    float mx[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      float v = -INFINITY;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 4 * (c >> 1) + 2 * hf + (c & 1);
+        const float x = !masked || tok0 + 8 * hf < bound[c] ? s[i] * scale : -INFINITY;
+        s[i] = x;
+        v = fmaxf(v, x);
+      }
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+      mx[c] = v;
+    }
+    if (g == 0)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) red[(wg * 4 + wq) * RW + 8 * (c >> 1) + 2 * t4 + (c & 1)] = mx[c];
+    named_barrier(1, NT);  // also: every warp is past PV(it - 1), so P^T and alpha_s are free
+    float alpha[NC], m_use[NC];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int col = 8 * (c >> 1) + 2 * t4 + (c & 1);
+      float v = m_r[c];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) v = fmaxf(v, red[(wg * 4 + q) * RW + col]);
+      m_use[c] = v == -INFINITY ? 0.f : v;
+      alpha[c] = exp2f(m_r[c] - m_use[c]);
+      m_r[c] = v;
+    }
+    uint32_t pk[NA / 2];
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      float sum = 0.f;
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = 4 * (c >> 1) + 2 * hf + (c & 1);
+        s[i] = exp2f(s[i] - m_use[c]);
+        sum += s[i];
+      }
+      l_r[c] = l_r[c] * alpha[c] + sum;
+    }
+#pragma unroll
+    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_bf16(s[i], s[i + 1]);
+    // P^T rows of this warpgroup, this warp's 16 tokens (blocks: 8 tokens x 8 rows)
+#pragma unroll
+    for (int jb = 0; jb < RW / 8; jb += 2) {
+      const int mjb = jb + (sm_m >> 1), mhf = sm_m & 1;
+      stsm_x4_t(p_base + sw128(rbase + 8 * mjb + sm_r, 2 * wq + mhf), pk[2 * jb], pk[2 * jb + 1],
+                pk[2 * jb + 2], pk[2 * jb + 3]);
+    }
+    if (wq == 0 && g == 0)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) alpha_s[rbase + 8 * (c >> 1) + 2 * t4 + (c & 1)] = alpha[c];
+    fence_proxy_async();
+    named_barrier(1, NT);  // P^T and alpha of all 64 rows
+    float a[NO / 2];  // the rescale factors of this thread's O^T columns (rows 8 jn + 2 t4 + e)
+    bool rescale = false;
+#pragma unroll
+    for (int i = 0; i < NO / 2; ++i) {
+      a[i] = alpha_s[8 * (i >> 1) + 2 * t4 + (i & 1)];
+      rescale |= a[i] != 1.f;
+    }
+    if (__any_sync(0xffffffffu, rescale))
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int i = 0; i < NO; ++i) o[mt][i] *= a[2 * (i >> 2) + (i & 1)];
+    const uint64_t v_desc = sw128_desc(kv_base + wg * 4 * BLK, BLK, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        Wgmma<BM, 1>::run(o[mt], v_desc + ((mt * BLK + kk * 2048) >> 4), p_desc + kk * 2);
+    wgmma_commit();
+    wgmma_wait0();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[stage]);
+  }
+  griddep_launch();
+
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    float l = l_r[c];
+    l += __shfl_xor_sync(0xffffffffu, l, 4);
+    l += __shfl_xor_sync(0xffffffffu, l, 8);
+    l += __shfl_xor_sync(0xffffffffu, l, 16);
+    l_r[c] = l;
+  }
+  named_barrier(1, NT);  // the KV stages and red are free
+  if (g == 0)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) red[(wg * 4 + wq) * RW + 8 * (c >> 1) + 2 * t4 + (c & 1)] = l_r[c];
+  float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [64][512]
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int i = 0; i < NO; ++i) {
+      const int col = 8 * (i >> 2) + 2 * t4 + (i & 1);
+      const int dim = (wg * 4 + mt) * 64 + wq * 16 + g + 8 * ((i >> 1) & 1);
+      ost[col * OSTRIDE + dim] = o[mt][i];
+    }
+  named_barrier(1, NT);
+  if (wq == 0 && g == 0)  // lanes 0-3 of a warpgroup's first warp hold its 32 rows
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int col = 8 * (c >> 1) + 2 * t4 + (c & 1), r = rbase + col, row = w.m0 + r;
+      const float* rr = red + wg * 4 * RW + col;
+      const float l = rr[0] + rr[RW] + rr[2 * RW] + rr[3 * RW];
+      rowv[r] = l > 0.f ? p.v_scale / l : 0.f;
+      if (row < w.n_rows)
+        write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, l > 0.f, m_r[c], l);
+    }
+  named_barrier(1, NT);
+  store_rows<BM>(p, w, split, b, ost, rowv, tid);
+}
+
+}  // namespace
+
+// 3 warpgroups: registers are allocated per warpgroup, and 64 rows of O^T take 128 per thread
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_m64(const __grid_constant__ WgParams p) {
+  mla_wgmma64(p);
+}

@@ -1,0 +1,269 @@
+// What the warpgroup-MMA MLA kernels (mla_wgmma_sm90.cu, mla_wgmma64_sm90.cu) share: the
+// parameter struct, the tile geometry, wgmma / TMA / stmatrix wrappers, and the parts of a
+// CTA's life that do not depend on how it multiplies (its work range, the queries' way into
+// shared memory, the producer warp, the output rows).
+#pragma once
+#include <stddef.h>
+
+#include "sm90_common.cuh"
+
+namespace {
+
+constexpr int DV = 512, DK = 576, NCH = DK / 64;  // 9 blocks of 64 dims (128 B per row)
+constexpr int BN = 64, STAGES = 2, NT = 256;      // tokens per tile, tiles in flight, threads
+constexpr int BLK = BN * 128;                     // one 64-dim block of a tile (8 KB)
+constexpr int TILE = NCH * BLK;                   // 72 KB
+constexpr int OSTRIDE = DV + 4;                   // fp32 output staging row (bank spread)
+
+}  // namespace
+
+struct alignas(64) TmaMap {
+  unsigned long long v[16];
+};
+
+struct alignas(64) WgParams {
+  TmaMap kv_map;  // the cache as [slots, 576] bf16, box [64 tokens, 64 dims], swizzle 128B
+  const __nv_bfloat16* qn;
+  const __nv_bfloat16* qp;
+  const int* r2t;
+  const void* rpi;
+  const void* kv_lens;
+  float* part;
+  float* part_lse;
+  __nv_bfloat16* out;
+  float* lse;
+  long long s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_r2t, s_o_t, s_o_h, s_ps, s_ls;
+  int H, q_len, num_splits, rpi_i64, kvl_i64, split, write_lse;
+  float qk_scale_log2, v_scale;
+};
+// mla_decode_wgmma._WgParams mirrors this layout (tests/kernels/test_mla_decode_wgmma.py)
+static_assert(sizeof(WgParams) == 320 && offsetof(WgParams, qk_scale_log2) == 300, "layout");
+
+namespace {
+
+using namespace sm90;
+
+// wgmma shared-memory descriptor, 128-byte swizzle: start, leading and stride byte offsets
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
+         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait0() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+
+// D[64, N] += A[64, 16] . B[16, N], bf16 in, fp32 accumulators (N / 2 per thread);
+// TA = 1: A is M-major in shared memory (the V^T view), else K-major
+template <int N, int TA>
+struct Wgmma;
+
+template <int TA>
+struct Wgmma<32, TA> {
+  __device__ __forceinline__ static void run(float (&d)[16], uint64_t da, uint64_t db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1, %18, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "n"(TA));
+  }
+};
+
+template <int TA>
+struct Wgmma<64, TA> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint64_t da, uint64_t db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+        "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, 1, 1, 1, %34, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
+          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
+          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
+          "+f"(d[31])
+        : "l"(da), "l"(db), "n"(TA));
+  }
+};
+
+template <int TA>
+struct Wgmma<16, TA> {
+  __device__ __forceinline__ static void run(float (&d)[8], uint64_t da, uint64_t db) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 1, 1, 1, %10, 0;\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "l"(da), "l"(db), "n"(TA));
+  }
+};
+
+__device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int c0, int c1,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes "
+      "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// byte offset of 16-byte chunk c of row r in a 128-byte-swizzled block (1024-B aligned)
+__device__ __forceinline__ uint32_t sw128(int r, int c) {
+  return r * 128 + ((c ^ (r & 7)) << 4);
+}
+
+// P^T (bf16) into shared memory from S^T-layout fragments: per 8 x 8 block (8 tokens x 8 query
+// rows) stmatrix .trans stores the transpose, i.e. 8 query rows of 8 consecutive tokens, each
+// a 16-byte chunk of the swizzled [BM rows][64 tokens] layout
+__device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                          uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// the CTA's (split, row block, request) work: rows, KV range [lo, hi), tiles
+struct CtaWork {
+  int n_rows, m0, kv_len, lo, hi, ntiles;
+  long long req;
+};
+
+// thread 0 initializes the stage barriers (full: one arrival + the TMA bytes; empty: the 8
+// consumer warps), the producer lane prefetches the tensor map, then the grid waits for its
+// predecessor (PDL); false when the row block is past the request's rows (the whole CTA exits)
+template <int BM>
+__device__ __forceinline__ bool cta_start(const WgParams& p, int mb, int tid, uint64_t* full,
+                                          uint64_t* empty, CtaWork& w) {
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], NT / 32);
+    }
+    mbar_fence_init();
+  }
+  if (tid == NT)
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.kv_map))
+                 : "memory");
+  griddep_wait();
+  w.n_rows = p.q_len * p.H;
+  w.m0 = mb * BM;
+  return w.m0 < w.n_rows;
+}
+
+// kv_len and the request slot of request b, then the split's tile range (0 tiles when the
+// split sees no visible KV); chunks are whole tiles
+template <int BM>
+__device__ __forceinline__ void cta_range(const WgParams& p, int split, int b, CtaWork& w) {
+  w.kv_len = p.kvl_i64 ? static_cast<int>(static_cast<const long long*>(p.kv_lens)[b])
+                       : static_cast<const int*>(p.kv_lens)[b];
+  w.req = p.rpi_i64 ? static_cast<const long long*>(p.rpi)[b]
+                    : static_cast<long long>(static_cast<const int*>(p.rpi)[b]);
+  const int last_row = min(w.m0 + BM, w.n_rows) - 1;
+  const int hi_rows = w.kv_len - p.q_len + last_row / p.H + 1;
+  const int chunk = ((w.kv_len + p.num_splits - 1) / p.num_splits + BN - 1) / BN * BN;
+  w.lo = split * chunk;
+  w.hi = min(min(w.lo + chunk, w.kv_len), hi_rows);
+  w.ntiles = w.hi > w.lo ? (w.hi - w.lo + BN - 1) / BN : 0;
+}
+
+// the CTA's BM query rows (q_nope | q_pe, 576 dims) into shared memory in the swizzled
+// K-major layout [9][BM][128 B]: issue() loads into registers (rows past n_rows are zeros),
+// store() writes them once the consumer warps are on their own
+template <int BM>
+struct QueryLoad {
+  static constexpr int QCH = BM * 72, QIT = (QCH + NT - 1) / NT;  // 16-byte chunks
+  uint4 v[QIT];
+
+  __device__ __forceinline__ void issue(const WgParams& p, int b, int m0, int n_rows, int tid) {
+#pragma unroll
+    for (int i = 0; i < QIT; ++i) {
+      const int c = tid + i * NT, r = c / 72, k = c % 72, row = m0 + r;
+      v[i] = make_uint4(0, 0, 0, 0);
+      if (c < QCH && row < n_rows) {
+        const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, h = row % p.H;
+        const __nv_bfloat16* src = k < 64 ? p.qn + tok * p.s_qn_t + h * p.s_qn_h + k * 8
+                                          : p.qp + tok * p.s_qp_t + h * p.s_qp_h + (k - 64) * 8;
+        v[i] = __ldg(reinterpret_cast<const uint4*>(src));
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store(unsigned char* q_s, int tid) const {
+#pragma unroll
+    for (int i = 0; i < QIT; ++i) {
+      const int c = tid + i * NT, r = c / 72, k = c % 72;
+      if (c < QCH) *reinterpret_cast<uint4*>(q_s + (k >> 3) * BM * 128 + sw128(r, k & 7)) = v[i];
+    }
+  }
+};
+
+// producer warp, lane 0: a tile's nine [64 tok, 64 dim] TMA boxes into a stage as soon as the
+// consumer warps have released it (empty), completing on full
+__device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, unsigned char* kv_s,
+                                        uint64_t* full, uint64_t* empty) {
+  const int* r2t_row = p.r2t + w.req * p.s_r2t + w.lo;
+  for (int it = 0; it < w.ntiles; ++it) {
+    const int stage = it % STAGES;
+    const int slot0 = r2t_row[it * BN];
+    if (it >= STAGES) mbar_wait(&empty[stage], ((it / STAGES) - 1) & 1);
+    mbar_expect_tx(&full[stage], TILE);
+#pragma unroll
+    for (int c = 0; c < NCH; ++c)
+      tma_load_2d(kv_s + stage * TILE + c * BLK, &p.kv_map, c * 64, slot0, &full[stage]);
+  }
+}
+
+// slots past hi may hold anything (a freed slot's NaN), and P = 0 times NaN is NaN: zero the V
+// part of the tile rows [nvalid, 64) of a landed stage (a generic write: fence before wgmma)
+__device__ __forceinline__ void zero_v_tail(unsigned char* stage_s, int nvalid, int tid) {
+  if (nvalid < BN)
+    for (int c = tid; c < (BN - nvalid) * 64; c += NT)
+      *reinterpret_cast<uint4*>(stage_s + ((c >> 3) & 7) * BLK + (nvalid + (c >> 6)) * 128 +
+                                (c & 7) * 16) = make_uint4(0, 0, 0, 0);
+}
+
+// the row's log2-sum-exp (split partials) or natural lse (when asked); -inf for no KV
+__device__ __forceinline__ void write_row_lse(const WgParams& p, int split, long long grow,
+                                              bool has, float m2, float l) {
+  const float lse2 = has ? m2 + log2f(l) : -INFINITY;
+  if (p.split)
+    p.part_lse[split * p.s_ls + grow] = lse2;
+  else if (p.write_lse)
+    p.lse[grow] = lse2 * 0.6931471805599453f;
+}
+
+// the CTA's output rows from the fp32 staging [BM][OSTRIDE] scaled by rowv (v_scale / l):
+// normalized fp32 partials of the split, or the bf16 result (coalesced, 16 B per thread)
+template <int BM>
+__device__ __forceinline__ void store_rows(const WgParams& p, const CtaWork& w, int split, int b,
+                                           const float* ost, const float* rowv, int tid) {
+  const int q_rows = min(BM, w.n_rows - w.m0);
+  for (int c = tid; c < q_rows * (DV / 4); c += NT) {
+    const int r = c / (DV / 4), d = (c % (DV / 4)) * 4, row = w.m0 + r;
+    const float inv = rowv[r];
+    const float4 v = *reinterpret_cast<const float4*>(ost + r * OSTRIDE + d);
+    const long long grow = static_cast<long long>(b) * w.n_rows + row;  // tok * H + h
+    if (p.split) {
+      *reinterpret_cast<float4*>(p.part + split * p.s_ps + grow * DV + d) =
+          make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
+    } else {
+      const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, h = row % p.H;
+      *reinterpret_cast<uint2*>(p.out + tok * p.s_o_t + h * p.s_o_h + d) =
+          make_uint2(pack_bf16(v.x * inv, v.y * inv), pack_bf16(v.z * inv, v.w * inv));
+    }
+  }
+}
+
+}  // namespace
