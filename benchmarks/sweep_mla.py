@@ -344,8 +344,11 @@ def sm90_offline(names):
     for name in names:
         cfg = VARIANTS[name]
         if cfg.cuda:
-            print(f"| {name} | {cfg.tag} | CUDA C++: nvcc -Xptxas -v on "
-                  "mla_spec/kernels/csrc/mla_splitkv_sm90.cu |")
+            src = ("mla_wgmma64_sm90.cu" if cfg.block_m == 64 else "mla_wgmma_sm90.cu") \
+                if cfg.wgmma else "mla_splitkv_sm90.cu"
+            arch = "sm_90a" if cfg.wgmma else "sm_90"
+            print(f"| {name} | {cfg.tag} | CUDA C++: nvcc -arch={arch} -Xptxas -v on "
+                  f"mla_spec/kernels/csrc/{src} |")
             continue
         for fp8 in (False, True):
             for split in (False, True):
