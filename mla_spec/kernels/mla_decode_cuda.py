@@ -22,7 +22,8 @@ from mla_spec.kernels.cuda_driver import CudaKernel, cuda_kernels_available
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.pdl import pdl_on
 
-__all__ = ["CUDA_TILES", "CudaTile", "cuda_mla_supported", "launch_cuda_mla"]
+__all__ = ["CUDA_TILES", "CudaTile", "call_supported", "cuda_mla_supported", "launch_cuda_mla",
+           "split_params"]
 
 _SRC = "mla_splitkv_sm90.cu"
 _DV, _DPE = 512, 64
@@ -66,46 +67,49 @@ class _Params(ctypes.Structure):
         [("qk_scale_log2", ctypes.c_float), ("v_scale", ctypes.c_float)]
 
 
-def cuda_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
-                       page_size: int, tile: CudaTile, q_len: int | None) -> str | None:
-    """None when the CUDA kernel takes this call, else why not (the caller falls back)."""
+def call_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
+                   page_size: int, block_n: int, q_len: int | None, kernel: str) -> str | None:
+    """What every hand-written MLA kernel needs of a call (None when met, else why not): the
+    CUDA kernels can run here, fixed rows, bf16 queries and cache at DeepSeek's dims, page-sized
+    tiles of ``block_n`` tokens, 16-byte aligned query rows and a contiguous cache."""
     why = cuda_kernels_available(q_nope.device)
     if why:
         return why
-    if tile not in _KERNELS:
-        return f"tile {tile} is not compiled (one of {[t.name for t in CUDA_TILES]})"
     if q_len is None:
-        return "the CUDA kernel takes fixed q_len only (ragged rows: the Triton kernels)"
+        return f"the {kernel} takes fixed q_len only (ragged rows: the Triton kernels)"
     if kv_flat.dtype != torch.bfloat16 or q_nope.dtype != torch.bfloat16:
-        return f"the CUDA kernel takes a bf16 cache and bf16 queries (got {kv_flat.dtype} / " \
+        return f"the {kernel} takes a bf16 cache and bf16 queries (got {kv_flat.dtype} / " \
                f"{q_nope.dtype})"
     if q_nope.shape[-1] != _DV or q_pe.shape[-1] != _DPE:
-        return f"the CUDA kernel is built for Dv {_DV} / Dpe {_DPE}"
-    if page_size % tile.block_n:
-        return f"page_size {page_size} is not a multiple of the CUDA tile's {tile.block_n}"
+        return f"the {kernel} is built for Dv {_DV} / Dpe {_DPE}"
+    if page_size % block_n:
+        return f"page_size {page_size} is not a multiple of the {kernel}'s {block_n}-token tile"
     for nm, t in (("q_nope", q_nope), ("q_pe", q_pe)):
         if t.stride(-1) != 1 or t.stride(0) % 8 or t.stride(1) % 8 or t.data_ptr() % 16:
             return f"{nm} rows must be contiguous and 16-byte aligned"
-    if kv_flat.data_ptr() % 16:
-        return "kv_flat must be 16-byte aligned"
+    if not kv_flat.is_contiguous() or kv_flat.shape[-1] != _DV + _DPE or kv_flat.data_ptr() % 16:
+        return f"kv_flat must be a contiguous, 16-byte aligned [slots, {_DV + _DPE}]"
     return None
 
 
-def launch_cuda_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
-                    qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
-                    num_splits: int, tile: CudaTile) -> None:
-    """Run the split kernel (and the combine when ``num_splits > 1``) into ``out`` / ``lse``
-    (see :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
+def cuda_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
+                       page_size: int, tile: CudaTile, q_len: int | None) -> str | None:
+    """None when the CUDA kernel takes this call, else why not (the caller falls back)."""
+    if tile not in _KERNELS:
+        return f"tile {tile} is not compiled (one of {[t.name for t in CUDA_TILES]})"
+    return call_supported(q_nope, q_pe, kv_flat, page_size, tile.block_n, q_len, "CUDA kernel")
+
+
+def split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
+                 qk_scale_log2: float, v_scale: float, q_len: int, num_splits: int):
+    """The kernel parameters (``_Params``, the ``MlaParams`` of ``csrc/mla_params.cuh``) of a
+    call, and the fp32 split partials it writes (``part [S, N*H, Dv]``, ``part_lse [S, N*H]``;
+    ``out`` itself twice when there is one split)."""
     n, h, dv = q_nope.shape
-    bs = req_pool_indices.numel()
-    dev = q_nope.device
-    if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 2 or \
-            out.stride(1) % 2:
-        raise ValueError("the CUDA kernel writes a bf16 out with contiguous, 4-byte aligned rows")
     split = num_splits > 1
     if split:
-        part = torch.empty((num_splits, n * h, dv), dtype=torch.float32, device=dev)
-        part_lse = torch.empty((num_splits, n * h), dtype=torch.float32, device=dev)
+        part = torch.empty((num_splits, n * h, dv), dtype=torch.float32, device=q_nope.device)
+        part_lse = torch.empty((num_splits, n * h), dtype=torch.float32, device=q_nope.device)
     else:
         part = part_lse = out
     r2t = req_to_token if req_to_token.dtype == torch.int32 else req_to_token.int()
@@ -119,7 +123,22 @@ def launch_cuda_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_le
                 h, q_len, num_splits, int(req_pool_indices.dtype == torch.int64),
                 int(kv_lens.dtype == torch.int64), int(split), int(lse is not None),
                 qk_scale_log2, v_scale)
-    _KERNELS[tile]((num_splits, m_blocks, bs), 32 * tile.warps, tile.smem, p, dev,
-                   pdl=pdl_on(q_nope))
-    if split:
+    p._keep = r2t  # an int32 copy of req_to_token must outlive the launch
+    return p, part, part_lse
+
+
+def launch_cuda_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
+                    qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
+                    num_splits: int, tile: CudaTile) -> None:
+    """Run the split kernel (and the combine when ``num_splits > 1``) into ``out`` / ``lse``
+    (see :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
+    if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 2 or \
+            out.stride(1) % 2:
+        raise ValueError("the CUDA kernel writes a bf16 out with contiguous, 4-byte aligned rows")
+    p, part, part_lse = split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices,
+                                     kv_lens, out, lse, qk_scale_log2, v_scale, q_len,
+                                     num_splits)
+    _KERNELS[tile]((num_splits, m_blocks, req_pool_indices.numel()), 32 * tile.warps, tile.smem,
+                   p, q_nope.device, pdl=pdl_on(q_nope))
+    if num_splits > 1:
         combine_splits(part, part_lse, out, lse)

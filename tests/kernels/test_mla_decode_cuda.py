@@ -26,7 +26,7 @@ DV, DPE = 512, 64
 
 
 def test_params_layout_matches_source():
-    src = (CSRC / "mla_splitkv_sm90.cu").read_text()
+    src = (CSRC / "mla_params.cuh").read_text()
     size, off = re.search(r"sizeof\(MlaParams\) == (\d+) && offsetof\(MlaParams, "
                           r"qk_scale_log2\) == (\d+)", src).groups()
     assert ctypes.sizeof(mc._Params) == int(size)

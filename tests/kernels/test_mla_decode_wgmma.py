@@ -29,10 +29,10 @@ SRC, SRC64, HDR = (CSRC / n for n in ("mla_wgmma_sm90.cu", "mla_wgmma64_sm90.cu"
 
 def test_params_layout_matches_source():
     size, off = re.search(r"sizeof\(WgParams\) == (\d+) && offsetof\(WgParams, "
-                          r"qk_scale_log2\) == (\d+)", HDR.read_text()).groups()
+                          r"kv_map\) == (\d+)", HDR.read_text()).groups()
     assert ctypes.sizeof(mw._WgParams) == int(size)
-    assert mw._WgParams.qk_scale_log2.offset == int(off)
-    assert mw._WgParams.qn.offset == 128  # right after the 128-byte tensor map
+    assert mw._WgParams.kv_map.offset == int(off)
+    assert mw._WgParams.m.offset == 0
 
 
 def test_instantiations_match_source():

@@ -29,7 +29,8 @@ __device__ __forceinline__ void qk_rows(float (&s)[RW / 2], uint64_t a_desc, uin
   }
 }
 
-__device__ __forceinline__ void mla_wgmma64(const WgParams& p) {
+__device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
+  const MlaParams& p = wp.m;
   constexpr int NA = RW / 2;  // S^T accumulators (m64n32) per thread
   constexpr int NC = RW / 4;  // own query rows a thread holds (S^T column 8 jn + 2 t4 + e)
   constexpr int NO = BM / 2;  // O^T accumulators per m64n64 tile
@@ -48,14 +49,14 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& p) {
   const int tid = threadIdx.x, wg = tid >> 7, wq = (tid & 127) >> 5;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
-  if (!cta_start<BM>(p, mb, tid, full, empty, w)) return;
+  if (!cta_start<BM>(wp, mb, tid, full, empty, w)) return;
   QueryLoad<BM> qload;
   if (tid < NT) qload.issue(p, b, w.m0, w.n_rows, tid);
   cta_range<BM>(p, split, b, w);
   __syncthreads();  // barriers initialized
   if (tid >= NT) {  // a producer warpgroup (one lane works) gives its registers away
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (tid == NT) produce(p, w, kv_s, full, empty);
+    if (tid == NT) produce(wp, w, kv_s, full, empty);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -98,51 +99,12 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& p) {
     wgmma_commit();
     wgmma_wait0();
 
-    const int tok0 = t0 + wq * 16 + g;
-    const bool masked = t0 + BN > min_bound;
-    float mx[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      float v = -INFINITY;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 4 * (c >> 1) + 2 * hf + (c & 1);
-        const float x = !masked || tok0 + 8 * hf < bound[c] ? s[i] * scale : -INFINITY;
-        s[i] = x;
-        v = fmaxf(v, x);
-      }
-      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-      mx[c] = v;
-    }
-    if (g == 0)
-#pragma unroll
-      for (int c = 0; c < NC; ++c) red[(wg * 4 + wq) * RW + 8 * (c >> 1) + 2 * t4 + (c & 1)] = mx[c];
+    tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, scale,
+                     red + (wg * 4 + wq) * RW, g, t4);
     named_barrier(1, NT);  // also: every warp is past PV(it - 1), so P^T and alpha_s are free
-    float alpha[NC], m_use[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int col = 8 * (c >> 1) + 2 * t4 + (c & 1);
-      float v = m_r[c];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) v = fmaxf(v, red[(wg * 4 + q) * RW + col]);
-      m_use[c] = v == -INFINITY ? 0.f : v;
-      alpha[c] = exp2f(m_r[c] - m_use[c]);
-      m_r[c] = v;
-    }
+    float alpha[NC];
+    tile_softmax<NC>(s, m_r, l_r, alpha, red + wg * 4 * RW, RW, t4);
     uint32_t pk[NA / 2];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      float sum = 0.f;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 4 * (c >> 1) + 2 * hf + (c & 1);
-        s[i] = exp2f(s[i] - m_use[c]);
-        sum += s[i];
-      }
-      l_r[c] = l_r[c] * alpha[c] + sum;
-    }
 #pragma unroll
     for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_bf16(s[i], s[i + 1]);
     // P^T rows of this warpgroup, this warp's 16 tokens (blocks: 8 tokens x 8 rows)
@@ -154,7 +116,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& p) {
     }
     if (wq == 0 && g == 0)
 #pragma unroll
-      for (int c = 0; c < NC; ++c) alpha_s[rbase + 8 * (c >> 1) + 2 * t4 + (c & 1)] = alpha[c];
+      for (int c = 0; c < NC; ++c) alpha_s[rbase + frag_col(c, t4)] = alpha[c];
     fence_proxy_async();
     named_barrier(1, NT);  // P^T and alpha of all 64 rows
     float a[NO / 2];  // the rescale factors of this thread's O^T columns (rows 8 jn + 2 t4 + e)
@@ -169,41 +131,17 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& p) {
       for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int i = 0; i < NO; ++i) o[mt][i] *= a[2 * (i >> 2) + (i & 1)];
-    const uint64_t v_desc = sw128_desc(kv_base + wg * 4 * BLK, BLK, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<BM, 1>::run(o[mt], v_desc + ((mt * BLK + kk * 2048) >> 4), p_desc + kk * 2);
-    wgmma_commit();
-    wgmma_wait0();
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[stage]);
+    pv_tile<BM>(o, kv_base, p_desc, wg, lane, &empty[stage]);  // then the stage is free
   }
   griddep_launch();
 
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    float l = l_r[c];
-    l += __shfl_xor_sync(0xffffffffu, l, 4);
-    l += __shfl_xor_sync(0xffffffffu, l, 8);
-    l += __shfl_xor_sync(0xffffffffu, l, 16);
-    l_r[c] = l;
-  }
+  sum_over_g<NC>(l_r);
   named_barrier(1, NT);  // the KV stages and red are free
   if (g == 0)
 #pragma unroll
-    for (int c = 0; c < NC; ++c) red[(wg * 4 + wq) * RW + 8 * (c >> 1) + 2 * t4 + (c & 1)] = l_r[c];
+    for (int c = 0; c < NC; ++c) red[(wg * 4 + wq) * RW + frag_col(c, t4)] = l_r[c];
   float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [64][512]
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-    for (int i = 0; i < NO; ++i) {
-      const int col = 8 * (i >> 2) + 2 * t4 + (i & 1);
-      const int dim = (wg * 4 + mt) * 64 + wq * 16 + g + 8 * ((i >> 1) & 1);
-      ost[col * OSTRIDE + dim] = o[mt][i];
-    }
+  stage_o<NO>(ost, o, wg, wq, g, t4);
   named_barrier(1, NT);
   if (wq == 0 && g == 0)  // lanes 0-3 of a warpgroup's first warp hold its 32 rows
 #pragma unroll

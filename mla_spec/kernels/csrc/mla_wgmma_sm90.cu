@@ -42,7 +42,8 @@ __device__ __forceinline__ void qk_half(float (&s)[BM / 2], uint64_t a_desc, uin
 }
 
 template <int BM>
-__device__ __forceinline__ void mla_wgmma(const WgParams& p) {
+__device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
+  const MlaParams& p = wp.m;
   static_assert(BM == 16 || BM == 32, "rows per CTA");
   constexpr int NA = BM / 2;  // accumulators of one m64nBM tile per thread
   constexpr int NC = BM / 4;  // query rows (S^T / O^T columns) a thread holds
@@ -61,13 +62,13 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& p) {
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
-  if (!cta_start<BM>(p, mb, tid, full, empty, w)) return;
+  if (!cta_start<BM>(wp, mb, tid, full, empty, w)) return;
   QueryLoad<BM> qload;  // the queries' loads go out beside the index loads
   if (tid < NT) qload.issue(p, b, w.m0, w.n_rows, tid);
   cta_range<BM>(p, split, b, w);
   __syncthreads();  // barriers initialized
   if (tid >= NT) {  // the producer warp
-    if (lane == 0) produce(p, w, kv_s, full, empty);
+    if (lane == 0) produce(wp, w, kv_s, full, empty);
     return;
   }
   qload.store(q_s, tid);
@@ -127,57 +128,15 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& p) {
       s[4 * i + 3] += v.w;
     }
 
-    // scale, causal / split mask (only where some row's window ends in this tile), column
-    // (query row) max over the tile's 64 tokens
-    const int tok0 = t0 + wq * 16 + g;
-    const bool masked = t0 + BN > min_bound;
-    float mx[NC];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      float v = -INFINITY;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 4 * (c >> 1) + 2 * hf + (c & 1);
-        const float x = !masked || tok0 + 8 * hf < bound[c] ? s[i] * scale : -INFINITY;
-        s[i] = x;
-        v = fmaxf(v, x);
-      }
-      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-      v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-      mx[c] = v;
-    }
-    if (g == 0)
-#pragma unroll
-      for (int c = 0; c < NC; ++c) red[(wg * 4 + wq) * BM + 8 * (c >> 1) + 2 * t4 + (c & 1)] = mx[c];
+    // scale, causal / split mask, each query row's max over the tile's 64 tokens
+    tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, scale,
+                     red + (wg * 4 + wq) * BM, g, t4);
     named_barrier(2 + wg, 128);
-    float alpha[NC], m_use[NC];
-    bool rescale = false;
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int col = 8 * (c >> 1) + 2 * t4 + (c & 1);
-      float v = m_r[c];
-#pragma unroll
-      for (int w = 0; w < 4; ++w) v = fmaxf(v, red[(wg * 4 + w) * BM + col]);
-      m_use[c] = v == -INFINITY ? 0.f : v;
-      alpha[c] = exp2f(m_r[c] - m_use[c]);
-      rescale |= v != m_r[c];
-      m_r[c] = v;
-    }
-    // probabilities: l per thread (its two tokens); P^T to shared memory by the warps of
-    // warpgroup w whose 16 tokens are w's half of the tile (both groups hold the same P)
+    float alpha[NC];
+    const bool rescale = tile_softmax<NC>(s, m_r, l_r, alpha, red + wg * 4 * BM, BM, t4);
+    // P^T to shared memory by the warps of warpgroup w whose 16 tokens are w's half of the
+    // tile (both groups hold the same P)
     uint32_t pk[NA / 2];
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      float sum = 0.f;
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = 4 * (c >> 1) + 2 * hf + (c & 1);
-        s[i] = exp2f(s[i] - m_use[c]);
-        sum += s[i];
-      }
-      l_r[c] = l_r[c] * alpha[c] + sum;
-    }
 #pragma unroll
     for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_bf16(s[i], s[i + 1]);
     if ((wq >> 1) == wg) {
@@ -196,44 +155,18 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& p) {
         for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
     fence_proxy_async();
     named_barrier(1, NT);  // P^T complete
-    // O^T[dims of this warpgroup] += V^T . P^T over the tile's 64 tokens
-    const uint64_t v_desc = sw128_desc(kv_base + wg * 4 * BLK, BLK, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<BM, 1>::run(o[mt], v_desc + ((mt * BLK + kk * 2048) >> 4), p_desc + kk * 2);
-    wgmma_commit();
-    wgmma_wait0();
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[stage]);  // this warp is done with the stage
+    pv_tile<BM>(o, kv_base, p_desc, wg, lane, &empty[stage]);  // then the stage is free
   }
   griddep_launch();  // the combine may launch now (it waits for this grid to finish)
 
   // l over the tile rows (lanes g) and warps of warpgroup 0, then v_scale / l and lse per row
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    float l = l_r[c];
-    l += __shfl_xor_sync(0xffffffffu, l, 4);
-    l += __shfl_xor_sync(0xffffffffu, l, 8);
-    l += __shfl_xor_sync(0xffffffffu, l, 16);
-    l_r[c] = l;
-  }
+  sum_over_g<NC>(l_r);
   named_barrier(1, NT);  // the KV stages and red are free
   if (wg == 0 && g == 0)
 #pragma unroll
-    for (int c = 0; c < NC; ++c) red[wq * BM + 8 * (c >> 1) + 2 * t4 + (c & 1)] = l_r[c];
-  // O^T fragments -> fp32 rows [BM][512] in the freed KV stages
-  float* ost = reinterpret_cast<float*>(kv_s);
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-    for (int i = 0; i < NA; ++i) {
-      const int col = 8 * (i >> 2) + 2 * t4 + (i & 1);
-      const int dim = (wg * 4 + mt) * 64 + wq * 16 + g + 8 * ((i >> 1) & 1);
-      ost[col * OSTRIDE + dim] = o[mt][i];
-    }
+    for (int c = 0; c < NC; ++c) red[wq * BM + frag_col(c, t4)] = l_r[c];
+  float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
+  stage_o<NA>(ost, o, wg, wq, g, t4);
   named_barrier(1, NT);
   if (wg == 0 && wq == 0 && g == 0)  // lanes 0-3 of warp 0 hold every row between them
 #pragma unroll

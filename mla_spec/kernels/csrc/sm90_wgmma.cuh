@@ -3,8 +3,7 @@
 // CTA's life that do not depend on how it multiplies (its work range, the queries' way into
 // shared memory, the producer warp, the output rows).
 #pragma once
-#include <stddef.h>
-
+#include "mla_params.cuh"
 #include "sm90_common.cuh"
 
 namespace {
@@ -21,23 +20,13 @@ struct alignas(64) TmaMap {
   unsigned long long v[16];
 };
 
+// the split kernels' parameters and the cache's TMA descriptor (the cache as [slots, 576] bf16,
+// box [64 tokens, 64 dims], swizzle 128B); mla_decode_wgmma._WgParams mirrors this layout
 struct alignas(64) WgParams {
-  TmaMap kv_map;  // the cache as [slots, 576] bf16, box [64 tokens, 64 dims], swizzle 128B
-  const __nv_bfloat16* qn;
-  const __nv_bfloat16* qp;
-  const int* r2t;
-  const void* rpi;
-  const void* kv_lens;
-  float* part;
-  float* part_lse;
-  __nv_bfloat16* out;
-  float* lse;
-  long long s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_r2t, s_o_t, s_o_h, s_ps, s_ls;
-  int H, q_len, num_splits, rpi_i64, kvl_i64, split, write_lse;
-  float qk_scale_log2, v_scale;
+  MlaParams m;  // m.kv is unused: the tiles come through kv_map
+  TmaMap kv_map;
 };
-// mla_decode_wgmma._WgParams mirrors this layout (tests/kernels/test_mla_decode_wgmma.py)
-static_assert(sizeof(WgParams) == 320 && offsetof(WgParams, qk_scale_log2) == 300, "layout");
+static_assert(sizeof(WgParams) == 320 && offsetof(WgParams, kv_map) == 192, "layout");
 
 namespace {
 
@@ -157,7 +146,7 @@ __device__ __forceinline__ bool cta_start(const WgParams& p, int mb, int tid, ui
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.kv_map))
                  : "memory");
   griddep_wait();
-  w.n_rows = p.q_len * p.H;
+  w.n_rows = p.m.q_len * p.m.H;
   w.m0 = mb * BM;
   return w.m0 < w.n_rows;
 }
@@ -165,7 +154,7 @@ __device__ __forceinline__ bool cta_start(const WgParams& p, int mb, int tid, ui
 // kv_len and the request slot of request b, then the split's tile range (0 tiles when the
 // split sees no visible KV); chunks are whole tiles
 template <int BM>
-__device__ __forceinline__ void cta_range(const WgParams& p, int split, int b, CtaWork& w) {
+__device__ __forceinline__ void cta_range(const MlaParams& p, int split, int b, CtaWork& w) {
   w.kv_len = p.kvl_i64 ? static_cast<int>(static_cast<const long long*>(p.kv_lens)[b])
                        : static_cast<const int*>(p.kv_lens)[b];
   w.req = p.rpi_i64 ? static_cast<const long long*>(p.rpi)[b]
@@ -186,7 +175,7 @@ struct QueryLoad {
   static constexpr int QCH = BM * 72, QIT = (QCH + NT - 1) / NT;  // 16-byte chunks
   uint4 v[QIT];
 
-  __device__ __forceinline__ void issue(const WgParams& p, int b, int m0, int n_rows, int tid) {
+  __device__ __forceinline__ void issue(const MlaParams& p, int b, int m0, int n_rows, int tid) {
 #pragma unroll
     for (int i = 0; i < QIT; ++i) {
       const int c = tid + i * NT, r = c / 72, k = c % 72, row = m0 + r;
@@ -213,7 +202,7 @@ struct QueryLoad {
 // consumer warps have released it (empty), completing on full
 __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, unsigned char* kv_s,
                                         uint64_t* full, uint64_t* empty) {
-  const int* r2t_row = p.r2t + w.req * p.s_r2t + w.lo;
+  const int* r2t_row = p.m.r2t + w.req * p.m.s_r2t + w.lo;
   for (int it = 0; it < w.ntiles; ++it) {
     const int stage = it % STAGES;
     const int slot0 = r2t_row[it * BN];
@@ -235,7 +224,7 @@ __device__ __forceinline__ void zero_v_tail(unsigned char* stage_s, int nvalid, 
 }
 
 // the row's log2-sum-exp (split partials) or natural lse (when asked); -inf for no KV
-__device__ __forceinline__ void write_row_lse(const WgParams& p, int split, long long grow,
+__device__ __forceinline__ void write_row_lse(const MlaParams& p, int split, long long grow,
                                               bool has, float m2, float l) {
   const float lse2 = has ? m2 + log2f(l) : -INFINITY;
   if (p.split)
@@ -247,7 +236,7 @@ __device__ __forceinline__ void write_row_lse(const WgParams& p, int split, long
 // the CTA's output rows from the fp32 staging [BM][OSTRIDE] scaled by rowv (v_scale / l):
 // normalized fp32 partials of the split, or the bf16 result (coalesced, 16 B per thread)
 template <int BM>
-__device__ __forceinline__ void store_rows(const WgParams& p, const CtaWork& w, int split, int b,
+__device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w, int split, int b,
                                            const float* ost, const float* rowv, int tid) {
   const int q_rows = min(BM, w.n_rows - w.m0);
   for (int c = tid; c < q_rows * (DV / 4); c += NT) {
@@ -264,6 +253,116 @@ __device__ __forceinline__ void store_rows(const WgParams& p, const CtaWork& w, 
           make_uint2(pack_bf16(v.x * inv, v.y * inv), pack_bf16(v.z * inv, v.w * inv));
     }
   }
+}
+
+// A thread's S^T (m64nN) fragments: value i sits at token row 16 warp + g + 8 ((i >> 1) & 1)
+// and query-row column 8 (i >> 2) + 2 t4 + (i & 1). Per query-row column c = 2 jn + e of the
+// thread (column col(c)), its two tokens are the values at(c, 0) and at(c, 1).
+__device__ __forceinline__ constexpr int frag_at(int c, int hf) { return 4 * (c >> 1) + 2 * hf + (c & 1); }
+__device__ __forceinline__ int frag_col(int c, int t4) { return 8 * (c >> 1) + 2 * t4 + (c & 1); }
+
+// scale S^T, mask the tokens past each column's window (only where some window ends in this
+// tile: masked), and leave each column's max over the warp's 16 tokens in red_w (lanes g 0)
+template <int NC>
+__device__ __forceinline__ void tile_col_max(float (&s)[2 * NC], const int (&bound)[NC],
+                                             bool masked, int tok0, float scale, float* red_w,
+                                             int g, int t4) {
+  float mx[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    float v = -INFINITY;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = frag_at(c, hf);
+      const float x = !masked || tok0 + 8 * hf < bound[c] ? s[i] * scale : -INFINITY;
+      s[i] = x;
+      v = fmaxf(v, x);
+    }
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
+    mx[c] = v;
+  }
+  if (g == 0)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) red_w[frag_col(c, t4)] = mx[c];
+}
+
+// the online-softmax step once the 4 warps' maxima are in red_wg ([4][stride]): new running
+// max m_r, rescale factors alpha, probabilities in place of S^T, l_r; true when a max moved
+template <int NC>
+__device__ __forceinline__ bool tile_softmax(float (&s)[2 * NC], float (&m_r)[NC],
+                                             float (&l_r)[NC], float (&alpha)[NC],
+                                             const float* red_wg, int stride, int t4) {
+  float m_use[NC];
+  bool moved = false;
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int col = frag_col(c, t4);
+    float v = m_r[c];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) v = fmaxf(v, red_wg[w * stride + col]);
+    m_use[c] = v == -INFINITY ? 0.f : v;
+    alpha[c] = exp2f(m_r[c] - m_use[c]);
+    moved |= v != m_r[c];
+    m_r[c] = v;
+  }
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    float sum = 0.f;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = frag_at(c, hf);
+      s[i] = exp2f(s[i] - m_use[c]);
+      sum += s[i];
+    }
+    l_r[c] = l_r[c] * alpha[c] + sum;
+  }
+  return moved;
+}
+
+// l over the 8 lanes g of the warp (its 16 tokens per tile)
+template <int NC>
+__device__ __forceinline__ void sum_over_g(float (&l)[NC]) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 4);
+    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 8);
+    l[c] += __shfl_xor_sync(0xffffffffu, l[c], 16);
+  }
+}
+
+// a warpgroup's O^T fragments (4 m64 tiles of its 256 dims x N query rows) -> fp32 rows
+// [N][OSTRIDE] of the staging buffer
+template <int NO>
+__device__ __forceinline__ void stage_o(float* ost, const float (&o)[4][NO], int wg, int wq,
+                                        int g, int t4) {
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int i = 0; i < NO; ++i) {
+      const int col = 8 * (i >> 2) + 2 * t4 + (i & 1);
+      const int dim = (wg * 4 + mt) * 64 + wq * 16 + g + 8 * ((i >> 1) & 1);
+      ost[col * OSTRIDE + dim] = o[mt][i];
+    }
+}
+
+// O^T[the warpgroup's 256 dims, N rows] += V^T . P^T over a landed tile's 64 tokens (A: the
+// tile's dim blocks 4 wg.. read M-major; B: P^T [N][64 tok]); then the warp releases the stage
+template <int N>
+__device__ __forceinline__ void pv_tile(float (&o)[4][N / 2], uint32_t kv_base, uint64_t p_desc,
+                                        int wg, int lane, uint64_t* empty_bar) {
+  const uint64_t v_desc = sw128_desc(kv_base + wg * 4 * BLK, BLK, 1024);
+  wgmma_fence();
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      Wgmma<N, 1>::run(o[mt], v_desc + ((mt * BLK + kk * 2048) >> 4), p_desc + kk * 2);
+  wgmma_commit();
+  wgmma_wait0();
+  __syncwarp();
+  if (lane == 0) mbar_arrive(empty_bar);
 }
 
 }  // namespace
