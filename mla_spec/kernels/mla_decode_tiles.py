@@ -51,6 +51,9 @@ class PagedConfig:
     #: with ``cuda``: its warpgroup-MMA sibling (``mla_decode_wgmma``, sm_90 only; 64-token
     #: tiles, two stages, 8 consumer warps, ``block_m`` 64, 32 or 16)
     wgmma: bool = False
+    #: with ``wgmma``: the split's first tiles into L2 before the PDL wait (as the Triton
+    #: kernels' ``L2PF``)
+    prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
@@ -63,6 +66,8 @@ class PagedConfig:
                                and self.num_stages == 2 and self.block_m in (16, 32, 64)):
             raise ValueError("wgmma is a CUDA kernel (cuda=True) with block_m 16, 32 or 64, "
                              "block_n 64, 8 (consumer) warps, 2 stages")
+        if self.prefetch and not self.wgmma:
+            raise ValueError("prefetch is a wgmma option")
 
     @property
     def tag(self) -> str:
@@ -70,7 +75,7 @@ class PagedConfig:
                 f"{'T' if self.tma else 'P'}{'b' if self.part_bf16 else 'f'}"
                 f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
                 f"{'S' if self.swap else ''}{'K' if self.cuda else ''}"
-                f"{'W' if self.wgmma else ''}")
+                f"{'W' if self.wgmma else ''}{'p' if self.prefetch else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -122,6 +127,10 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "W": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True),
     "W16": PagedConfig(16, 64, 8, 2, cuda=True, wgmma=True),
     "W64": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True),
+    # the same with the split's first tiles prefetched into L2 before the PDL wait (built and
+    # tested on the CPU only so far: not timed, no default names them)
+    "Wp": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True, prefetch=True),
+    "W64p": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, prefetch=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins

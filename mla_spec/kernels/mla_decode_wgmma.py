@@ -23,7 +23,8 @@ from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_cuda import _Params, call_supported, split_params
 from mla_spec.kernels.pdl import pdl_on
 
-__all__ = ["WGMMA_BLOCK_M", "launch_wgmma_mla", "wgmma_mla_supported", "wgmma_smem"]
+__all__ = ["WGMMA_BLOCK_M", "WGMMA_KERNELS", "launch_wgmma_mla", "wgmma_mla_supported",
+           "wgmma_smem"]
 
 _BN, _STAGES = 64, 2
 #: rows per CTA -> (source, threads): 32 / 16 rows split the QK depth between the two consumer
@@ -32,8 +33,11 @@ _BN, _STAGES = 64, 2
 _SOURCES = {32: ("mla_wgmma_sm90.cu", 288), 16: ("mla_wgmma_sm90.cu", 288),
             64: ("mla_wgmma64_sm90.cu", 384)}
 WGMMA_BLOCK_M = tuple(_SOURCES)
-_KERNELS = {bm: CudaKernel(src, f"mla_wgmma_m{bm}", arch="sm_90a")
-            for bm, (src, _) in _SOURCES.items()}
+#: (rows per CTA, l2 prefetch) pairs compiled: ``prefetch`` puts the split's first tiles into
+#: L2 before the PDL wait (suffix ``p``)
+WGMMA_KERNELS = ((32, False), (16, False), (64, False), (32, True), (64, True))
+_KERNELS = {(bm, pf): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}{'p' if pf else ''}",
+                                 arch="sm_90a") for bm, pf in WGMMA_KERNELS}
 
 
 def wgmma_smem(block_m: int) -> int:
@@ -62,17 +66,19 @@ def _tensor_map(kv_flat: torch.Tensor) -> bytes:
     key = (kv_flat.data_ptr(), kv_flat.shape[0], kv_flat.device.index or 0)
     got = _MAPS.get(key)
     if got is None:
-        if len(_MAPS) >= 64:
+        if len(_MAPS) >= 512:  # a pool per layer (61 in DeepSeek-V3, the MTP layer's too)
             _MAPS.clear()
         got = _MAPS[key] = tensor_map_2d(kv_flat, 64, _BN)
     return got
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
-                        page_size: int, block_m: int, q_len: int | None) -> str | None:
+                        page_size: int, block_m: int, q_len: int | None,
+                        prefetch: bool = False) -> str | None:
     """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
-    if block_m not in _KERNELS:
-        return f"block_m {block_m} is not compiled (one of {WGMMA_BLOCK_M})"
+    if (block_m, prefetch) not in _KERNELS:
+        return f"(block_m, prefetch) {(block_m, prefetch)} is not compiled (one of " \
+               f"{WGMMA_KERNELS})"
     why = call_supported(q_nope, q_pe, kv_flat, page_size, _BN, q_len, "wgmma kernel")
     if why is None and torch.cuda.get_device_capability(q_nope.device) != (9, 0):
         return "the wgmma kernel needs sm_90 (Hopper): wgmma does not exist elsewhere"
@@ -81,7 +87,7 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
-                     num_splits: int, block_m: int) -> None:
+                     num_splits: int, block_m: int, prefetch: bool = False) -> None:
     """Run the split kernel (and the combine when ``num_splits > 1``) into ``out`` / ``lse``
     (see :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
@@ -93,7 +99,8 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                                      num_splits)
     p = _WgParams(m)
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat), 128)
-    _KERNELS[block_m]((num_splits, m_blocks, req_pool_indices.numel()), _SOURCES[block_m][1],
-                      wgmma_smem(block_m), p, q_nope.device, pdl=pdl_on(q_nope))
+    _KERNELS[block_m, prefetch]((num_splits, m_blocks, req_pool_indices.numel()),
+                                _SOURCES[block_m][1], wgmma_smem(block_m), p, q_nope.device,
+                                pdl=pdl_on(q_nope))
     if num_splits > 1:
         combine_splits(part, part_lse, out, lse)

@@ -36,12 +36,15 @@ def test_params_layout_matches_source():
 
 
 def test_instantiations_match_source():
-    built = {int(m) for m in re.findall(r"^MLA_WGMMA\((\d+)\)", SRC.read_text(), re.M)}
-    built |= {int(m) for m in re.findall(r"mla_wgmma_m(\d+)\(", SRC64.read_text())}
-    assert built == set(mw.WGMMA_BLOCK_M)
+    built = {(int(bm), sfx == "p") for bm, sfx in
+             re.findall(r"^MLA_WGMMA\((\d+), (?:true|false), (p?)\)", SRC.read_text(), re.M)}
+    built |= {(int(bm), sfx == "p") for bm, sfx in
+              re.findall(r"mla_wgmma_m(\d+)(p?)\(", SRC64.read_text())}
+    assert built == set(mw.WGMMA_KERNELS)
+    assert {bm for bm, _ in mw.WGMMA_KERNELS} == set(mw.WGMMA_BLOCK_M)
     for name, cfg in PAGED_VARIANTS.items():
         if cfg.wgmma:
-            assert cfg.block_m in mw.WGMMA_BLOCK_M, name
+            assert (cfg.block_m, cfg.prefetch) in mw.WGMMA_KERNELS, name
     for bm in mw.WGMMA_BLOCK_M:
         assert mw.wgmma_smem(bm) <= 227 * 1024
 
@@ -62,9 +65,9 @@ def test_source_compiles_for_sm90a(tmp_path, monkeypatch):
     for src in (SRC, SRC64):
         cubin = compile_cubin(src, "sm_90a")
         assert cubin[:4] == b"\x7fELF"
-        for bm in mw.WGMMA_BLOCK_M:
+        for bm, pf in mw.WGMMA_KERNELS:
             if mw._SOURCES[bm][0] == src.name:
-                assert f"mla_wgmma_m{bm}".encode() in cubin
+                assert f"mla_wgmma_m{bm}{'p' if pf else ''}".encode() in cubin
 
 
 def _long_case(lens, h, page, seed, nan_tail):
@@ -91,7 +94,7 @@ def _long_case(lens, h, page, seed, nan_tail):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["W", "W16", "W64", "K"])
+@pytest.mark.parametrize("name", ["W", "W16", "W64", "Wp", "W64p", "K"])
 @pytest.mark.parametrize("lens,splits", [([32768], 128), ([16383, 77], 64), ([8191], 1)])
 def test_long_contexts_and_nan_tails(name, lens, splits):
     qn, qp, kv, r2t, rpi, kl = _long_case(lens, 32, 64, seed=len(lens) + splits, nan_tail=True)
@@ -102,3 +105,38 @@ def test_long_contexts_and_nan_tails(name, lens, splits):
     assert torch.isfinite(out).all()
     err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
     assert err.item() < 1e-2
+
+
+def test_tensor_map_rejects_what_tma_cannot_take():
+    from mla_spec.kernels.cuda_driver import tensor_map_2d
+
+    with pytest.raises(ValueError, match="2-D tensor with unit column stride"):
+        tensor_map_2d(torch.zeros(4, 8, 8, dtype=torch.bfloat16), 64, 64)
+    with pytest.raises(ValueError, match="2-D tensor with unit column stride"):
+        tensor_map_2d(torch.zeros(64, 576, dtype=torch.int16), 64, 64)
+    with pytest.raises(ValueError, match="at most 128 bytes"):
+        tensor_map_2d(torch.zeros(64, 576, dtype=torch.bfloat16), 128, 64)  # 256-byte rows
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        tensor_map_2d(torch.zeros(64, 577, dtype=torch.bfloat16)[:, :576], 64, 64)
+
+
+def test_split_params_fill_the_struct_the_kernels_read():
+    """The launchers' parameter struct on the CPU: strides, flags and the split partials."""
+    from mla_spec.kernels.mla_decode_cuda import split_params
+
+    q = torch.zeros(2, 4, DV, dtype=torch.bfloat16)
+    qp = torch.zeros(2, 4, DPE, dtype=torch.bfloat16)
+    kv = torch.zeros(64, DV + DPE, dtype=torch.bfloat16)
+    r2t = torch.zeros(3, 64, dtype=torch.int64)
+    out = torch.empty_like(q)
+    p, part, part_lse = split_params(q, qp, kv, r2t, torch.zeros(2, dtype=torch.int64),
+                                     torch.ones(2, dtype=torch.int32), out, None, 1.5, 0.5, 1, 3)
+    assert part.shape == (3, 8, DV) and part_lse.shape == (3, 8)
+    assert (p.H, p.q_len, p.num_splits, p.split, p.write_lse) == (4, 1, 3, 1, 0)
+    assert (p.rpi_i64, p.kvl_i64, p.s_ps, p.s_ls, p.s_qn_t) == (1, 0, 8 * DV, 8, 4 * DV)
+    assert p._keep.dtype == torch.int32  # the int32 copy of req_to_token the kernel reads
+    w = mw._WgParams(p)
+    assert ctypes.sizeof(w) == 320 and w.m.num_splits == 3
+    p1, part1, _ = split_params(q, qp, kv, r2t.int(), torch.zeros(2, dtype=torch.int32),
+                                torch.ones(2, dtype=torch.int32), out, None, 1.0, 1.0, 1, 1)
+    assert part1 is out and p1.split == 0 and p1.part == out.data_ptr()

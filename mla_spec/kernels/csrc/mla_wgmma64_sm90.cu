@@ -29,6 +29,7 @@ __device__ __forceinline__ void qk_rows(float (&s)[RW / 2], uint64_t a_desc, uin
   }
 }
 
+template <bool L2PF>
 __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   const MlaParams& p = wp.m;
   constexpr int NA = RW / 2;  // S^T accumulators (m64n32) per thread
@@ -49,7 +50,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   const int tid = threadIdx.x, wg = tid >> 7, wq = (tid & 127) >> 5;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
-  if (!cta_start<BM>(wp, mb, tid, full, empty, w)) return;
+  if (!cta_start<BM, L2PF>(wp, split, mb, b, tid, full, empty, w)) return;
   QueryLoad<BM> qload;
   if (tid < NT) qload.issue(p, b, w.m0, w.n_rows, tid);
   cta_range<BM>(p, split, b, w);
@@ -162,5 +163,11 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
 // 3 warpgroups: registers are allocated per warpgroup, and 64 rows of O^T take 128 per thread
 extern "C" __global__ void __launch_bounds__(NT + 128, 1)
     mla_wgmma_m64(const __grid_constant__ WgParams p) {
-  mla_wgmma64(p);
+  mla_wgmma64<false>(p);
+}
+
+// the first tiles into L2 before the PDL wait
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_m64p(const __grid_constant__ WgParams p) {
+  mla_wgmma64<true>(p);
 }

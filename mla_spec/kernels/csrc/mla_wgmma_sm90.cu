@@ -41,7 +41,7 @@ __device__ __forceinline__ void qk_half(float (&s)[BM / 2], uint64_t a_desc, uin
   }
 }
 
-template <int BM>
+template <int BM, bool L2PF>
 __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const MlaParams& p = wp.m;
   static_assert(BM == 16 || BM == 32, "rows per CTA");
@@ -62,7 +62,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
-  if (!cta_start<BM>(wp, mb, tid, full, empty, w)) return;
+  if (!cta_start<BM, L2PF>(wp, split, mb, b, tid, full, empty, w)) return;
   QueryLoad<BM> qload;  // the queries' loads go out beside the index loads
   if (tid < NT) qload.issue(p, b, w.m0, w.n_rows, tid);
   cta_range<BM>(p, split, b, w);
@@ -183,11 +183,12 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
 
 }  // namespace
 
-#define MLA_WGMMA(BM)                                                                        \
+#define MLA_WGMMA(BM, L2PF, SUFFIX)                                                           \
   extern "C" __global__ void __launch_bounds__(NT + 32, 1)                                   \
-      mla_wgmma_m##BM(const __grid_constant__ WgParams p) {                                  \
-    mla_wgmma<BM>(p);                                                                        \
+      mla_wgmma_m##BM##SUFFIX(const __grid_constant__ WgParams p) {                          \
+    mla_wgmma<BM, L2PF>(p);                                                                  \
   }
 
-MLA_WGMMA(32)
-MLA_WGMMA(16)
+MLA_WGMMA(32, false, )
+MLA_WGMMA(16, false, )
+MLA_WGMMA(32, true, p)  // the first tiles into L2 before the PDL wait

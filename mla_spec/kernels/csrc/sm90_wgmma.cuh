@@ -105,6 +105,13 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int c0
       : "memory");
 }
 
+// a box of the tensor into L2 only (no shared memory, no barrier)
+__device__ __forceinline__ void tma_prefetch_2d(const TmaMap* map, int c0, int c1) {
+  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n"
+               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1)
+               : "memory");
+}
+
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
@@ -129,28 +136,6 @@ struct CtaWork {
   long long req;
 };
 
-// thread 0 initializes the stage barriers (full: one arrival + the TMA bytes; empty: the 8
-// consumer warps), the producer lane prefetches the tensor map, then the grid waits for its
-// predecessor (PDL); false when the row block is past the request's rows (the whole CTA exits)
-template <int BM>
-__device__ __forceinline__ bool cta_start(const WgParams& p, int mb, int tid, uint64_t* full,
-                                          uint64_t* empty, CtaWork& w) {
-  if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], NT / 32);
-    }
-    mbar_fence_init();
-  }
-  if (tid == NT)
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.kv_map))
-                 : "memory");
-  griddep_wait();
-  w.n_rows = p.m.q_len * p.m.H;
-  w.m0 = mb * BM;
-  return w.m0 < w.n_rows;
-}
-
 // kv_len and the request slot of request b, then the split's tile range (0 tiles when the
 // split sees no visible KV); chunks are whole tiles
 template <int BM>
@@ -165,6 +150,42 @@ __device__ __forceinline__ void cta_range(const MlaParams& p, int split, int b, 
   w.lo = split * chunk;
   w.hi = min(min(w.lo + chunk, w.kv_len), hi_rows);
   w.ntiles = w.hi > w.lo ? (w.hi - w.lo + BN - 1) / BN : 0;
+}
+
+// thread 0 initializes the stage barriers (full: one arrival + the TMA bytes; empty: the 8
+// consumer warps), the producer lane prefetches the tensor map and, with L2PF, the split's
+// first tiles into L2 (from metadata read before the PDL wait: a stale value costs a wasted
+// prefetch, never a result, as the kernel reads it again after the wait and the tensor map
+// bounds every box; the Triton kernels' rule 4 in kernels/pdl.py); then the grid waits for its
+// predecessor. False when the row block is past the request's rows (the whole CTA exits).
+template <int BM, bool L2PF>
+__device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, int b, int tid,
+                                          uint64_t* full, uint64_t* empty, CtaWork& w) {
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], NT / 32);
+    }
+    mbar_fence_init();
+  }
+  w.n_rows = p.m.q_len * p.m.H;
+  w.m0 = mb * BM;
+  if (tid == NT) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.kv_map))
+                 : "memory");
+    if (L2PF && w.m0 < w.n_rows) {
+      CtaWork pw = w;
+      cta_range<BM>(p.m, split, b, pw);
+      const int* r2t_row = p.m.r2t + pw.req * p.m.s_r2t + pw.lo;
+      for (int t = 0; t < STAGES && t < pw.ntiles; ++t) {
+        const int slot0 = r2t_row[t * BN];
+#pragma unroll
+        for (int c = 0; c < NCH; ++c) tma_prefetch_2d(&p.kv_map, c * 64, slot0);
+      }
+    }
+  }
+  griddep_wait();
+  return w.m0 < w.n_rows;
 }
 
 // the CTA's BM query rows (q_nope | q_pe, 576 dims) into shared memory in the swizzled
