@@ -13,7 +13,8 @@ each timed per call inside a replayed CUDA graph that rotates KV copies past the
 - ``split``: the same with the combine launch left out (its output is then garbage);
 - ``combine``: ``combine_splits`` alone on partials of the same shape;
 - ``empty2``: two empty PDL launches (what any split + combine pair pays to launch);
-- ``fi``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` in the same run.
+- ``fi``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` in the same run;
+- with ``--eager``: the default call and FlashInfer's as plain calls (``do_bench`` median).
 
 ``--variants`` adds rows for other ``PAGED_VARIANTS`` (e.g. the CUDA kernel's ``K*``) at each
 of ``--splits``: full and split-only times, each checked against ``mla_decode_ref`` first.
@@ -66,7 +67,7 @@ def parse_shapes(text: str):
     return out
 
 
-def row(kvd, h, q, ctx, bs, dev, variants=(), splits=()):
+def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
     fp8 = kvd == FP8_DTYPE
     kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
     reps = max(2, min(64, -(-250_000_000 // kv_bytes)))
@@ -99,6 +100,11 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=()):
         res["fi"] = graph_time([(lambda r=r: r(qn, qp)) for _, r in ws])
     except Exception as e:  # noqa: BLE001
         print(f"   flashinfer FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
+    if eager:  # a plain call each (do_bench: median, L2 flushed between calls)
+        from triton.testing import do_bench
+        res["eager"] = do_bench(call(rpis[0]), warmup=10, rep=40) * 1e3
+        if "fi" in res:
+            res["fi_eager"] = do_bench(lambda: ws[0][1](qn, qp), warmup=10, rep=40) * 1e3
     res["TBps"] = kv_bytes / res["full"] / 1e6
     print(res, flush=True)
     out_rows = [res]
@@ -145,6 +151,8 @@ def _full_and_split(fns):
 
 def table(rows) -> str:
     cols = ("shape", "variant", "MB", "full", "split", "combine", "empty2", "fi", "TBps")
+    if any("eager" in r for r in rows):
+        cols += ("eager", "fi_eager")
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         cells = [f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
@@ -158,6 +166,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
     ap.add_argument("--variants", default="", help="extra PAGED_VARIANTS names, e.g. K,K8")
     ap.add_argument("--splits", default="16,32,64", help="split counts of the extra variants")
+    ap.add_argument("--eager", action="store_true",
+                    help="also time the default and FlashInfer as plain calls (do_bench)")
     args = ap.parse_args(argv)
     variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in variants if v not in PAGED_VARIANTS]
@@ -168,7 +178,8 @@ def main(argv=None) -> None:
         print("bench_mla_breakdown: needs a CUDA GPU")
         return
     dev = torch.device("cuda")
-    rows = [r for s in parse_shapes(args.shapes) for r in row(*s, dev, variants, splits)]
+    rows = [r for s in parse_shapes(args.shapes)
+            for r in row(*s, dev, variants, splits, args.eager)]
     print("\nµs per call in a replayed CUDA graph; TBps = KV bytes / full")
     print(table(rows))
     if os.environ.get("OUT"):

@@ -150,9 +150,10 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # 961 vs 1066 µs
     ("bf16", "r32", "b1"): "S16",
     # ninth session, the warpgroup-MMA CUDA kernel (docs/bench_mla.md v8; graph µs, FlashInfer
-    # in the same run): bs 32 ctx 4k W/sp4 61.8 vs S16/sp2 107.6 (FlashInfer 49.0); bs 128 ctx
-    # 8k 303.8 vs S32w4 514 (281-289); bs 64 ctx 32k W/sp2 627.7 vs 984.7 (658.0). Where W
-    # cannot run (not sm_90, no nvcc, ragged rows, fp16), the Triton variant after the "|".
+    # in the same run): bs 32 ctx 4k W/sp4 61.8 vs S16/sp2 107.6 (FlashInfer 49.0; 51.4 vs
+    # 48.7 with the sized combine); bs 128 ctx 8k 303.8 vs S32w4 514 (281-289); bs 64 ctx 32k
+    # W/sp2 627.7 vs 984.7 (658.0). Where W cannot run (not sm_90, no nvcc, ragged rows,
+    # fp16), the Triton variant after the "|".
     ("bf16", "r32", "b48"): "W|S16",  # S16: bs 32 ctx 4k 152.7 vs G 175.6 µs (eager)
     ("bf16", "r32", "big"): "W|S32w4",
     # 128 rows (H 128 q 1; H 32 q 4 = TARGET_VERIFY at TP4): W64, two 64-row CTAs per request

@@ -1,4 +1,5 @@
-"""Launcher of the Hopper warpgroup-MMA split-KV MLA kernel (``csrc/mla_wgmma_sm90.cu``).
+"""Launcher of the Hopper warpgroup-MMA split-KV MLA kernels (``csrc/mla_wgmma_sm90.cu``,
+``csrc/mla_wgmma64_sm90.cu``).
 
 Same contract and result as :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for
 the shapes it takes: fixed ``q_len`` (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2), a contiguous
