@@ -68,14 +68,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   const int rbase = RW * wg;  // this warpgroup's rows
   int bound[NC];
   float m_r[NC], l_r[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const int col = rbase + 8 * (c >> 1) + 2 * t4 + (c & 1);
-    bound[c] = min(w.kv_len - p.q_len + (w.m0 + col) / p.H + 1, w.hi);
-    m_r[c] = -INFINITY;
-    l_r[c] = 0.f;
-  }
-  const int min_bound = min(w.kv_len - p.q_len + w.m0 / p.H + 1, w.hi);
+  const int min_bound = init_rows<NC>(p, w, rbase, t4, bound, m_r, l_r);
   float o[4][NO];
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
@@ -147,7 +140,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   if (wq == 0 && g == 0)  // lanes 0-3 of a warpgroup's first warp hold its 32 rows
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-      const int col = 8 * (c >> 1) + 2 * t4 + (c & 1), r = rbase + col, row = w.m0 + r;
+      const int col = frag_col(c, t4), r = rbase + col, row = w.m0 + r;
       const float* rr = red + wg * 4 * RW + col;
       const float l = rr[0] + rr[RW] + rr[2 * RW] + rr[3 * RW];
       rowv[r] = l > 0.f ? p.v_scale / l : 0.f;

@@ -74,20 +74,11 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   qload.store(q_s, tid);
   fence_proxy_async();
   named_barrier(1, NT);  // the queries are in shared memory (consumer warps only from here)
-  const int H = p.H, q_len = p.q_len, kv_len = w.kv_len, m0 = w.m0, lo = w.lo, hi = w.hi;
-  const int n_rows = w.n_rows, ntiles = w.ntiles;
 
   // the NC query rows this thread holds (S^T / O^T column 8 * jn + 2 * t4 + e, index 2 jn + e)
   int bound[NC];
   float m_r[NC], l_r[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const int col = 8 * (c >> 1) + 2 * t4 + (c & 1);
-    bound[c] = min(kv_len - q_len + (m0 + col) / H + 1, hi);
-    m_r[c] = -INFINITY;
-    l_r[c] = 0.f;
-  }
-  const int min_bound = min(kv_len - q_len + m0 / H + 1, hi);  // of the CTA's first row
+  const int min_bound = init_rows<NC>(p, w, 0, t4, bound, m_r, l_r);
   float o[4][NA];
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
@@ -102,11 +93,11 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   float4* xmine = reinterpret_cast<float4*>(xbuf) + wg * (NA / 4) * 128 + wt;
   const float4* xother = reinterpret_cast<const float4*>(xbuf) + (1 - wg) * (NA / 4) * 128 + wt;
 
-  for (int it = 0; it < ntiles; ++it) {
-    const int stage = it % STAGES, t0 = lo + it * BN;
+  for (int it = 0; it < w.ntiles; ++it) {
+    const int stage = it % STAGES, t0 = w.lo + it * BN;
     const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
     mbar_wait(&full[stage], (it / STAGES) & 1);
-    zero_v_tail(kv_s + stage * TILE, hi - t0, tid);
+    zero_v_tail(kv_s + stage * TILE, w.hi - t0, tid);
     float s[NA];
 #pragma unroll
     for (int i = 0; i < NA; ++i) s[i] = 0.f;
@@ -171,11 +162,11 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   if (wg == 0 && wq == 0 && g == 0)  // lanes 0-3 of warp 0 hold every row between them
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-      const int col = 8 * (c >> 1) + 2 * t4 + (c & 1), row = m0 + col;
+      const int col = frag_col(c, t4), row = w.m0 + col;
       const float l = red[col] + red[BM + col] + red[2 * BM + col] + red[3 * BM + col];
       rowv[col] = l > 0.f ? p.v_scale / l : 0.f;
-      if (row < n_rows)
-        write_row_lse(p, split, static_cast<long long>(b) * n_rows + row, l > 0.f, m_r[c], l);
+      if (row < w.n_rows)
+        write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, l > 0.f, m_r[c], l);
     }
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);

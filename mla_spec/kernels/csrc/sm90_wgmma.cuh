@@ -136,6 +136,12 @@ struct CtaWork {
   long long req;
 };
 
+// the end of a row's causal window: row r (= i * H + h, query token i) sees the KV positions
+// j < kv_len - q_len + i + 1
+__device__ __forceinline__ int window_end(const MlaParams& p, int kv_len, int row) {
+  return kv_len - p.q_len + row / p.H + 1;
+}
+
 // kv_len and the request slot of request b, then the split's tile range (0 tiles when the
 // split sees no visible KV); chunks are whole tiles
 template <int BM>
@@ -144,8 +150,7 @@ __device__ __forceinline__ void cta_range(const MlaParams& p, int split, int b, 
                        : static_cast<const int*>(p.kv_lens)[b];
   w.req = p.rpi_i64 ? static_cast<const long long*>(p.rpi)[b]
                     : static_cast<long long>(static_cast<const int*>(p.rpi)[b]);
-  const int last_row = min(w.m0 + BM, w.n_rows) - 1;
-  const int hi_rows = w.kv_len - p.q_len + last_row / p.H + 1;
+  const int hi_rows = window_end(p, w.kv_len, min(w.m0 + BM, w.n_rows) - 1);
   const int chunk = ((w.kv_len + p.num_splits - 1) / p.num_splits + BN - 1) / BN * BN;
   w.lo = split * chunk;
   w.hi = min(min(w.lo + chunk, w.kv_len), hi_rows);
@@ -281,6 +286,22 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w,
 // thread (column col(c)), its two tokens are the values at(c, 0) and at(c, 1).
 __device__ __forceinline__ constexpr int frag_at(int c, int hf) { return 4 * (c >> 1) + 2 * hf + (c & 1); }
 __device__ __forceinline__ int frag_col(int c, int t4) { return 8 * (c >> 1) + 2 * t4 + (c & 1); }
+
+// the query rows a thread holds (S^T columns first_col + col(c)): where each one's window
+// ends inside the split, running max -inf, sum 0; returns the window end of the CTA's first
+// row (no tile before it needs the mask)
+template <int NC>
+__device__ __forceinline__ int init_rows(const MlaParams& p, const CtaWork& w, int first_col,
+                                         int t4, int (&bound)[NC], float (&m_r)[NC],
+                                         float (&l_r)[NC]) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    bound[c] = min(window_end(p, w.kv_len, w.m0 + first_col + frag_col(c, t4)), w.hi);
+    m_r[c] = -INFINITY;
+    l_r[c] = 0.f;
+  }
+  return min(window_end(p, w.kv_len, w.m0), w.hi);
+}
 
 // scale S^T, mask the tokens past each column's window (only where some window ends in this
 // tile: masked), and leave each column's max over the warp's 16 tokens in red_w (lanes g 0)
