@@ -101,6 +101,10 @@ def _libcuda():
     lib.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p,
                                      ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    u64, u32 = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    lib.cuTensorMapEncodeTiled.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
+                                           ctypes.c_void_p, u64, u64, u32, u32, ctypes.c_int,
+                                           ctypes.c_int, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -119,20 +123,16 @@ def tensor_map_2d(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
     if (t.stride(0) * esz) % 16 or t.data_ptr() % 16 or box_cols * esz > 128:
         raise ValueError("tensor_map_2d: 16-byte aligned base and row stride, and a box "
                          "row of at most 128 bytes, are required")
-    lib = _libcuda()
-    fn = lib.cuTensorMapEncodeTiled
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, u32, ctypes.c_void_p, ctypes.POINTER(u64),
-                   ctypes.POINTER(u64), ctypes.POINTER(u32), ctypes.POINTER(u32), ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_int]
     out = (ctypes.c_ubyte * 128)()
     dims = (u64 * 2)(t.shape[1], t.shape[0])
     strides = (u64 * 1)(t.stride(0) * esz)
     box = (u32 * 2)(box_cols, box_rows)
     elem = (u32 * 2)(1, 1)
     # interleave none, swizzle 128B (3), L2 promotion 256B (3), out-of-bounds fill zeros (0)
-    _check(fn(ctypes.addressof(out), _TMAP_DTYPES[t.dtype], 2, t.data_ptr(), dims, strides, box,
-              elem, 0, 3, 3, 0), f"encoding a tensor map of {tuple(t.shape)}")
+    _check(_libcuda().cuTensorMapEncodeTiled(ctypes.addressof(out), _TMAP_DTYPES[t.dtype], 2,
+                                             t.data_ptr(), dims, strides, box, elem, 0, 3, 3, 0),
+           f"encoding a tensor map of {tuple(t.shape)}")
     return bytes(out)
 
 
