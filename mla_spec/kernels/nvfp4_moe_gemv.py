@@ -257,7 +257,6 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
         split13 = split_k_for(tiles13 * p, triton.cdiv(kb13, g), 8)
     part13 = torch.empty((split13, p, 2 * inter) if split13 > 1 else (1,), dtype=torch.float32,
                          device=dev)
-    part2 = torch.empty((topk, m, k) if topk > 1 else (1,), dtype=torch.float32, device=dev)
     cnt = _counters(dev, max(tiles13 * p, triton.cdiv(k, block_n2) * m))
     packed = MOE_GEMV_PACKED if packed is None else packed
     prefetch = MOE_GEMV_PREFETCH if prefetch is None else prefetch
@@ -272,8 +271,10 @@ def moe_gemv(x: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w13, w2,
         PACKED=pk13, PREFETCH=pk13 and prefetch, num_warps=num_warps,
         **pdl_kwargs(x))
     if (MOE_W2_LOOP if w2_loop is None else w2_loop) and pk2:
-        moe_w2_loop(act, ids, tw, w2, s2[0], s2[1], out, block_n2, num_warps2, g2 or g, fast)
+        moe_w2_loop(act, ids, tw, w2w, w2.weight_scale, s2[0], s2[1], out, block_n2,
+                    num_warps2, g2 or g, fast)
         return out
+    part2 = torch.empty((topk, m, k) if topk > 1 else (1,), dtype=torch.float32, device=dev)
     _moe_gemv_kernel[(triton.cdiv(k, block_n2), topk, m)](
         a2, w2w, w2.weight_scale, s2[0], out, part2, cnt, ids, tw,
         k, kb2, e, topk, m, topk, a2.stride(0), w2w.stride(0), w2w.stride(1),

@@ -93,22 +93,21 @@ def _moe_w2_loop_kernel(a_ptr, w_ptr, ws_ptr, ws2_ptr, out_ptr, ids_ptr, tw_ptr,
              res.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-def moe_w2_loop(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w2, s2: torch.Tensor,
-                s2_stride: int, out: torch.Tensor, block_n: int, num_warps: int, g: int,
-                fast: bool) -> None:
+def moe_w2_loop(act: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor, w64: torch.Tensor,
+                w_scale: torch.Tensor, s2: torch.Tensor, s2_stride: int, out: torch.Tensor,
+                block_n: int, num_warps: int, g: int, fast: bool) -> None:
     """``out [M, K] = sum_j tw[:, j] * act[:, j] @ W2[ids[:, j]]^T`` (module docstring).
 
     ``act`` ``[M * topk, I]`` bf16 (read as int64 words), ``ids`` / ``tw`` flat ``[M * topk]``
-    int32 / fp32, ``w2`` an ``[E, K, I / 2]`` NVFP4Tensor, ``s2`` its ``weight_scale_2`` with
-    ``s2_stride`` per expert; ``fast``: the PTX decoder (GPU), else the portable twin math."""
+    int32 / fp32, ``w64`` the ``[E, K, I / 2]`` NVFP4 codes of W2 viewed as int64 words
+    ``[E, K, I / 16]`` (``nvfp4_moe_gemv._w64``), ``w_scale`` its block scales, ``s2`` its
+    ``weight_scale_2`` with ``s2_stride`` per expert; ``fast``: the PTX decoder (GPU), else the
+    portable twin math."""
     m, k = out.shape
-    e = w2.weight.shape[0]
-    w = w2.weight if w2.weight.is_contiguous() else w2.weight.contiguous()
-    w64 = w.view(torch.int64)
     a64 = act.view(torch.int64)
     _moe_w2_loop_kernel[(triton.cdiv(k, block_n), m)](
-        a64, w64, w2.weight_scale, s2, out, ids, tw,
-        k, w64.shape[-1], e, ids.numel() // max(m, 1), a64.stride(0), w64.stride(0),
-        w64.stride(1), w2.weight_scale.stride(0), w2.weight_scale.stride(1), s2_stride,
+        a64, w64, w_scale, s2, out, ids, tw,
+        k, w64.shape[-1], w64.shape[0], ids.numel() // max(m, 1), a64.stride(0), w64.stride(0),
+        w64.stride(1), w_scale.stride(0), w_scale.stride(1), s2_stride,
         out.stride(0), BN=block_n, G=g, FAST=fast, num_warps=num_warps,
         **pdl_kwargs(act, W2_LOOP_PDL and m >= W2_LOOP_PDL_MIN_M))
