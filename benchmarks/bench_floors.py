@@ -98,7 +98,8 @@ def kv_floors(ctxs=(1024, 4096, 32768)):
 
 
 def moe_launches(ms=(1, 2, 4), iters=20):
-    """GPU µs of each of the MoE gemv path's two launches (w13 + SiLU, then w2), from
+    """GPU µs of each of the MoE gemv path's two launches (w13 + SiLU, then w2: the per-slot
+    launch or, by default, ``nvfp4_moe_w2``'s loop), from
     ``torch.profiler`` over eager calls (no PDL overlap), with the NVFP4 bytes each reads."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -115,7 +116,8 @@ def moe_launches(ms=(1, 2, 4), iters=20):
                 fused_moe_nvfp4(xs[i % 8], ids[i % 8], tws[i % 8], w13, w2)
             torch.cuda.synchronize()
         durs = [ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-                for ev in prof.events() if ev.name == "_moe_gemv_kernel"]
+                for ev in prof.events()
+                if ev.name in ("_moe_gemv_kernel", "_moe_w2_loop_kernel")]  # w13, then w2
         active = sum(len(torch.unique(t)) for t in ids) / len(ids)
         per = [sum(durs[j::2]) / max(len(durs[j::2]), 1) for j in (0, 1)]
         mb = [active * 2 * inter * k * 0.5625 / 1e6, active * k * inter * 0.5625 / 1e6]
