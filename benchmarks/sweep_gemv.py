@@ -100,10 +100,7 @@ def sweep_shape(name, n, k, ms, deadline_s, grid, one_step=False):
     with ``one_step`` those of ``one_step_configs``."""
     q = quantize_nvfp4(torch.randn(n, k, device="cuda") * 0.02)
     args_q = (q.weight, q.weight_scale, q.weight_scale_2)
-    nq = max(2, int(bench.ROTATE // (n * k * 0.5625)) + 1)
-    nb = max(2, int(bench.ROTATE // (n * k * 2)) + 1)
-    sets = bench.rand_nvfp4(n, k, nq)
-    wbf = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(nb)]
+    sets, wbf = bench.weight_sets(n, k)
     rows = []
     for m in ms:
         end = time.time() + deadline_s

@@ -51,7 +51,6 @@ from mla_spec.quant.nvfp4 import quantize_nvfp4
 SHAPES = {"dense_gate_up_tp4": (9216, 7168), "dense_down_tp4": (7168, 4608),
           "expert_w13_tp4": (1024, 7168), "expert_w2_tp4": (7168, 512)}
 MS = [1, 4, 16, 64]
-ROTATE = 256e6
 DEV = "cuda"
 # past the deadline only default configs are timed (one device call)
 DEADLINE = [time.time() + float(os.environ.get("SWEEP_DEADLINE_S", "150"))]
@@ -158,9 +157,7 @@ def time_variants(m, n, k, sets, ok):
 def bench_dense(ok, quick):
     rows = []
     for name, (n, k) in SHAPES.items():
-        sets = bench.rand_nvfp4(n, k, max(2, int(ROTATE // (n * k * 0.5625)) + 1))
-        wbf = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-               for _ in range(max(2, int(ROTATE // (n * k * 2)) + 1))]
+        sets, wbf = bench.weight_sets(n, k)
         for m in MS[:2] if quick else MS:
             t0 = time.time()
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
@@ -364,9 +361,7 @@ def bench_mma(ok) -> list[dict]:
     rows = []
     for name, (n, k) in SHAPES.items():
         t0 = time.time()
-        sets = bench.rand_nvfp4(n, k, max(2, int(ROTATE // (n * k * 0.5625)) + 1))
-        wbf = [torch.randn(n, k, device=DEV, dtype=torch.bfloat16)
-               for _ in range(max(2, int(ROTATE // (n * k * 2)) + 1))]
+        sets, wbf = bench.weight_sets(n, k)
         for m in MMA_MS:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])

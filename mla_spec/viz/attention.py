@@ -90,7 +90,8 @@ def bytes_per_token_bars(per_dtype: Mapping[str, int], title="KV bytes per token
 
 def read_bench_table(path=None) -> list[dict]:
     """Rows of the recorded H200 MLA timing table (keys = the header cells of
-    ``docs/bench_mla.md``'s tables: "ours µs", "FI µs", "ours graph µs", ...; v4, batch 1 from v5).
+    ``docs/bench_mla.md``'s tables: "ours µs", "FI µs", "ours graph µs", ...; the file's
+    ``source`` field says which table each column comes from).
 
     ``path`` None reads the copy shipped in the package (``mla_spec/data/bench_mla_h200.json``),
     so the notebooks work from an installed package too.
