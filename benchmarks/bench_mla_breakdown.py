@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_mla import DPE, DV, PAGE, SM_SCALE, build, fi_wrapper, graph_time  # noqa: E402
+from bench_nvfp4 import md_table  # noqa: E402
 
 from mla_spec.kernels import (  # noqa: E402
     mla_decode_cuda,
@@ -153,12 +154,11 @@ def table(rows) -> str:
     cols = ("shape", "variant", "MB", "full", "split", "combine", "empty2", "fi", "TBps")
     if any("eager" in r for r in rows):
         cols += ("eager", "fi_eager")
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in rows:
-        cells = [f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
-                 for c in cols]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+
+    def cell(c):  # 2 decimals for times and rates, "-" where a row has none
+        return lambda r: f"{r[c]:.2f}" if isinstance(r.get(c), float) else str(r.get(c, "-"))
+
+    return md_table([(c, cell(c)) for c in cols], rows)
 
 
 def main(argv=None) -> None:
