@@ -249,9 +249,6 @@ def test_context_axis_overrides_the_class():
     assert paged_choice(32, torch.bfloat16, cuda, 64, 1, 1024) == (PAGED_VARIANTS["S16"], None)
 
 
-
-
-
 @pytest.mark.parametrize("kvd,splits", [(torch.bfloat16, 4), (FP8_DTYPE, 1)])
 def test_swapab_ragged_with_empty_requests(kvd, splits, device):
     # 0-row request, splits with no visible KV, a 5-row request over 2 row blocks of 3 heads
