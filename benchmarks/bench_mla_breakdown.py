@@ -17,7 +17,8 @@ each timed per call inside a replayed CUDA graph that rotates KV copies past the
 - with ``--eager``: the default call and FlashInfer's as plain calls (``do_bench`` median).
 
 ``--variants`` adds rows for other ``PAGED_VARIANTS`` (e.g. the CUDA kernel's ``K*``) at each
-of ``--splits``: full and split-only times, each checked against ``mla_decode_ref`` first.
+of ``--splits``: full and split-only times, each checked against ``mla_decode_ref`` first
+(variants that do not take a shape's cache are skipped).
 Prints a table last. GPU only.
 """
 
@@ -47,6 +48,7 @@ from mla_spec.kernels.mla_decode import mla_decode_ref  # noqa: E402
 from mla_spec.kernels.mla_decode_combine import combine_splits  # noqa: E402
 from mla_spec.kernels.mla_decode_tiles import (  # noqa: E402
     PAGED_VARIANTS,
+    cuda_cache_ok,
     paged_choice,
     splits_for,
 )
@@ -111,30 +113,37 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
     out_rows = [res]
     ref = (mla_decode_ref(qn, qp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
            if variants else None)
-    for name in variants:
-        vcfg = PAGED_VARIANTS[name]
-        if vcfg.cuda and fp8:
+    for variant in variants:
+        vcfg = PAGED_VARIANTS[variant]
+        if vcfg.cuda and not cuda_cache_ok(vcfg, kvd):
             continue
         for vsp in splits:
-            tag = f"{name}/sp{vsp}"
-            try:
-                fn = call(rpis[0], vcfg, vsp)
-                fn()
-                err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-                if not err < 1e-2:
-                    print(f"   {tag} WRONG: rel err {err:.3g}", flush=True)
-                    continue
-                full, split = _full_and_split([call(r, vcfg, vsp) for r in rpis])
-            except Exception as e:  # noqa: BLE001
-                print(f"   {tag} FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
-                continue
-            r = {"shape": shape, "variant": tag, "MB": kv_bytes / 1e6, "full": full,
-                 "split": split, "fi": res.get("fi"), "TBps": kv_bytes / full / 1e6}
-            print(r, flush=True)
-            out_rows.append(r)
+            r = _variant_row(call, rpis, vcfg, vsp, ref, out)
+            if r:
+                r.update(shape=shape, variant=f"{variant}/sp{vsp}", MB=kv_bytes / 1e6,
+                         fi=res.get("fi"), TBps=kv_bytes / r["full"] / 1e6)
+                print(r, flush=True)
+                out_rows.append(r)
     del pool
     torch.cuda.empty_cache()
     return out_rows
+
+
+def _variant_row(call, rpis, vcfg, vsp, ref, out):
+    """{full, split} of one extra variant at ``vsp`` splits, or None (printed) when it fails
+    or disagrees with ``mla_decode_ref``."""
+    tag = f"{vcfg.tag}/sp{vsp}"
+    try:
+        call(rpis[0], vcfg, vsp)()
+        err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+        if not err < 1e-2:
+            print(f"   {tag} WRONG: rel err {err:.3g}", flush=True)
+            return None
+        full, split = _full_and_split([call(r, vcfg, vsp) for r in rpis])
+    except Exception as e:  # noqa: BLE001
+        print(f"   {tag} FAIL {type(e).__name__}: {str(e)[:300]}", flush=True)
+        return None
+    return {"full": full, "split": split}
 
 
 def _full_and_split(fns):

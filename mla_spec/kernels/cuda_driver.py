@@ -111,11 +111,12 @@ def _libcuda():
 _TMAP_DTYPES = {torch.uint8: 0, torch.float16: 6, torch.float32: 7, torch.bfloat16: 9}
 
 
-def tensor_map_2d(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
+def tensor_map_2d(t: torch.Tensor, box_cols: int, box_rows: int, swizzle: bool = True) -> bytes:
     """A TMA descriptor (``CUtensorMap``, 128 bytes) of the 2-D tensor ``t`` ``[rows, cols]``
     (unit column stride, row stride a multiple of 16 B) with ``[box_rows, box_cols]`` boxes,
-    128-byte swizzle (``box_cols`` elements must span at most 128 B) and 256-byte L2
-    promotion; to be passed by value in a kernel's ``__grid_constant__`` parameters."""
+    128-byte swizzle (``box_cols`` elements must span at most 128 B; ``swizzle=False``: box
+    rows land packed, unswizzled) and 256-byte L2 promotion; to be passed by value in a
+    kernel's ``__grid_constant__`` parameters."""
     if t.dtype not in _TMAP_DTYPES or t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"tensor_map_2d takes a 2-D tensor with unit column stride of "
                          f"{list(_TMAP_DTYPES)} (got {t.dtype}, {tuple(t.shape)})")
@@ -129,9 +130,11 @@ def tensor_map_2d(t: torch.Tensor, box_cols: int, box_rows: int) -> bytes:
     strides = (u64 * 1)(t.stride(0) * esz)
     box = (u32 * 2)(box_cols, box_rows)
     elem = (u32 * 2)(1, 1)
-    # interleave none, swizzle 128B (3), L2 promotion 256B (3), out-of-bounds fill zeros (0)
+    # interleave none, swizzle 128B (3) or none (0), L2 promotion 256B (3), out-of-bounds
+    # fill zeros (0)
     _check(_libcuda().cuTensorMapEncodeTiled(ctypes.addressof(out), _TMAP_DTYPES[t.dtype], 2,
-                                             t.data_ptr(), dims, strides, box, elem, 0, 3, 3, 0),
+                                             t.data_ptr(), dims, strides, box, elem, 0,
+                                             3 if swizzle else 0, 3, 0),
            f"encoding a tensor map of {tuple(t.shape)}")
     return bytes(out)
 

@@ -68,18 +68,21 @@ class _Params(ctypes.Structure):
 
 
 def call_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
-                   page_size: int, block_n: int, q_len: int | None, kernel: str) -> str | None:
+                   page_size: int, block_n: int, q_len: int | None, kernel: str,
+                   kv_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> str | None:
     """What every hand-written MLA kernel needs of a call (None when met, else why not): the
-    CUDA kernels can run here, fixed rows, bf16 queries and cache at DeepSeek's dims, page-sized
-    tiles of ``block_n`` tokens, 16-byte aligned query rows and a contiguous cache."""
+    CUDA kernels can run here, fixed rows, bf16 queries and a cache of ``kv_dtypes`` at
+    DeepSeek's dims, page-sized tiles of ``block_n`` tokens, 16-byte aligned query rows and a
+    contiguous cache."""
     why = cuda_kernels_available(q_nope.device)
     if why:
         return why
     if q_len is None:
         return f"the {kernel} takes fixed q_len only (ragged rows: the Triton kernels)"
-    if kv_flat.dtype != torch.bfloat16 or q_nope.dtype != torch.bfloat16:
-        return f"the {kernel} takes a bf16 cache and bf16 queries (got {kv_flat.dtype} / " \
-               f"{q_nope.dtype})"
+    if kv_flat.dtype not in kv_dtypes or q_nope.dtype != torch.bfloat16 or \
+            q_pe.dtype != torch.bfloat16:
+        return f"the {kernel} takes a {' or '.join(map(str, kv_dtypes))} cache and bf16 " \
+               f"queries (got {kv_flat.dtype} / {q_nope.dtype})"
     if q_nope.shape[-1] != _DV or q_pe.shape[-1] != _DPE:
         return f"the {kernel} is built for Dv {_DV} / Dpe {_DPE}"
     if page_size % block_n:

@@ -72,6 +72,7 @@ from mla_spec.kernels.mla_decode_tiles import (
     PAGED_DEFAULTS,
     PAGED_VARIANTS,
     PagedConfig,
+    cuda_cache_ok,
     paged_choice,
     paged_config,
     parse_choice,
@@ -207,8 +208,9 @@ def paged_supported(device: torch.device, dv: int, dpe: int, page_size: int,
         why = cuda_kernels_available(device)
         if why:
             return why
-        if kv_dtype != torch.bfloat16 or (dv, dpe) != (512, 64):
-            return "the CUDA kernel takes a bf16 cache with Dv 512 / Dpe 64"
+        if not cuda_cache_ok(cfg, kv_dtype) or (dv, dpe) != (512, 64):
+            return ("the CUDA kernel takes a bf16 cache (wgmma without prefetch: or fp8 e4m3) "
+                    "with Dv 512 / Dpe 64")
     if dv % 32 or dv & (dv - 1) or dpe & (dpe - 1) or dpe < 16:
         return f"needs Dv a power of two >= 32 and Dpe a power of two >= 16 (got {dv}/{dpe})"
     cfg = cfg or paged_config(1, kv_dtype, device, page_size)

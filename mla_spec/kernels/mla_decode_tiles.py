@@ -20,7 +20,7 @@ from mla_spec.kernels.cuda_driver import cuda_kernels_available
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["PAGED_CONTEXT_DEFAULTS", "PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig",
-           "context_class", "paged_choice", "paged_config", "parse_choice",
+           "context_class", "cuda_cache_ok", "paged_choice", "paged_config", "parse_choice",
            "pick_num_splits_paged", "shape_class", "splits_for"]
 
 
@@ -166,6 +166,14 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # model's combine term): S16 within 1.09x of the best over the class (V2: 1.25x), C 1.00x
     ("bf16", "r128", "b1"): "S16",
     ("fp8", "big", "b1"): "C",
+    # tenth session, the wgmma kernels on an e4m3 cache (widened to fp16 in shared memory;
+    # docs/bench_mla.md v9, graph µs, FlashInfer's fp8 in the same run): bs 128 ctx 8k W 353
+    # vs CF 703 (886.7); bs 64 ctx 32k W/sp2 695 vs 1363 (1826); 128 rows bs 128 ctx 8k W64
+    # 855-858 vs 1364-1369 (1742-1779)
+    ("fp8", "r32", "b48"): "W|CF",
+    ("fp8", "r32", "big"): "W|CF",
+    ("fp8", "r128", "b48"): "W64|CF",
+    ("fp8", "r128", "big"): "W64|CF",
 }
 
 
@@ -186,6 +194,10 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # µs in three runs; the one-round combine of 128 splits measured once); ninth session: the
     # wgmma kernel W/sp128 24.8 vs K 28.2 at 32k (16k: 19.6 vs 18.5)
     ("bf16", "r32", "b1", "long"): "W/sp128|K/sp128",
+    # tenth session, an e4m3 cache at 32k (docs/bench_mla.md v9): W/sp128 23.2 vs G4/sp64 43.8
+    # (FlashInfer fp8 76.4, bf16 48.2); 128 rows: W64/sp64 44.9 vs CF 60.2 (87.4)
+    ("fp8", "r32", "b1", "long"): "W/sp128|G4",
+    ("fp8", "r128", "b1", "long"): "W64/sp64|CF",
 }
 
 
@@ -210,14 +222,22 @@ def parse_choice(choice: str) -> tuple[PagedConfig, int | None]:
     return PAGED_VARIANTS[name], (int(sp) if sp else None)
 
 
+def cuda_cache_ok(cfg: PagedConfig, kv_dtype: torch.dtype) -> bool:
+    """Whether a CUDA variant takes this cache dtype: bf16 always, fp8 e4m3 the wgmma kernels
+    without prefetch (``mla_decode_wgmma.WGMMA_FP8_KERNELS``)."""
+    return kv_dtype == torch.bfloat16 or (kv_dtype == FP8_DTYPE and cfg.wgmma
+                                          and not cfg.prefetch)
+
+
 def _runs_here(cfg: PagedConfig, kv_dtype: torch.dtype, device: torch.device,
                fixed: bool) -> bool:
     """Whether a table entry's variant runs on ``device`` for this call: the Triton ones
-    always; a CUDA one (``K*`` / ``W*``) with fixed rows, a bf16 cache, nvcc and sm_90+
-    (``cuda_kernels_available``), ``wgmma`` on exactly sm_90."""
+    always; a CUDA one (``K*`` / ``W*``) with fixed rows, a cache it takes
+    (:func:`cuda_cache_ok`), nvcc and sm_90+ (``cuda_kernels_available``), ``wgmma`` on
+    exactly sm_90."""
     if not cfg.cuda:
         return True
-    return (fixed and kv_dtype == torch.bfloat16 and cuda_kernels_available(device) is None
+    return (fixed and cuda_cache_ok(cfg, kv_dtype) and cuda_kernels_available(device) is None
             and (not cfg.wgmma or torch.cuda.get_device_capability(device) == (9, 0)))
 
 

@@ -3,9 +3,11 @@
 
 Same contract and result as :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for
 the shapes it takes: fixed ``q_len`` (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2), a contiguous
-bf16 cache ``[slots, 576]`` whose page size is a multiple of 64 (one KV tile = 64 consecutive
-slots of one page, fetched by TMA), Dv 512 / Dpe 64, bf16 queries with 16-byte aligned rows,
-an sm_90 GPU (``wgmma`` exists on Hopper only). 64, 32 or 16 query rows per CTA; more rows
+bf16 or FP8 e4m3 cache ``[slots, 576]`` whose page size is a multiple of 64 (one KV tile = 64
+consecutive slots of one page, fetched by TMA), Dv 512 / Dpe 64, bf16 queries with 16-byte
+aligned rows, an sm_90 GPU (``wgmma`` exists on Hopper only). An e4m3 tile is widened to fp16
+in shared memory and multiplied in fp16 with the queries rounded to fp16 (``csrc/sm90_fp8.cuh``
+says why). 64, 32 or 16 query rows per CTA; more rows
 per request run more row blocks, each streaming the KV. Splits merge through
 ``combine_splits``.
 
@@ -23,9 +25,10 @@ from mla_spec.kernels.cuda_driver import CudaKernel, tensor_map_2d
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_cuda import _Params, call_supported, split_params
 from mla_spec.kernels.pdl import pdl_on
+from mla_spec.quant.fp8 import FP8_DTYPE
 
-__all__ = ["WGMMA_BLOCK_M", "WGMMA_KERNELS", "launch_wgmma_mla", "wgmma_mla_supported",
-           "wgmma_smem"]
+__all__ = ["WGMMA_BLOCK_M", "WGMMA_FP8_BLOCK_M", "WGMMA_KERNELS", "launch_wgmma_mla",
+           "wgmma_mla_supported", "wgmma_smem"]
 
 _BN, _STAGES = 64, 2
 #: rows per CTA -> (source, threads): 32 / 16 rows split the QK depth between the two consumer
@@ -34,11 +37,15 @@ _BN, _STAGES = 64, 2
 _SOURCES = {32: ("mla_wgmma_sm90.cu", 288), 16: ("mla_wgmma_sm90.cu", 288),
             64: ("mla_wgmma64_sm90.cu", 384)}
 WGMMA_BLOCK_M = tuple(_SOURCES)
-#: (rows per CTA, l2 prefetch) pairs compiled: ``prefetch`` puts the split's first tiles into
-#: L2 before the PDL wait (suffix ``p``)
+#: (rows per CTA, l2 prefetch) pairs compiled for a bf16 cache: ``prefetch`` puts the split's
+#: first tiles into L2 before the PDL wait (suffix ``p``)
 WGMMA_KERNELS = ((32, False), (16, False), (64, False), (32, True), (64, True))
-_KERNELS = {(bm, pf): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}{'p' if pf else ''}",
-                                 arch="sm_90a") for bm, pf in WGMMA_KERNELS}
+#: rows per CTA compiled for an e4m3 cache (suffix ``_f8``; no prefetch)
+WGMMA_FP8_BLOCK_M = (32, 16, 64)
+_KERNELS = {(bm, pf, False): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}{'p' if pf else ''}",
+                                        arch="sm_90a") for bm, pf in WGMMA_KERNELS}
+_KERNELS.update({(bm, False, True): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}_f8",
+                                               arch="sm_90a") for bm in WGMMA_FP8_BLOCK_M})
 
 
 def wgmma_smem(block_m: int) -> int:
@@ -58,29 +65,38 @@ class _WgParams(ctypes.Structure):
     _fields_ = [("m", _Params), ("kv_map", ctypes.c_ubyte * 128)]
 
 
-_MAPS: dict[tuple[int, int, int], bytes] = {}
+_MAPS: dict[tuple[int, int, int, bool], bytes] = {}
 
 
 def _tensor_map(kv_flat: torch.Tensor) -> bytes:
-    """The cache's TMA descriptor (it depends on the address and the slot count only: the
-    dtype, the row length and contiguity are checked before)."""
-    key = (kv_flat.data_ptr(), kv_flat.shape[0], kv_flat.device.index or 0)
+    """The cache's TMA descriptor (it depends on the address, the slot count and the dtype
+    only: the row length and contiguity are checked before): boxes of [64 tokens, 64 dims],
+    128-byte swizzled for bf16, packed bytes for e4m3 (``csrc/sm90_fp8.cuh``)."""
+    fp8 = kv_flat.dtype == FP8_DTYPE
+    key = (kv_flat.data_ptr(), kv_flat.shape[0], kv_flat.device.index or 0, fp8)
     got = _MAPS.get(key)
     if got is None:
         if len(_MAPS) >= 512:  # a pool per layer (61 in DeepSeek-V3, the MTP layer's too)
             _MAPS.clear()
-        got = _MAPS[key] = tensor_map_2d(kv_flat, 64, _BN)
+        got = _MAPS[key] = (tensor_map_2d(kv_flat.view(torch.uint8), 64, _BN, swizzle=False)
+                            if fp8 else tensor_map_2d(kv_flat, 64, _BN))
     return got
+
+
+def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype):
+    return (block_m, prefetch, kv_dtype == FP8_DTYPE)
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
                         page_size: int, block_m: int, q_len: int | None,
                         prefetch: bool = False) -> str | None:
     """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
-    if (block_m, prefetch) not in _KERNELS:
-        return f"(block_m, prefetch) {(block_m, prefetch)} is not compiled (one of " \
-               f"{WGMMA_KERNELS})"
-    why = call_supported(q_nope, q_pe, kv_flat, page_size, _BN, q_len, "wgmma kernel")
+    if _kernel_key(block_m, prefetch, kv_flat.dtype) not in _KERNELS:
+        return f"(block_m, prefetch) {(block_m, prefetch)} is not compiled for a " \
+               f"{kv_flat.dtype} cache (bf16: one of {WGMMA_KERNELS}; e4m3: block_m one of " \
+               f"{WGMMA_FP8_BLOCK_M}, no prefetch)"
+    why = call_supported(q_nope, q_pe, kv_flat, page_size, _BN, q_len, "wgmma kernel",
+                         (torch.bfloat16, FP8_DTYPE))
     if why is None and torch.cuda.get_device_capability(q_nope.device) != (9, 0):
         return "the wgmma kernel needs sm_90 (Hopper): wgmma does not exist elsewhere"
     return why
@@ -100,8 +116,8 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                                      num_splits)
     p = _WgParams(m)
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat), 128)
-    _KERNELS[block_m, prefetch]((num_splits, m_blocks, req_pool_indices.numel()),
-                                _SOURCES[block_m][1], wgmma_smem(block_m), p, q_nope.device,
-                                pdl=pdl_on(q_nope))
+    _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype)](
+        (num_splits, m_blocks, req_pool_indices.numel()), _SOURCES[block_m][1],
+        wgmma_smem(block_m), p, q_nope.device, pdl=pdl_on(q_nope))
     if num_splits > 1:
         combine_splits(part, part_lse, out, lse)

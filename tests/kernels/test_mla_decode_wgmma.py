@@ -35,12 +35,20 @@ def test_params_layout_matches_source():
     assert mw._WgParams.m.offset == 0
 
 
+def _built():
+    """(rows, prefetch, kv kind) of every instantiation in the two sources."""
+    found = re.findall(r"^MLA_WGMMA\((\d+), (true|false), (KV_\w+), ", SRC.read_text(), re.M)
+    found += [("64", pf, kv) for pf, kv in
+              re.findall(r"^MLA_WGMMA64\((true|false), (KV_\w+), ", SRC64.read_text(), re.M)]
+    return {(int(bm), pf == "true", kv) for bm, pf, kv in found}
+
+
 def test_instantiations_match_source():
-    built = {(int(bm), sfx == "p") for bm, sfx in
-             re.findall(r"^MLA_WGMMA\((\d+), (?:true|false), (p?)\)", SRC.read_text(), re.M)}
-    built |= {(int(bm), sfx == "p") for bm, sfx in
-              re.findall(r"mla_wgmma_m(\d+)(p?)\(", SRC64.read_text())}
-    assert built == set(mw.WGMMA_KERNELS)
+    built = _built()
+    assert {(bm, pf) for bm, pf, kv in built if kv == "KV_BF16"} == set(mw.WGMMA_KERNELS)
+    assert {(bm, pf) for bm, pf, kv in built if kv == "KV_FP8"} == \
+        {(bm, False) for bm in mw.WGMMA_FP8_BLOCK_M}
+    assert {kv for _, _, kv in built} == {"KV_BF16", "KV_FP8"}
     assert {bm for bm, _ in mw.WGMMA_KERNELS} == set(mw.WGMMA_BLOCK_M)
     for name, cfg in PAGED_VARIANTS.items():
         if cfg.wgmma:
@@ -65,9 +73,9 @@ def test_source_compiles_for_sm90a(tmp_path, monkeypatch):
     for src in (SRC, SRC64):
         cubin = compile_cubin(src, "sm_90a")
         assert cubin[:4] == b"\x7fELF"
-        for bm, pf in mw.WGMMA_KERNELS:
-            if mw._SOURCES[bm][0] == src.name:
-                assert f"mla_wgmma_m{bm}{'p' if pf else ''}".encode() in cubin
+        for key, kern in mw._KERNELS.items():
+            if mw._SOURCES[key[0]][0] == src.name:
+                assert kern.name.encode() in cubin
 
 
 def _long_case(lens, h, page, seed, nan_tail):
@@ -140,3 +148,87 @@ def test_split_params_fill_the_struct_the_kernels_read():
     p1, part1, _ = split_params(q, qp, kv, r2t.int(), torch.zeros(2, dtype=torch.int32),
                                 torch.ones(2, dtype=torch.int32), out, None, 1.0, 1.0, 1, 1)
     assert part1 is out and p1.split == 0 and p1.part == out.data_ptr()
+
+
+def test_fp8_kernels_are_refused_where_not_built():
+    from mla_spec.quant.fp8 import FP8_DTYPE
+
+    q = torch.zeros(1, 2, DV, dtype=torch.bfloat16)
+    qp = torch.zeros(1, 2, DPE, dtype=torch.bfloat16)
+    kv = torch.zeros(64, DV + DPE, dtype=FP8_DTYPE)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, prefetch=True)
+    assert why and "not compiled" in why and "no prefetch" in why
+
+
+def _fp8_case(lens, h, q_len, page, seed):
+    """A bf16 case quantized to e4m3 (scale 1/4: the values use the upper e4m3 range), with
+    0x7F (NaN) bytes in the slots past each request's kv_len."""
+    from mla_spec.quant.fp8 import quantize_fp8
+
+    qn, qp, kv, r2t, rpi, kl = _long_case(lens, h, page, seed, nan_tail=False)
+    kv8 = quantize_fp8(kv.float() * 4)
+    live = torch.zeros(kv.shape[0], dtype=torch.bool, device=kv.device)
+    for i, n in enumerate(lens):
+        live[r2t[i, :n].long()] = True
+    kv8.view(torch.uint8)[~live] = 0x7F
+    if q_len > 1:
+        g = torch.Generator().manual_seed(seed + 1)
+        n = len(lens) * q_len
+        qn = torch.randn(n, h, DV, generator=g).to(torch.bfloat16).cuda()
+        qp = torch.randn(n, h, DPE, generator=g).to(torch.bfloat16).cuda()
+    return qn, qp, kv8, r2t, rpi, kl
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["W", "W16", "W64"])
+@pytest.mark.parametrize("lens,h,q_len,page,splits", [
+    ([4096], 32, 1, 64, 32),
+    ([0, 1, 63, 64, 65, 1000], 32, 1, 64, 1),
+    ([3001, 5, 128], 16, 2, 128, 3),
+    ([700, 2049], 128, 1, 64, 7),
+    ([1, 4, 1500], 32, 4, 64, 5),
+    ([32768], 32, 1, 64, 128),
+])
+def test_fp8_cache_matches_twin(name, lens, h, q_len, page, splits):
+    cfg = PAGED_VARIANTS[name]
+    qn, qp, kv8, r2t, rpi, kl = _fp8_case(lens, h, q_len, page, seed=len(lens) + splits)
+    ref, lse_ref = mla_decode_ref(qn, qp, kv8, r2t, rpi, kl, SM, k_scale=0.25, v_scale=0.7,
+                                  q_len=q_len, return_lse=True)
+    out, lse = mla_decode_paged(qn, qp, kv8, r2t, rpi, kl, SM, page_size=page, k_scale=0.25,
+                                v_scale=0.7, q_len=q_len, num_splits=splits, config=cfg,
+                                max_kv=max(lens), return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    # the queries and P in fp16 (10-bit mantissa), the cache values exact: bf16-output error
+    err = (out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-3)
+    assert err.item() < 1e-2
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert torch.allclose(lse[fin], lse_ref[fin].float(), atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_fp8_graph_replay_reads_new_data():
+    from mla_spec.quant.fp8 import quantize_fp8
+
+    qn, qp, kv8, r2t, rpi, kl = _fp8_case([2000, 300], 32, 1, 64, seed=9)
+    out = torch.empty_like(qn)
+
+    def run():
+        mla_decode_paged(qn, qp, kv8, r2t, rpi, kl, SM, page_size=64, q_len=1, num_splits=16,
+                         config=PAGED_VARIANTS["W"], max_kv=2000, out=out)
+
+    run()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run()
+    for seed in range(3):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        qn.copy_(torch.randn(qn.shape, device="cuda", generator=gen).to(qn.dtype))
+        kv8.copy_(quantize_fp8(torch.randn(kv8.shape, device="cuda", generator=gen) * 8))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = mla_decode_ref(qn, qp, kv8, r2t, rpi, kl, SM, q_len=1)
+        err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+        assert err.item() < 1e-2

@@ -12,7 +12,7 @@
 // warpgroup that hands its registers to the consumers (setmaxnreg). Shared memory: two KV
 // stages (144 KB), the queries (72 KB), P^T (8 KB), reductions: 227 KB less 480 bytes.
 // What it computes: exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache).
-#include "sm90_wgmma.cuh"
+#include "sm90_fp8.cuh"
 
 namespace {
 
@@ -21,17 +21,19 @@ using namespace sm90;
 constexpr int BM = 64, RW = 32;  // query rows per CTA, per warpgroup
 
 // S_w^T over all 36 k16 steps: A = K tile, B = the warpgroup's 32 query rows (both K-major)
+template <bool F16>
 __device__ __forceinline__ void qk_rows(float (&s)[RW / 2], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
   for (int j = 0; j < 36; ++j) {
     const uint32_t a_off = (j >> 2) * BLK + (j & 3) * 32, b_off = (j >> 2) * BM * 128 + (j & 3) * 32;
-    Wgmma<RW, 0>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
+    Wgmma<RW, 0, F16>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
   }
 }
 
-template <bool L2PF>
+template <bool L2PF, int KV>
 __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   const MlaParams& p = wp.m;
+  using T = KvTraits<KV>;
   constexpr int NA = RW / 2;  // S^T accumulators (m64n32) per thread
   constexpr int NC = RW / 4;  // own query rows a thread holds (S^T column 8 jn + 2 t4 + e)
   constexpr int NO = BM / 2;  // O^T accumulators per m64n64 tile
@@ -57,11 +59,11 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   __syncthreads();  // barriers initialized
   if (tid >= NT) {  // a producer warpgroup (one lane works) gives its registers away
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (tid == NT) produce(wp, w, kv_s, full, empty);
+    if (tid == NT) produce<KV>(wp, w, kv_s, full, empty);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-  qload.store(q_s, tid);
+  qload.store<T::f16>(q_s, tid);
   fence_proxy_async();
   named_barrier(1, NT);
 
@@ -84,12 +86,13 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
     const int stage = it % STAGES, t0 = w.lo + it * BN;
     const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
     mbar_wait(&full[stage], (it / STAGES) & 1);
+    if constexpr (T::f16) widen_tile(kv_s + stage * TILE, tid);
     zero_v_tail(kv_s + stage * TILE, w.hi - t0, tid);
     float s[NA];
 #pragma unroll
     for (int i = 0; i < NA; ++i) s[i] = 0.f;
     wgmma_fence();
-    qk_rows(s, sw128_desc(kv_base, 16, 1024), q_desc);
+    qk_rows<T::f16>(s, sw128_desc(kv_base, 16, 1024), q_desc);
     wgmma_commit();
     wgmma_wait0();
 
@@ -100,7 +103,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
     tile_softmax<NC>(s, m_r, l_r, alpha, red + wg * 4 * RW, RW, t4);
     uint32_t pk[NA / 2];
 #pragma unroll
-    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_bf16(s[i], s[i + 1]);
+    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<T::f16>(s[i], s[i + 1]);
     // P^T rows of this warpgroup, this warp's 16 tokens (blocks: 8 tokens x 8 rows)
 #pragma unroll
     for (int jb = 0; jb < RW / 8; jb += 2) {
@@ -125,7 +128,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
       for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int i = 0; i < NO; ++i) o[mt][i] *= a[2 * (i >> 2) + (i & 1)];
-    pv_tile<BM>(o, kv_base, p_desc, wg, lane, &empty[stage]);  // then the stage is free
+    pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage]);  // then the stage is free
   }
   griddep_launch();
 
@@ -154,13 +157,12 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
 }  // namespace
 
 // 3 warpgroups: registers are allocated per warpgroup, and 64 rows of O^T take 128 per thread
-extern "C" __global__ void __launch_bounds__(NT + 128, 1)
-    mla_wgmma_m64(const __grid_constant__ WgParams p) {
-  mla_wgmma64<false>(p);
-}
+#define MLA_WGMMA64(L2PF, KV, SUFFIX)                                                       \
+  extern "C" __global__ void __launch_bounds__(NT + 128, 1)                                \
+      mla_wgmma_m64##SUFFIX(const __grid_constant__ WgParams p) {                          \
+    mla_wgmma64<L2PF, KV>(p);                                                              \
+  }
 
-// the first tiles into L2 before the PDL wait
-extern "C" __global__ void __launch_bounds__(NT + 128, 1)
-    mla_wgmma_m64p(const __grid_constant__ WgParams p) {
-  mla_wgmma64<true>(p);
-}
+MLA_WGMMA64(false, KV_BF16, )
+MLA_WGMMA64(true, KV_BF16, p)  // the first tiles into L2 before the PDL wait
+MLA_WGMMA64(false, KV_FP8, _f8)  // an e4m3 cache (sm90_fp8.cuh)

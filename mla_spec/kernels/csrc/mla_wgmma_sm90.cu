@@ -23,7 +23,7 @@
 // output as in mla_splitkv_sm90.cu (fp32 partials + log2-sum-exp, merged by combine_splits).
 // Requirements (mla_decode_wgmma.wgmma_mla_supported): page size a multiple of 64 (a tile is
 // 64 consecutive slots of one page), the cache a contiguous [slots, 576] bf16 tensor.
-#include "sm90_wgmma.cuh"
+#include "sm90_fp8.cuh"
 
 namespace {
 
@@ -32,18 +32,19 @@ using namespace sm90;
 // S^T partial over the k16 steps 2 j + w (j < 18) of warpgroup w: A = K tile, B = Q (both
 // K-major). Interleaving the steps makes a step's offset a constant plus w * 32 bytes, so the
 // descriptors are one base each (a_desc, b_desc: w's first step) plus immediates.
-template <int BM>
+template <int BM, bool F16>
 __device__ __forceinline__ void qk_half(float (&s)[BM / 2], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
   for (int j = 0; j < 18; ++j) {
     const uint32_t a_off = (j >> 1) * BLK + (j & 1) * 64, b_off = (j >> 1) * BM * 128 + (j & 1) * 64;
-    Wgmma<BM, 0>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
+    Wgmma<BM, 0, F16>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
   }
 }
 
-template <int BM, bool L2PF>
+template <int BM, bool L2PF, int KV>
 __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const MlaParams& p = wp.m;
+  using T = KvTraits<KV>;
   static_assert(BM == 16 || BM == 32, "rows per CTA");
   constexpr int NA = BM / 2;  // accumulators of one m64nBM tile per thread
   constexpr int NC = BM / 4;  // query rows (S^T / O^T columns) a thread holds
@@ -68,10 +69,10 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   cta_range<BM>(p, split, b, w);
   __syncthreads();  // barriers initialized
   if (tid >= NT) {  // the producer warp
-    if (lane == 0) produce(wp, w, kv_s, full, empty);
+    if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);
     return;
   }
-  qload.store(q_s, tid);
+  qload.template store<T::f16>(q_s, tid);
   fence_proxy_async();
   named_barrier(1, NT);  // the queries are in shared memory (consumer warps only from here)
 
@@ -97,12 +98,13 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
     const int stage = it % STAGES, t0 = w.lo + it * BN;
     const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
     mbar_wait(&full[stage], (it / STAGES) & 1);
+    if constexpr (T::f16) widen_tile(kv_s + stage * TILE, tid);
     zero_v_tail(kv_s + stage * TILE, w.hi - t0, tid);
     float s[NA];
 #pragma unroll
     for (int i = 0; i < NA; ++i) s[i] = 0.f;
     wgmma_fence();
-    qk_half<BM>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
+    qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
     wgmma_commit();
     wgmma_wait0();
     // add the other warpgroup's half (a + b == b + a: both hold identical sums)
@@ -129,7 +131,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
     // tile (both groups hold the same P)
     uint32_t pk[NA / 2];
 #pragma unroll
-    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_bf16(s[i], s[i + 1]);
+    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<T::f16>(s[i], s[i + 1]);
     if ((wq >> 1) == wg) {
       // pk[2 jb + hf]: block (tokens 16 wq + 8 hf.., query rows 8 jb..); x4 covers two jb
 #pragma unroll
@@ -146,7 +148,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
         for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
     fence_proxy_async();
     named_barrier(1, NT);  // P^T complete
-    pv_tile<BM>(o, kv_base, p_desc, wg, lane, &empty[stage]);  // then the stage is free
+    pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage]);  // then the stage is free
   }
   griddep_launch();  // the combine may launch now (it waits for this grid to finish)
 
@@ -174,12 +176,14 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
 
 }  // namespace
 
-#define MLA_WGMMA(BM, L2PF, SUFFIX)                                                           \
+#define MLA_WGMMA(BM, L2PF, KV, SUFFIX)                                                       \
   extern "C" __global__ void __launch_bounds__(NT + 32, 1)                                   \
       mla_wgmma_m##BM##SUFFIX(const __grid_constant__ WgParams p) {                          \
-    mla_wgmma<BM, L2PF>(p);                                                                  \
+    mla_wgmma<BM, L2PF, KV>(p);                                                              \
   }
 
-MLA_WGMMA(32, false, )
-MLA_WGMMA(16, false, )
-MLA_WGMMA(32, true, p)  // the first tiles into L2 before the PDL wait
+MLA_WGMMA(32, false, KV_BF16, )
+MLA_WGMMA(16, false, KV_BF16, )
+MLA_WGMMA(32, true, KV_BF16, p)  // the first tiles into L2 before the PDL wait
+MLA_WGMMA(32, false, KV_FP8, _f8)   // an e4m3 cache (sm90_fp8.cuh)
+MLA_WGMMA(16, false, KV_FP8, _f8)

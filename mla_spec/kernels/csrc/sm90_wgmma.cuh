@@ -6,6 +6,8 @@
 #include "mla_params.cuh"
 #include "sm90_common.cuh"
 
+#include <cuda_fp16.h>
+
 namespace {
 
 constexpr int DV = 512, DK = 576, NCH = DK / 64;  // 9 blocks of 64 dims (128 B per row)
@@ -13,6 +15,18 @@ constexpr int BN = 64, STAGES = 2, NT = 256;      // tokens per tile, tiles in f
 constexpr int BLK = BN * 128;                     // one 64-dim block of a tile (8 KB)
 constexpr int TILE = NCH * BLK;                   // 72 KB
 constexpr int OSTRIDE = DV + 4;                   // fp32 output staging row (bank spread)
+
+// the cache the wgmma kernels read: bf16, or e4m3 widened to fp16 in shared memory
+// (sm90_fp8.cuh)
+enum KvKind { KV_BF16 = 0, KV_FP8 = 1 };
+
+template <int KV>
+struct KvTraits {
+  static constexpr bool f16 = KV == KV_FP8;                     // fp16 MMAs (else bf16)
+  static constexpr int tile_bytes = f16 ? TILE / 2 : TILE;     // TMA bytes per tile
+  static constexpr int land = f16 ? TILE / 2 : 0;              // where the TMA boxes land
+  static constexpr int box_bytes = f16 ? BLK / 2 : BLK;
+};
 
 }  // namespace
 
@@ -49,52 +63,80 @@ __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 
-// D[64, N] += A[64, 16] . B[16, N], bf16 in, fp32 accumulators (N / 2 per thread);
-// TA = 1: A is M-major in shared memory (the V^T view), else K-major
-template <int N, int TA>
+// D[64, N] += A[64, 16] . B[16, N], bf16 (F16: fp16) in, fp32 accumulators (N / 2 per
+// thread); TA = 1: A is M-major in shared memory (the V^T view), else K-major
+template <int N, int TA, bool F16 = false>
 struct Wgmma;
 
-template <int TA>
-struct Wgmma<32, TA> {
-  __device__ __forceinline__ static void run(float (&d)[16], uint64_t da, uint64_t db) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1, %18, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-        : "l"(da), "l"(db), "n"(TA));
-  }
-};
+#define SM90_WGMMA(N, T, REGS, NREG, ...)                                                  \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " " REGS      \
+               ", %" #NREG ", %" NREG1_##NREG ", 1, 1, 1, %" NREG2_##NREG ", 0;\n"        \
+               : __VA_ARGS__                                                            \
+               : "l"(da), "l"(db), "n"(TA))
+#define NREG1_8 "9"
+#define NREG2_8 "10"
+#define NREG1_16 "17"
+#define NREG2_16 "18"
+#define NREG1_32 "33"
+#define NREG2_32 "34"
 
-template <int TA>
-struct Wgmma<64, TA> {
-  __device__ __forceinline__ static void run(float (&d)[32], uint64_t da, uint64_t db) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
-        "%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, 1, 1, 1, %34, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]),
-          "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]),
-          "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
-          "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]),
-          "+f"(d[31])
-        : "l"(da), "l"(db), "n"(TA));
-  }
-};
-
-template <int TA>
-struct Wgmma<16, TA> {
+template <int TA, bool F16>
+struct Wgmma<16, TA, F16> {
   __device__ __forceinline__ static void run(float (&d)[8], uint64_t da, uint64_t db) {
-    asm volatile(
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-        "{%0,%1,%2,%3,%4,%5,%6,%7}, %8, %9, 1, 1, 1, %10, 0;\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7])
-        : "l"(da), "l"(db), "n"(TA));
+#define W16_(T) SM90_WGMMA(16, T, "{%0,%1,%2,%3,%4,%5,%6,%7}", 8, "+f"(d[0]), "+f"(d[1]), \
+                           "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]))
+    if constexpr (F16) W16_("f16"); else W16_("bf16");
+#undef W16_
   }
 };
+
+template <int TA, bool F16>
+struct Wgmma<32, TA, F16> {
+  __device__ __forceinline__ static void run(float (&d)[16], uint64_t da, uint64_t db) {
+#define W32_(T)                                                                              \
+  SM90_WGMMA(32, T, "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}", 16,          \
+             "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),         \
+             "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),       \
+             "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]))
+    if constexpr (F16) W32_("f16"); else W32_("bf16");
+#undef W32_
+  }
+};
+
+template <int TA, bool F16>
+struct Wgmma<64, TA, F16> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint64_t da, uint64_t db) {
+#define W64_(T)                                                                              \
+  SM90_WGMMA(64, T,                                                                         \
+             "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,"  \
+             "%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}", 32,                            \
+             "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),         \
+             "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),       \
+             "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),   \
+             "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),   \
+             "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),   \
+             "+f"(d[30]), "+f"(d[31]))
+    if constexpr (F16) W64_("f16"); else W64_("bf16");
+#undef W64_
+  }
+};
+
+// two floats -> a bf16 pair, or an fp16 pair (F16)
+template <bool F16>
+__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
+  if constexpr (F16) {
+    __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  } else {
+    return pack_bf16(lo, hi);
+  }
+}
+
+// a bf16 pair -> an fp16 pair, saturating at +-65504 (the FP8 path's queries)
+__device__ __forceinline__ uint32_t bf16x2_to_h2(uint32_t v) {
+  const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xFFFF0000u);
+  return pack_h2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
+}
 
 __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int c0, int c1,
                                             uint64_t* bar) {
@@ -215,28 +257,37 @@ struct QueryLoad {
     }
   }
 
+  // F16: as fp16 (the FP8 path; saturating, see bf16x2_to_h2)
+  template <bool F16>
   __device__ __forceinline__ void store(unsigned char* q_s, int tid) const {
 #pragma unroll
     for (int i = 0; i < QIT; ++i) {
       const int c = tid + i * NT, r = c / 72, k = c % 72;
-      if (c < QCH) *reinterpret_cast<uint4*>(q_s + (k >> 3) * BM * 128 + sw128(r, k & 7)) = v[i];
+      uint4 x = v[i];
+      if constexpr (F16)
+        x = make_uint4(bf16x2_to_h2(x.x), bf16x2_to_h2(x.y), bf16x2_to_h2(x.z), bf16x2_to_h2(x.w));
+      if (c < QCH) *reinterpret_cast<uint4*>(q_s + (k >> 3) * BM * 128 + sw128(r, k & 7)) = x;
     }
   }
 };
 
 // producer warp, lane 0: a tile's nine [64 tok, 64 dim] TMA boxes into a stage as soon as the
-// consumer warps have released it (empty), completing on full
+// consumer warps have released it (empty), completing on full (an e4m3 tile: into the stage's
+// upper half, see sm90_fp8.cuh)
+template <int KV>
 __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, unsigned char* kv_s,
                                         uint64_t* full, uint64_t* empty) {
+  using T = KvTraits<KV>;
   const int* r2t_row = p.m.r2t + w.req * p.m.s_r2t + w.lo;
   for (int it = 0; it < w.ntiles; ++it) {
     const int stage = it % STAGES;
     const int slot0 = r2t_row[it * BN];
     if (it >= STAGES) mbar_wait(&empty[stage], ((it / STAGES) - 1) & 1);
-    mbar_expect_tx(&full[stage], TILE);
+    mbar_expect_tx(&full[stage], T::tile_bytes);
 #pragma unroll
     for (int c = 0; c < NCH; ++c)
-      tma_load_2d(kv_s + stage * TILE + c * BLK, &p.kv_map, c * 64, slot0, &full[stage]);
+      tma_load_2d(kv_s + stage * TILE + T::land + c * T::box_bytes, &p.kv_map, c * 64, slot0,
+                  &full[stage]);
   }
 }
 
@@ -391,7 +442,7 @@ __device__ __forceinline__ void stage_o(float* ost, const float (&o)[4][NO], int
 
 // O^T[the warpgroup's 256 dims, N rows] += V^T . P^T over a landed tile's 64 tokens (A: the
 // tile's dim blocks 4 wg.. read M-major; B: P^T [N][64 tok]); then the warp releases the stage
-template <int N>
+template <int N, bool F16>
 __device__ __forceinline__ void pv_tile(float (&o)[4][N / 2], uint32_t kv_base, uint64_t p_desc,
                                         int wg, int lane, uint64_t* empty_bar) {
   const uint64_t v_desc = sw128_desc(kv_base + wg * 4 * BLK, BLK, 1024);
@@ -400,7 +451,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[4][N / 2], uint32_t kv_base, 
   for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
-      Wgmma<N, 1>::run(o[mt], v_desc + ((mt * BLK + kk * 2048) >> 4), p_desc + kk * 2);
+      Wgmma<N, 1, F16>::run(o[mt], v_desc + ((mt * BLK + kk * 2048) >> 4), p_desc + kk * 2);
   wgmma_commit();
   wgmma_wait0();
   __syncwarp();
