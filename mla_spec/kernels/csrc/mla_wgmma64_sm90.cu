@@ -85,9 +85,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   for (int it = 0; it < w.ntiles; ++it) {
     const int stage = it % STAGES, t0 = w.lo + it * BN;
     const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
-    mbar_wait(&full[stage], (it / STAGES) & 1);
-    if constexpr (T::f16) widen_tile(kv_s + stage * TILE, tid);
-    zero_v_tail(kv_s + stage * TILE, w.hi - t0, tid);
+    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);
     float s[NA];
 #pragma unroll
     for (int i = 0; i < NA; ++i) s[i] = 0.f;
@@ -128,7 +126,9 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
       for (int mt = 0; mt < 4; ++mt)
 #pragma unroll
         for (int i = 0; i < NO; ++i) o[mt][i] *= a[2 * (i >> 2) + (i & 1)];
-    pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage]);  // then the stage is free
+    pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage], [&] {
+      if (T::f16 && it + 1 < w.ntiles) ready_tile<KV>(kv_s, full, it + 1, w.lo, w.hi, tid);
+    });  // then the stage is free
   }
   griddep_launch();
 

@@ -97,9 +97,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   for (int it = 0; it < w.ntiles; ++it) {
     const int stage = it % STAGES, t0 = w.lo + it * BN;
     const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
-    mbar_wait(&full[stage], (it / STAGES) & 1);
-    if constexpr (T::f16) widen_tile(kv_s + stage * TILE, tid);
-    zero_v_tail(kv_s + stage * TILE, w.hi - t0, tid);
+    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);
     float s[NA];
 #pragma unroll
     for (int i = 0; i < NA; ++i) s[i] = 0.f;
@@ -148,7 +146,9 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
         for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
     fence_proxy_async();
     named_barrier(1, NT);  // P^T complete
-    pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage]);  // then the stage is free
+    pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage], [&] {
+      if (T::f16 && it + 1 < w.ntiles) ready_tile<KV>(kv_s, full, it + 1, w.lo, w.hi, tid);
+    });  // then the stage is free
   }
   griddep_launch();  // the combine may launch now (it waits for this grid to finish)
 

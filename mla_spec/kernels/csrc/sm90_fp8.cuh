@@ -67,4 +67,17 @@ __device__ __forceinline__ void widen_tile(unsigned char* stage_s, int tid) {
   named_barrier(1, NT);
 }
 
+// tile `it` of a CTA ready for its MMAs: landed (full), widened when the cache is e4m3, the V
+// rows past the split's end zeroed. The e4m3 kernels ready tile it + 1 during tile it's P V
+// (pv_tile's meanwhile), so the widening overlaps the tensor cores; the bf16 ones at the top
+// of each tile.
+template <int KV>
+__device__ __forceinline__ void ready_tile(unsigned char* kv_s, uint64_t* full, int it, int lo,
+                                           int hi, int tid) {
+  const int stage = it % STAGES;
+  mbar_wait(&full[stage], (it / STAGES) & 1);
+  if constexpr (KvTraits<KV>::f16) widen_tile(kv_s + stage * TILE, tid);
+  zero_v_tail(kv_s + stage * TILE, hi - (lo + it * BN), tid);
+}
+
 }  // namespace

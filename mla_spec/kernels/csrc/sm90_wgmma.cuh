@@ -441,10 +441,11 @@ __device__ __forceinline__ void stage_o(float* ost, const float (&o)[4][NO], int
 }
 
 // O^T[the warpgroup's 256 dims, N rows] += V^T . P^T over a landed tile's 64 tokens (A: the
-// tile's dim blocks 4 wg.. read M-major; B: P^T [N][64 tok]); then the warp releases the stage
-template <int N, bool F16>
+// tile's dim blocks 4 wg.. read M-major; B: P^T [N][64 tok]); meanwhile() runs while the
+// tensor cores do (it must not touch o); then the warp releases the stage
+template <int N, bool F16, typename F>
 __device__ __forceinline__ void pv_tile(float (&o)[4][N / 2], uint32_t kv_base, uint64_t p_desc,
-                                        int wg, int lane, uint64_t* empty_bar) {
+                                        int wg, int lane, uint64_t* empty_bar, F&& meanwhile) {
   const uint64_t v_desc = sw128_desc(kv_base + wg * 4 * BLK, BLK, 1024);
   wgmma_fence();
 #pragma unroll
@@ -453,6 +454,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[4][N / 2], uint32_t kv_base, 
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<N, 1, F16>::run(o[mt], v_desc + ((mt * BLK + kk * 2048) >> 4), p_desc + kk * 2);
   wgmma_commit();
+  meanwhile();
   wgmma_wait0();
   __syncwarp();
   if (lane == 0) mbar_arrive(empty_bar);
