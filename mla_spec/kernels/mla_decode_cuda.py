@@ -63,7 +63,7 @@ class _Params(ctypes.Structure):
         [(n, ctypes.c_longlong) for n in ("s_qn_t", "s_qn_h", "s_qp_t", "s_qp_h", "s_r2t",
                                           "s_o_t", "s_o_h", "s_ps", "s_ls")] + \
         [(n, ctypes.c_int) for n in ("H", "q_len", "num_splits", "rpi_i64", "kvl_i64", "split",
-                                     "write_lse")] + \
+                                     "write_lse", "part_bf16")] + \
         [("qk_scale_log2", ctypes.c_float), ("v_scale", ctypes.c_float)]
 
 
@@ -104,14 +104,16 @@ def cuda_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.
 
 
 def split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
-                 qk_scale_log2: float, v_scale: float, q_len: int, num_splits: int):
+                 qk_scale_log2: float, v_scale: float, q_len: int, num_splits: int,
+                 part_bf16: bool = False):
     """The kernel parameters (``_Params``, the ``MlaParams`` of ``csrc/mla_params.cuh``) of a
-    call, and the fp32 split partials it writes (``part [S, N*H, Dv]``, ``part_lse [S, N*H]``;
-    ``out`` itself twice when there is one split)."""
+    call, and the split partials it writes (``part [S, N*H, Dv]`` fp32, or bf16 with
+    ``part_bf16``; ``part_lse [S, N*H]`` fp32; ``out`` itself twice when there is one split)."""
     n, h, dv = q_nope.shape
     split = num_splits > 1
     if split:
-        part = torch.empty((num_splits, n * h, dv), dtype=torch.float32, device=q_nope.device)
+        part = torch.empty((num_splits, n * h, dv), device=q_nope.device,
+                           dtype=torch.bfloat16 if part_bf16 else torch.float32)
         part_lse = torch.empty((num_splits, n * h), dtype=torch.float32, device=q_nope.device)
     else:
         part = part_lse = out
@@ -125,7 +127,7 @@ def split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
                 n * h * dv if split else 0, n * h if split else 0,
                 h, q_len, num_splits, int(req_pool_indices.dtype == torch.int64),
                 int(kv_lens.dtype == torch.int64), int(split), int(lse is not None),
-                qk_scale_log2, v_scale)
+                int(split and part_bf16), qk_scale_log2, v_scale)
     p._keep = r2t  # an int32 copy of req_to_token must outlive the launch
     return p, part, part_lse
 

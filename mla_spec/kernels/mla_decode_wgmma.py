@@ -42,6 +42,11 @@ WGMMA_BLOCK_M = tuple(_SOURCES)
 WGMMA_KERNELS = ((32, False), (16, False), (64, False), (32, True), (64, True))
 #: rows per CTA compiled for an e4m3 cache (suffix ``_f8``; no prefetch)
 WGMMA_FP8_BLOCK_M = (32, 16, 64)
+#: rows per CTA whose kernels write their split partials in bf16 (half the bytes written and
+#: combined; one more rounding of the bf16 result's inputs): at 64 rows batch 1 gains ~1.5 µs
+#: (fp8 H 128 ctx 32k 45.8 -> 44.3, 4k 21.4 -> 19.9); at 32 rows the combine of bf16 partials
+#: was slower (bs 32 ctx 4k 54.4 -> 63.3 µs; docs/bench_mla.md v9)
+PART_BF16_BLOCK_M = frozenset({64})
 _KERNELS = {(bm, pf, False): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}{'p' if pf else ''}",
                                         arch="sm_90a") for bm, pf in WGMMA_KERNELS}
 _KERNELS.update({(bm, False, True): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}_f8",
@@ -113,7 +118,7 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                          "rows")
     m, part, part_lse = split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices,
                                      kv_lens, out, lse, qk_scale_log2, v_scale, q_len,
-                                     num_splits)
+                                     num_splits, part_bf16=block_m in PART_BF16_BLOCK_M)
     p = _WgParams(m)
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat), 128)
     _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype)](

@@ -148,6 +148,11 @@ def test_split_params_fill_the_struct_the_kernels_read():
     p1, part1, _ = split_params(q, qp, kv, r2t.int(), torch.zeros(2, dtype=torch.int32),
                                 torch.ones(2, dtype=torch.int32), out, None, 1.0, 1.0, 1, 1)
     assert part1 is out and p1.split == 0 and p1.part == out.data_ptr()
+    p2, part2, _ = split_params(q, qp, kv, r2t, torch.zeros(2, dtype=torch.int64),
+                                torch.ones(2, dtype=torch.int32), out, None, 1.0, 1.0, 1, 3,
+                                part_bf16=True)
+    assert part2.dtype == torch.bfloat16 and (p2.part_bf16, p.part_bf16) == (1, 0)
+    assert 64 in mw.PART_BF16_BLOCK_M
 
 
 def test_fp8_kernels_are_refused_where_not_built():

@@ -311,7 +311,8 @@ __device__ __forceinline__ void write_row_lse(const MlaParams& p, int split, lon
 }
 
 // the CTA's output rows from the fp32 staging [BM][OSTRIDE] scaled by rowv (v_scale / l):
-// normalized fp32 partials of the split, or the bf16 result (coalesced, 16 B per thread)
+// normalized partials of the split (fp32, or bf16: half the bytes the split kernel writes and
+// the combine reads), or the bf16 result (coalesced, 16 B per thread)
 template <int BM>
 __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w, int split, int b,
                                            const float* ost, const float* rowv, int tid) {
@@ -321,7 +322,11 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w,
     const float inv = rowv[r];
     const float4 v = *reinterpret_cast<const float4*>(ost + r * OSTRIDE + d);
     const long long grow = static_cast<long long>(b) * w.n_rows + row;  // tok * H + h
-    if (p.split) {
+    if (p.split && p.part_bf16) {
+      *reinterpret_cast<uint2*>(reinterpret_cast<__nv_bfloat16*>(p.part) + split * p.s_ps +
+                                grow * DV + d) =
+          make_uint2(pack_bf16(v.x * inv, v.y * inv), pack_bf16(v.z * inv, v.w * inv));
+    } else if (p.split) {
       *reinterpret_cast<float4*>(p.part + split * p.s_ps + grow * DV + d) =
           make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
     } else {
