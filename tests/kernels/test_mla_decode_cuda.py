@@ -118,10 +118,14 @@ def test_matches_twin_on_gpu(name, h, q_len, lens, page, splits, idx):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["K", "W"])
-def test_cuda_graph_replay_reads_new_data(name):
+@pytest.mark.parametrize("name,fp8", [("K", False), ("W", False), ("W", True)])
+def test_cuda_graph_replay_reads_new_data(name, fp8):
+    from mla_spec.quant.fp8 import quantize_fp8
+
     cfg = PAGED_VARIANTS[name]
     qn, qp, kv, r2t, rpi, kv_lens = _case(32, 1, [2000, 300], 64, torch.int64, seed=5)
+    if fp8:  # the wgmma kernels widen an e4m3 cache to fp16 in shared memory
+        kv = quantize_fp8(kv.float() * 8)
     out = torch.empty_like(qn)
 
     def run():
@@ -136,7 +140,8 @@ def test_cuda_graph_replay_reads_new_data(name):
     for seed in range(3):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         qn.copy_(torch.randn(qn.shape, device="cuda", generator=gen).to(qn.dtype))
-        kv.copy_(torch.randn(kv.shape, device="cuda", generator=gen).to(kv.dtype))
+        fresh = torch.randn(kv.shape, device="cuda", generator=gen)
+        kv.copy_(quantize_fp8(fresh * 8) if fp8 else fresh.to(kv.dtype))
         g.replay()
         torch.cuda.synchronize()
         ref = mla_decode_ref(qn, qp, kv, r2t, rpi, kv_lens.int(), SM, q_len=1)
