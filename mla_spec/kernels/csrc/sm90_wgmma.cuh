@@ -1,12 +1,11 @@
 // What the warpgroup-MMA MLA kernels (mla_wgmma_sm90.cu, mla_wgmma64_sm90.cu) share: the
-// parameter struct, the tile geometry, wgmma / TMA / stmatrix wrappers, and the parts of a
-// CTA's life that do not depend on how it multiplies (its work range, the queries' way into
-// shared memory, the producer warp, the output rows).
+// parameter struct, the tile geometry, TMA / stmatrix wrappers (the wgmma ones: sm90_mma.cuh),
+// and the parts of a CTA's life that do not depend on how it multiplies (its work range, the
+// queries' way into shared memory, the producer warp, the output rows).
 #pragma once
 #include "mla_params.cuh"
 #include "sm90_common.cuh"
-
-#include <cuda_fp16.h>
+#include "sm90_mma.cuh"
 
 namespace {
 
@@ -45,98 +44,6 @@ static_assert(sizeof(WgParams) == 320 && offsetof(WgParams, kv_map) == 192, "lay
 namespace {
 
 using namespace sm90;
-
-// wgmma shared-memory descriptor, 128-byte swizzle: start, leading and stride byte offsets
-__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>((lbo & 0x3FFFF) >> 4) << 16) |
-         (static_cast<uint64_t>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-
-// D[64, N] += A[64, 16] . B[16, N], bf16 (F16: fp16) in, fp32 accumulators (N / 2 per
-// thread); TA = 1: A is M-major in shared memory (the V^T view), else K-major
-template <int N, int TA, bool F16 = false>
-struct Wgmma;
-
-#define SM90_WGMMA(N, T, REGS, NREG, ...)                                                  \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." T "." T " " REGS      \
-               ", %" #NREG ", %" NREG1_##NREG ", 1, 1, 1, %" NREG2_##NREG ", 0;\n"        \
-               : __VA_ARGS__                                                            \
-               : "l"(da), "l"(db), "n"(TA))
-#define NREG1_8 "9"
-#define NREG2_8 "10"
-#define NREG1_16 "17"
-#define NREG2_16 "18"
-#define NREG1_32 "33"
-#define NREG2_32 "34"
-
-template <int TA, bool F16>
-struct Wgmma<16, TA, F16> {
-  __device__ __forceinline__ static void run(float (&d)[8], uint64_t da, uint64_t db) {
-#define W16_(T) SM90_WGMMA(16, T, "{%0,%1,%2,%3,%4,%5,%6,%7}", 8, "+f"(d[0]), "+f"(d[1]), \
-                           "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]))
-    if constexpr (F16) W16_("f16"); else W16_("bf16");
-#undef W16_
-  }
-};
-
-template <int TA, bool F16>
-struct Wgmma<32, TA, F16> {
-  __device__ __forceinline__ static void run(float (&d)[16], uint64_t da, uint64_t db) {
-#define W32_(T)                                                                              \
-  SM90_WGMMA(32, T, "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}", 16,          \
-             "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),         \
-             "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),       \
-             "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]))
-    if constexpr (F16) W32_("f16"); else W32_("bf16");
-#undef W32_
-  }
-};
-
-template <int TA, bool F16>
-struct Wgmma<64, TA, F16> {
-  __device__ __forceinline__ static void run(float (&d)[32], uint64_t da, uint64_t db) {
-#define W64_(T)                                                                              \
-  SM90_WGMMA(64, T,                                                                         \
-             "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,"  \
-             "%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}", 32,                            \
-             "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),         \
-             "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),       \
-             "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),   \
-             "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),   \
-             "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),   \
-             "+f"(d[30]), "+f"(d[31]))
-    if constexpr (F16) W64_("f16"); else W64_("bf16");
-#undef W64_
-  }
-};
-
-// two floats -> a bf16 pair, or an fp16 pair (F16)
-template <bool F16>
-__device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
-  if constexpr (F16) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  } else {
-    return pack_bf16(lo, hi);
-  }
-}
-
-// a bf16 pair -> an fp16 pair, saturating at +-65504 (the FP8 path's queries)
-__device__ __forceinline__ uint32_t bf16x2_to_h2(uint32_t v) {
-  const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xFFFF0000u);
-  return pack_h2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
-}
 
 __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int c0, int c1,
                                             uint64_t* bar) {
