@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 
-__all__ = ["default_device", "triton_interpreting", "use_triton", "cuda_capability"]
+__all__ = ["cuda_capability", "default_device", "device_capability", "sm_count",
+           "triton_interpreting", "use_triton"]
 
 
 def default_device() -> torch.device:
@@ -30,3 +32,28 @@ def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int]
     if dev.type != "cuda":
         return None
     return torch.cuda.get_device_capability(dev)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA device, cached per device: the attention path asks on every
+    eager call, and ``torch.cuda.get_device_capability`` costs ~10 µs of host time."""
+    return _capability(_index(device))
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device, as above)."""
+    return _sms(_index(device))

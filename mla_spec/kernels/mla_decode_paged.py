@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.device import triton_interpreting
+from mla_spec.device import device_capability, sm_count, triton_interpreting
 from mla_spec.kernels.cuda_driver import cuda_kernels_available
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
@@ -196,7 +196,7 @@ def paged_supported(device: torch.device, dv: int, dpe: int, page_size: int,
                     kv_dtype: torch.dtype, cfg: PagedConfig | None = None) -> str | None:
     """None when the paged kernel can run here, else why not (the caller falls back)."""
     if device.type == "cuda":
-        if torch.cuda.get_device_capability(device)[0] < 9:
+        if device_capability(device)[0] < 9:
             return "the paged fast path is tuned for SM90+ (Hopper)"
     elif not triton_interpreting():
         return "needs CUDA or the Triton interpreter"
@@ -284,8 +284,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         num_splits = pinned
     if num_splits is None:
         mk = max_kv if max_kv is not None else (int(kv_lens.max()) if bs else 0)
-        sms = num_sms or (torch.cuda.get_device_properties(dev).multi_processor_count
-                          if dev.type == "cuda" else 4)
+        sms = num_sms or (sm_count(dev) if dev.type == "cuda" else 4)
         num_splits = splits_for(cfg, bs, m_blocks, mk, rows,
                                 kv_flat.shape[-1] * kv_flat.element_size(), sms, dv)
     if out is None:

@@ -265,14 +265,15 @@ def test_swap_excludes_vsplit():
 
 
 def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
-    """A CUDA-kernel alternative (``K*`` / ``W*``) applies only with fixed rows, a bf16 cache,
-    the kernels available and (``W*``) sm_90; else the next alternative, and for a context
-    entry none of whose alternatives runs, the class entry."""
+    """A CUDA-kernel alternative (``K*`` / ``W*``) applies only with fixed rows, a cache it
+    takes (bf16; fp8 for ``W*``), the kernels available and (``W*``) sm_90; else the next
+    alternative, and for a context entry none of whose alternatives runs, the class entry."""
     from mla_spec.kernels import mla_decode_tiles as mt
+    from mla_spec.quant.fp8 import FP8_DTYPE
 
     cuda = torch.device("cuda")  # only the device type is read (availability is patched)
     cap = {"v": (9, 0)}
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: cap["v"])
+    monkeypatch.setattr(mt, "device_capability", lambda dev: cap["v"])
     monkeypatch.setattr(mt, "cuda_kernels_available", lambda dev: None)
     V = mt.PAGED_VARIANTS
     # the 32-row large-batch class: W on sm_90, its Triton alternative elsewhere
@@ -289,7 +290,14 @@ def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
     cap["v"] = (9, 0)
     assert mt.paged_choice(128, torch.bfloat16, cuda, 64, 1, 32768) == (V["W64"], 64)
     assert mt.paged_choice(128, torch.bfloat16, cuda, 64, 32, 4096) == (V["W64"], None)
+    # an e4m3 cache: the wgmma kernels on sm_90 (not the mma.sync K*), Triton elsewhere
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 128, 8192) == (V["W"], None)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 32768) == (V["W"], 128)
+    assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 1, 4096) == (V["W64"], 64)
+    assert not mt.cuda_cache_ok(V["K"], FP8_DTYPE) and not mt.cuda_cache_ok(V["Wp"], FP8_DTYPE)
     cap["v"] = (10, 0)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 128, 8192) == (V["CF"], None)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 32768) == (V["G4"], None)
     base = mt.parse_choice(mt.PAGED_DEFAULTS[("bf16", "r32", "b1")])
     assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 1, 32768, fixed=False) == base
     monkeypatch.setattr(mt, "cuda_kernels_available", lambda dev: "nvcc not found")
