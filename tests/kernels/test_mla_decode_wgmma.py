@@ -210,3 +210,70 @@ def test_fp8_cache_matches_twin(name, lens, h, q_len, page, splits):
     fin = torch.isfinite(lse_ref)
     assert torch.equal(fin, torch.isfinite(lse))
     assert torch.allclose(lse[fin], lse_ref[fin].float(), atol=2e-2, rtol=1e-3)
+
+
+def test_fp8_in_place_widening_schedule_never_reads_an_overwritten_byte():
+    """A model of ``widen_tile`` (``csrc/sm90_fp8.cuh``; keep the two in step): 256 threads
+    widen a stage's e4m3 bytes (nine [64 tok, 64 B] boxes from byte TILE / 2) in place into
+    nine 128-byte-swizzled fp16 blocks of [64 tok, 128 B], in three barrier intervals. No byte
+    may be read in an interval in which, or after which, any thread has written it; every
+    byte is read once, every fp16 byte written once, and the result is the tile in fp16."""
+    from mla_spec.quant.fp8 import FP8_DTYPE
+
+    tile, blk, box = 9 * 64 * 128, 64 * 128, 64 * 64
+    sw128 = lambda r, k: r * 128 + ((k ^ (r & 7)) << 4)  # noqa: E731
+    # intervals (between the named barriers) of (op, box / block) per thread, as in widen_tile
+    intervals = [[("r", c) for c in range(4)] + [("w", c) for c in range(4)] +
+                 [("r", 8)] + [("r", c) for c in range(4, 7)],
+                 [("w", c) for c in range(4, 7)] + [("r", 7), ("w", 7)],
+                 [("w", 8)]]
+
+    def span(op, c, r, j):
+        if op == "r":
+            o = tile // 2 + c * box + r * 64 + j * 16
+            return [range(o, o + 16)]
+        return [range(c * blk + sw128(r, 2 * j + h), c * blk + sw128(r, 2 * j + h) + 16)
+                for h in (0, 1)]
+
+    written, reads_seen, writes_seen = set(), [], []
+    for iv in intervals:
+        iv_writes = {b for t in range(256) for op, c in iv if op == "w"
+                     for rg in span(op, c, t >> 2, t & 3) for b in rg}
+        for t in range(256):
+            for op, c in iv:
+                if op == "r":
+                    for rg in span(op, c, t >> 2, t & 3):
+                        assert not (set(rg) & (written | iv_writes)), (t, c)
+                        reads_seen += list(rg)
+        written |= iv_writes
+        writes_seen += sorted(iv_writes)
+    assert sorted(reads_seen) == list(range(tile // 2, tile))
+    assert sorted(writes_seen) == list(range(tile))
+
+    # the values: run the intervals (reads first: the model above says they may) on real bytes
+    g = torch.Generator().manual_seed(3)
+    stage = torch.zeros(tile, dtype=torch.uint8)
+    stage[tile // 2:] = torch.randint(0, 256, (tile // 2,), generator=g, dtype=torch.uint8)
+    stage[tile // 2:][(stage[tile // 2:] & 0x7F) == 0x7F] = 0x11  # no NaN codes
+    src = stage[tile // 2:].clone().view(9, 64, 64)  # [box, token, dim byte]
+    regs = {}
+    for iv in intervals:
+        for t in range(256):
+            r, j = t >> 2, t & 3
+            for op, c in iv:
+                if op == "r":
+                    regs[t, c] = stage[span("r", c, r, j)[0].start:][:16].clone()
+        for t in range(256):
+            r, j = t >> 2, t & 3
+            for op, c in iv:
+                if op == "w":
+                    h16 = regs[t, c].view(FP8_DTYPE).to(torch.float16).view(torch.uint8)
+                    for h, rg in enumerate(span("w", c, r, j)):
+                        stage[rg.start:rg.stop] = h16[16 * h:16 * h + 16]
+    got = torch.empty(9, 64, 64, dtype=torch.float16)
+    for c in range(9):
+        for r in range(64):
+            for k in range(8):  # 16-byte chunk k of the row = 8 fp16 dims 8k..
+                o = c * blk + sw128(r, k)
+                got[c, r, 8 * k:8 * k + 8] = stage[o:o + 16].view(torch.float16)
+    assert torch.equal(got, src.view(FP8_DTYPE).to(torch.float16))
