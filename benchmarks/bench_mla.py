@@ -10,6 +10,10 @@ the shapes of h200-measured.md (H 32 / 128, q 1 / 4, bf16 / fp8, (bs, ctx) in (1
 rotating over enough KV copies to defeat the 60 MB L2. Writes JSON / markdown to $OUT if set.
 "Ours" here is the generic kernel (``mla_decode``); the paged fast path that the triton backend
 uses on Hopper is swept and tabled beside FlashInfer by ``benchmarks/sweep_mla.py``.
+``--defaults``: the same grid as the backend runs it on Hopper (``mla_decode_paged`` with the
+``paged_choice`` defaults: the Triton, CUDA and wgmma kernels), per call in a replayed CUDA
+graph and eagerly, FlashInfer in the same run (``bench_mla_breakdown``'s rows: µs, FI/ours,
+TB/s, TFLOP/s).
 """
 
 from __future__ import annotations
@@ -278,8 +282,10 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--table", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one config per row")
+    ap.add_argument("--defaults", action="store_true",
+                    help="the grid at the backend's defaults, graph and eager")
     args = ap.parse_args()
-    if not (args.check or args.sweep or args.table):
+    if not (args.check or args.sweep or args.table or args.defaults):
         args.table = True
     dev = torch.device("cuda")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
@@ -316,6 +322,19 @@ def main():
         if out_dir:
             with open(os.path.join(out_dir, "bench_mla.md"), "w") as f:
                 f.write(HEADER + "\n" + "\n".join(fmt(r) for r in rows) + "\n")
+    if args.defaults:
+        from bench_mla_breakdown import row as default_rows
+        from bench_mla_breakdown import table as default_table
+
+        rows = [r for h in (32, 128) for q in (1, 4) for bs, ctx in SHAPES
+                for kvd in (torch.bfloat16, FP8_DTYPE)
+                for r in default_rows(kvd, h, q, ctx, bs, dev, eager=True)]
+        results["defaults"] = rows
+        print("\n== defaults: µs per call in a replayed CUDA graph (full) and eagerly (eager)")
+        print(default_table(rows), flush=True)
+        if out_dir:
+            with open(os.path.join(out_dir, "bench_mla_defaults.md"), "w") as f:
+                f.write(default_table(rows) + "\n")
     if out_dir:
         with open(os.path.join(out_dir, "bench_mla.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)

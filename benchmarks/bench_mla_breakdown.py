@@ -13,7 +13,8 @@ each timed per call inside a replayed CUDA graph that rotates KV copies past the
 - ``split``: the same with the combine launch left out (its output is then garbage);
 - ``combine``: ``combine_splits`` alone on partials of the same shape;
 - ``empty2``: two empty PDL launches (what any split + combine pair pays to launch);
-- ``fi``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` in the same run;
+- ``fi``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` in the same run (``FI/ours``: its
+  time over ours; ``TBps`` / ``TFs``: KV bytes read once and attention FLOPs over ``full``);
 - with ``--eager``: the default call and FlashInfer's as plain calls (``do_bench`` median).
 
 ``--variants`` adds rows for other ``PAGED_VARIANTS`` (e.g. the CUDA kernel's ``K*``) at each
@@ -109,6 +110,9 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
         if "fi" in res:
             res["fi_eager"] = do_bench(lambda: ws[0][1](qn, qp), warmup=10, rep=40) * 1e3
     res["TBps"] = kv_bytes / res["full"] / 1e6
+    res["TFs"] = 2.0 * bs * q * h * ctx * (DV + DPE + DV) / res["full"] / 1e6
+    if "fi" in res:
+        res["FI/ours"] = res["fi"] / res["full"]
     print(res, flush=True)
     out_rows = [res]
     ref = (mla_decode_ref(qn, qp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
@@ -160,7 +164,8 @@ def _full_and_split(fns):
 
 
 def table(rows) -> str:
-    cols = ("shape", "variant", "MB", "full", "split", "combine", "empty2", "fi", "TBps")
+    cols = ("shape", "variant", "MB", "full", "split", "combine", "empty2", "fi", "FI/ours",
+            "TBps", "TFs")
     if any("eager" in r for r in rows):
         cols += ("eager", "fi_eager")
 
