@@ -30,7 +30,8 @@ __device__ __forceinline__ void e4m3x4_to_h2x2(uint32_t w, uint32_t& lo, uint32_
 // threads (thread t: token row t / 4, bytes 16 (t % 4).. of each box); ends with the fp16 tile
 // visible to wgmma. fp16 blocks 0-3 lie below the bytes; block c >= 4 overwrites boxes 2c-9
 // and 2c-8 (box 0 for c = 4), so a barrier separates every thread's reads of a box from the
-// first write over it (two barriers keep 16 registers of bytes live at most).
+// first write over it (two barriers keep 16 registers of bytes live at most). A CPU model of
+// this schedule checks it (test_fp8_in_place_widening_schedule_...): change both together.
 __device__ __forceinline__ void widen_boxes(unsigned char* stage_s, const uint4* v, int c0,
                                             int n, int r, int j) {
 #pragma unroll
