@@ -7,8 +7,7 @@ import os
 
 import torch
 
-__all__ = ["cuda_capability", "default_device", "device_capability", "sm_count",
-           "triton_interpreting", "use_triton"]
+__all__ = ["cuda_capability", "default_device", "sm_count", "triton_interpreting", "use_triton"]
 
 
 def default_device() -> torch.device:
@@ -27,11 +26,18 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int] | None:
-    """``(major, minor)`` of a CUDA device, or None on CPU."""
+    """``(major, minor)`` of a CUDA device, or None on CPU. Cached per device: the attention path
+    asks on every eager call, and ``torch.cuda.get_device_capability`` costs ~10 µs of host
+    time."""
     dev = torch.device(device) if device is not None else default_device()
     if dev.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(dev)
+    return _capability(_index(dev))
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached per device, as above)."""
+    return _sms(_index(device))
 
 
 def _index(device: torch.device) -> int:
@@ -46,14 +52,3 @@ def _capability(index: int) -> tuple[int, int]:
 @functools.cache
 def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def device_capability(device: torch.device) -> tuple[int, int]:
-    """``(major, minor)`` of a CUDA device, cached per device: the attention path asks on every
-    eager call, and ``torch.cuda.get_device_capability`` costs ~10 µs of host time."""
-    return _capability(_index(device))
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached per device, as above)."""
-    return _sms(_index(device))

@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.device import device_capability, sm_count, triton_interpreting
+from mla_spec.device import cuda_capability, sm_count, triton_interpreting
 from mla_spec.kernels.cuda_driver import cuda_kernels_available
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
@@ -196,7 +196,7 @@ def paged_supported(device: torch.device, dv: int, dpe: int, page_size: int,
                     kv_dtype: torch.dtype, cfg: PagedConfig | None = None) -> str | None:
     """None when the paged kernel can run here, else why not (the caller falls back)."""
     if device.type == "cuda":
-        if device_capability(device)[0] < 9:
+        if cuda_capability(device)[0] < 9:
             return "the paged fast path is tuned for SM90+ (Hopper)"
     elif not triton_interpreting():
         return "needs CUDA or the Triton interpreter"

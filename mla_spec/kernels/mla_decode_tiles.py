@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_spec.device import device_capability
+from mla_spec.device import cuda_capability
 from mla_spec.kernels.cuda_driver import cuda_kernels_available
 from mla_spec.quant.fp8 import FP8_DTYPE
 
@@ -243,7 +243,7 @@ def _runs_here(cfg: PagedConfig, kv_dtype: torch.dtype, device: torch.device,
     if not cfg.cuda:
         return True
     return (fixed and cuda_cache_ok(cfg, kv_dtype) and cuda_kernels_available(device) is None
-            and (not cfg.wgmma or device_capability(device) == (9, 0)))
+            and (not cfg.wgmma or cuda_capability(device) == (9, 0)))
 
 
 def _first_runnable(entry: str, kv_dtype, device, fixed) -> tuple[PagedConfig, int | None] | None:

@@ -21,7 +21,7 @@ import ctypes
 
 import torch
 
-from mla_spec.device import device_capability
+from mla_spec.device import cuda_capability
 from mla_spec.kernels.cuda_driver import CudaKernel, tensor_map_2d
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_cuda import _Params, call_supported, split_params
@@ -103,7 +103,7 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
                f"{WGMMA_FP8_BLOCK_M}, no prefetch)"
     why = call_supported(q_nope, q_pe, kv_flat, page_size, _BN, q_len, "wgmma kernel",
                          (torch.bfloat16, FP8_DTYPE))
-    if why is None and device_capability(q_nope.device) != (9, 0):
+    if why is None and cuda_capability(q_nope.device) != (9, 0):
         return "the wgmma kernel needs sm_90 (Hopper): wgmma does not exist elsewhere"
     return why
 

@@ -46,8 +46,6 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import triton
 import triton.language as tl
@@ -376,13 +374,7 @@ def ptx_decoder_ok(device: torch.device, interp: bool) -> bool:
     """Whether the packed PTX decoder (``mul.rn.bf16x2``: sm_90+) may run on ``device``."""
     if interp or device.type != "cuda":
         return False
-    return _capability(device.index if device.index is not None else
-                       torch.cuda.current_device()) >= (9, 0)
-
-
-@cache
-def _capability(index: int) -> tuple[int, int]:
-    return cuda_capability(torch.device("cuda", index)) or (0, 0)
+    return cuda_capability(device) >= (9, 0)
 
 
 def sum_rows(src: torch.Tensor, dst: torch.Tensor) -> None:

@@ -273,7 +273,7 @@ def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
 
     cuda = torch.device("cuda")  # only the device type is read (availability is patched)
     cap = {"v": (9, 0)}
-    monkeypatch.setattr(mt, "device_capability", lambda dev: cap["v"])
+    monkeypatch.setattr(mt, "cuda_capability", lambda dev: cap["v"])
     monkeypatch.setattr(mt, "cuda_kernels_available", lambda dev: None)
     V = mt.PAGED_VARIANTS
     # the 32-row large-batch class: W on sm_90, its Triton alternative elsewhere
