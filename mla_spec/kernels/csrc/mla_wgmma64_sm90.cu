@@ -143,12 +143,10 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   if (wq == 0 && g == 0)  // lanes 0-3 of a warpgroup's first warp hold its 32 rows
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-      const int col = frag_col(c, t4), r = rbase + col, row = w.m0 + r;
+      const int col = frag_col(c, t4);
       const float* rr = red + wg * 4 * RW + col;
-      const float l = rr[0] + rr[RW] + rr[2 * RW] + rr[3 * RW];
-      rowv[r] = l > 0.f ? p.v_scale / l : 0.f;
-      if (row < w.n_rows)
-        write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, l > 0.f, m_r[c], l);
+      finish_row(p, w, split, b, rbase + col, rr[0] + rr[RW] + rr[2 * RW] + rr[3 * RW], m_r[c],
+                 rowv);
     }
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);

@@ -164,11 +164,9 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   if (wg == 0 && wq == 0 && g == 0)  // lanes 0-3 of warp 0 hold every row between them
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-      const int col = frag_col(c, t4), row = w.m0 + col;
-      const float l = red[col] + red[BM + col] + red[2 * BM + col] + red[3 * BM + col];
-      rowv[col] = l > 0.f ? p.v_scale / l : 0.f;
-      if (row < w.n_rows)
-        write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, l > 0.f, m_r[c], l);
+      const int col = frag_col(c, t4);
+      finish_row(p, w, split, b, col,
+                 red[col] + red[BM + col] + red[2 * BM + col] + red[3 * BM + col], m_r[c], rowv);
     }
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);

@@ -217,6 +217,16 @@ __device__ __forceinline__ void write_row_lse(const MlaParams& p, int split, lon
     p.lse[grow] = lse2 * 0.6931471805599453f;
 }
 
+// the end of the CTA's row r (one thread per row), l its softmax sum and m2 its running max:
+// the output scale v_scale / l (0 for a row that saw no KV) into rowv[r], and its lse
+__device__ __forceinline__ void finish_row(const MlaParams& p, const CtaWork& w, int split, int b,
+                                           int r, float l, float m2, float* rowv) {
+  rowv[r] = l > 0.f ? p.v_scale / l : 0.f;
+  const int row = w.m0 + r;
+  if (row < w.n_rows)
+    write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, l > 0.f, m2, l);
+}
+
 // the CTA's output rows from the fp32 staging [BM][OSTRIDE] scaled by rowv (v_scale / l):
 // normalized partials of the split (fp32, or bf16: half the bytes the split kernel writes and
 // the combine reads), or the bf16 result (coalesced, 16 B per thread)
