@@ -109,10 +109,8 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
         res["eager"] = do_bench(call(rpis[0]), warmup=10, rep=40) * 1e3
         if "fi" in res:
             res["fi_eager"] = do_bench(lambda: ws[0][1](qn, qp), warmup=10, rep=40) * 1e3
-    res["TBps"] = kv_bytes / res["full"] / 1e6
-    res["TFs"] = 2.0 * bs * q * h * ctx * (DV + DPE + DV) / res["full"] / 1e6
-    if "fi" in res:
-        res["FI/ours"] = res["fi"] / res["full"]
+    flops = 2.0 * bs * q * h * ctx * (DV + DPE + DV)
+    _add_rates(res, kv_bytes, flops)
     print(res, flush=True)
     out_rows = [res]
     ref = (mla_decode_ref(qn, qp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
@@ -124,13 +122,23 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
         for vsp in splits:
             r = _variant_row(call, rpis, vcfg, vsp, ref, out)
             if r:
-                r.update(shape=shape, variant=f"{variant}/sp{vsp}", MB=kv_bytes / 1e6,
-                         fi=res.get("fi"), TBps=kv_bytes / r["full"] / 1e6)
+                r.update(shape=shape, variant=f"{variant}/sp{vsp}", MB=kv_bytes / 1e6)
+                if "fi" in res:
+                    r["fi"] = res["fi"]
+                _add_rates(r, kv_bytes, flops)
                 print(r, flush=True)
                 out_rows.append(r)
     del pool
     torch.cuda.empty_cache()
     return out_rows
+
+
+def _add_rates(r, kv_bytes, flops):
+    """TB/s (KV read once), TFLOP/s and FlashInfer's time over ours, all of ``r["full"]``."""
+    r["TBps"] = kv_bytes / r["full"] / 1e6
+    r["TFs"] = flops / r["full"] / 1e6
+    if "fi" in r:
+        r["FI/ours"] = r["fi"] / r["full"]
 
 
 def _variant_row(call, rpis, vcfg, vsp, ref, out):
