@@ -16,7 +16,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', 
 STEPS=${STEPS:-"sweep_mla sweep_nvfp4 gpu_tests bench_pad bench_layer bench_e2e demo_tp1"}
 # optional steps (named in STEPS): sweep_gemv, bench_rope, profile_layer, bench_router, bench_bf16_gemv,
 # bench_nvfp4 (--pinned: the model's configs with PDL on / off),
-# layer_tests, pad_tests, nvfp4_tests,
+# layer_tests, pad_tests, nvfp4_tests, nvfp4_cuda (sweep_nvfp4_cuda.py: the mma.sync kernel),
 # norm_tests, paged_tests, cuda_tests, mla_breakdown, moe_pdl
 step() {  # step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
@@ -34,7 +34,8 @@ step sweep_mla   95 python3 benchmarks/sweep_mla.py ${SWEEP_MLA_ARGS:---deadline
 step sweep_nvfp4 90 env SWEEP_DEADLINE_S=${SWEEP_DEADLINE_S:-60} python3 benchmarks/sweep_nvfp4.py ${SWEEP_NVFP4_ARGS:-}
 step sweep_gemv  270 python3 benchmarks/sweep_gemv.py ${SWEEP_GEMV_ARGS:---moe --deadline 14}
 step pad_tests   90 python3 -m pytest tests/kernels/test_draft_extend_pad.py -q -x -p no:cacheprovider
-step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemv.py tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_configs.py -q -p no:cacheprovider
+step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemv.py tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_configs.py tests/kernels/test_nvfp4_gemm_cuda.py -q -p no:cacheprovider
+step nvfp4_cuda 120 python3 benchmarks/sweep_nvfp4_cuda.py ${SWEEP_NVFP4_CUDA_ARGS:-}
 step layer_tests 120 python3 -m pytest tests/kernels/test_rope_kernel.py tests/models/test_rope.py tests/models/test_qkv_a_fusion.py tests/kernels/test_moe_router.py tests/models/test_moe_routing.py tests/models/test_shared_expert_fusion.py tests/kernels/test_bf16_gemv.py tests/kernels/test_pdl.py -q -p no:cacheprovider
 step norm_tests  60 python3 -m pytest -m gpu tests/kernels/test_rmsnorm.py -q -s -p no:cacheprovider
 step paged_tests 120 python3 -m pytest tests/kernels/test_mla_decode_paged.py -q -x -p no:cacheprovider

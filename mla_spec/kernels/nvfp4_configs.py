@@ -15,6 +15,7 @@ Variant grammar (tokens after the kind, any order)::
     gemv bn<block_n> s<split_k> w<num_warps> st<num_stages> [g<groups>] [h2 [pf]] [pure]
     mma  bn<block_n> s<split_k> w<num_warps> st<num_stages> [bk<block_k>] [pure]
     mmab [bm<block_m>] bn<block_n> bk<block_k> w<num_warps> st<num_stages> s<split_k> [pure]
+    cuda w<num_warps> st<num_stages> s<split_k> [xl]  (CudaMmaConfig: nvfp4_gemm_cuda)
 
 ``pure`` selects the portable decoder (default: the PTX decoders, validated on the H200);
 ``h2`` the GEMV's packed-fp16 math (``nvfp4_gemv_packed``: two weights per instruction), ``pf``
@@ -34,8 +35,9 @@ import re
 from dataclasses import dataclass
 from functools import cache
 
-__all__ = ["GemvConfig", "NVFP4GemmConfig", "NVFP4MmaConfig", "PINNED_CONFIGS", "M_BUCKETS",
-           "m_bucket", "parse_variant", "variant_name", "pinned_config"]
+__all__ = ["GemvConfig", "NVFP4GemmConfig", "NVFP4MmaConfig", "CudaMmaConfig", "PINNED_CONFIGS",
+           "PINNED_CUDA", "PINNED_CUDA_REFUSED", "M_BUCKETS", "m_bucket", "parse_variant",
+           "variant_name", "pinned_config"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,21 @@ class NVFP4MmaConfig:
     num_warps: int = 4
     num_stages: int = 3
     fast_dequant: bool = True
+
+
+@dataclass(frozen=True)
+class CudaMmaConfig:
+    """The hand-written ``mma.sync`` kernel (``nvfp4_gemm_cuda``, up to 16 tokens, sm_90 with
+    nvcc): ``num_warps`` warps per 16-row tile share its K range, each with a ring of
+    ``num_stages`` 128-element chunks in flight (``cp.async``); ``split_k`` CTAs per tile
+    along K; ``x_prefetch``: the next chunk's activations are loaded during this chunk's math.
+    ``nvfp4_gemm_cuda.CUDA_MMA_BUILT`` lists the (tokens > 8, warps, stages, x_prefetch)
+    combinations compiled."""
+
+    num_warps: int = 4
+    num_stages: int = 4
+    split_k: int = 1
+    x_prefetch: bool = True
 
 
 M_BUCKETS = (1, 2, 4, 8, 16, 64, 128, 512)
@@ -131,11 +148,36 @@ PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
     (7168, 512, 512): "mmab bm128 bn256 bk128 w8 st3 s1",  # 15.92 (cuBLAS 8.16); before 18.96
 }
 
+# The hand-written mma.sync kernel (``nvfp4_gemm_cuda``, sm_90 with nvcc) where the H200 sweep
+# measured it faster than the entry above (ninth session, `benchmarks/sweep_nvfp4_cuda.py`, µs per
+# call in a CUDA graph, PDL on: cuda vs the Triton config above, cuBLAS bf16 in the same run).
+# ``nvfp4_gemm`` takes these first when the kernel can run the call, else the Triton table.
+PINNED_CUDA: dict[tuple[int, int, int], str] = {
+    (9216, 7168, 2): "cuda w8 st4 s1",  # 18.30 vs 22.57 (cuBLAS 42.02)
+    (9216, 7168, 4): "cuda w8 st4 s1",  # 19.22 vs 28.72 (cuBLAS 41.76)
+    (9216, 7168, 8): "cuda w4 st8 s1",  # 21.36 vs 28.38 (cuBLAS 42.02)
+    (7168, 4608, 2): "cuda w8 st4 s1",  # 11.70 vs 14.31 (cuBLAS 23.35)
+    (7168, 4608, 4): "cuda w8 st4 s1",  # 12.00 vs 15.94 (cuBLAS 23.52)
+    (7168, 4608, 8): "cuda w4 st8 s1",  # 13.04 vs 15.73 (cuBLAS 23.48)
+    (1024, 7168, 4): "cuda w4 st4 s16 xl",  # 6.51 vs 7.66 (cuBLAS 9.46)
+    (1024, 7168, 8): "cuda w4 st4 s16 xl",  # 6.73 vs 7.73 (cuBLAS 9.45)
+    (7168, 512, 1): "cuda w4 st4 s1 xl",  # 2.26 vs 2.97 (cuBLAS 4.80)
+    (7168, 512, 2): "cuda w4 st4 s1 xl",  # 2.32 vs 2.82 (cuBLAS 4.81)
+    (7168, 512, 4): "cuda w4 st4 s1 xl",  # 2.35 vs 4.06 (cuBLAS 4.79)
+    (7168, 512, 8): "cuda w4 st4 s1 xl",  # 2.57 vs 3.92 (cuBLAS 4.80)
+    (7168, 512, 16): "cuda w4 st4 s1",  # 3.22 vs 3.86 (cuBLAS 4.84)
+}
+# Where the sweep kept the Triton entry (cuda slower or within 2%): M = 1 on the dense and w13
+# shapes (the packed GEMV), M = 2 and 9-16 on w13, M = 9-16 on the dense shapes (mmab).
+PINNED_CUDA_REFUSED = frozenset({(9216, 7168, 1), (9216, 7168, 16), (7168, 4608, 1),
+                                 (7168, 4608, 16), (1024, 7168, 1), (1024, 7168, 2),
+                                 (1024, 7168, 16)})
+
 _FIELDS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "st": "num_stages", "s": "split_k",
            "w": "num_warps", "g": "groups"}
 _POW2 = ("block_n", "block_k", "groups", "num_warps")
 _KIND_TOKENS = {"gemv": ("bn", "st", "s", "w", "g"), "mma": ("bn", "bk", "st", "s", "w"),
-                "mmab": ("bm", "bn", "bk", "st", "s", "w")}
+                "mmab": ("bm", "bn", "bk", "st", "s", "w"), "cuda": ("w", "st", "s")}
 
 
 def m_bucket(m: int) -> int | None:
@@ -147,22 +189,25 @@ def m_bucket(m: int) -> int | None:
 
 
 @cache
-def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig:
+def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig | CudaMmaConfig:
     """``"gemv bn256 s16 w2 st1"`` -> ``GemvConfig``, ``"mma bn128 s4 w8 st3 bk128"`` ->
-    ``NVFP4GemmConfig``, ``"mmab bm64 bn128 bk128 w4 st3 s1"`` -> ``NVFP4MmaConfig`` (grammar
-    in the module docstring); ValueError on anything else."""
+    ``NVFP4GemmConfig``, ``"mmab bm64 bn128 bk128 w4 st3 s1"`` -> ``NVFP4MmaConfig``,
+    ``"cuda w4 u1 s2"`` -> ``CudaMmaConfig`` (grammar in the module docstring); ValueError on
+    anything else."""
     kind, *tokens = name.split() or [""]
     if kind not in _KIND_TOKENS:
-        raise ValueError(f"variant {name!r} must start with 'gemv', 'mma' or 'mmab'")
+        raise ValueError(f"variant {name!r} must start with 'gemv', 'mma', 'mmab' or 'cuda'")
     kw: dict[str, int | bool] = {}
     for tok in tokens:
         hit = re.fullmatch(r"(bm|bn|bk|st|s|w|g)(\d+)", tok)
-        if tok == "pure":
+        if tok == "pure" and kind != "cuda":
             kw["fast_dequant"] = False
         elif tok == "h2" and kind == "gemv":
             kw["packed"] = True
         elif tok == "pf" and kind == "gemv":
             kw["prefetch"] = True
+        elif tok == "xl" and kind == "cuda":
+            kw["x_prefetch"] = False
         elif hit is None or hit[1] not in _KIND_TOKENS[kind]:
             raise ValueError(f"unsupported token {tok!r} in {kind} variant {name!r}")
         else:
@@ -170,17 +215,22 @@ def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig:
     for field, v in kw.items():
         if field == "block_m" and v not in (16, 32, 64, 128):
             raise ValueError(f"block_m = {v} in {name!r}: must be 16, 32, 64 or 128")
-        flag = field in ("fast_dequant", "packed", "prefetch")
+        flag = field in ("fast_dequant", "packed", "prefetch", "x_prefetch")
         if not flag and (v < 1 or (field in _POW2 and v & (v - 1))):
             raise ValueError(f"{field} = {v} in {name!r}: must be >= 1"
                              + (" and a power of two" if field in _POW2 else ""))
+    if kind == "cuda":
+        return CudaMmaConfig(**kw)
     if kind == "gemv":
         return GemvConfig(**kw)
     return NVFP4GemmConfig(**kw) if kind == "mma" else NVFP4MmaConfig(**kw)
 
 
-def variant_name(cfg: GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig) -> str:
+def variant_name(cfg: GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig | CudaMmaConfig) -> str:
     """Inverse of ``parse_variant`` (the sweep's naming)."""
+    if isinstance(cfg, CudaMmaConfig):
+        return (f"cuda w{cfg.num_warps} st{cfg.num_stages} s{cfg.split_k}"
+                + ("" if cfg.x_prefetch else " xl"))
     pure = " pure" if cfg.fast_dequant is False else ""
     if isinstance(cfg, NVFP4MmaConfig):
         bm = f" bm{cfg.block_m}" if cfg.block_m else ""

@@ -38,6 +38,12 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
   GEMV up to ``GEMV_MAX_M`` tokens). ``set_gemm_config`` pins an MMA config for unpinned
   shapes; pass a ``GemvConfig`` / ``NVFP4GemmConfig`` / ``NVFP4MmaConfig`` as ``config`` to
   force one.
+- **The hand-written ``mma.sync`` kernel** (``nvfp4_gemm_cuda``, ``CudaMmaConfig``, variants
+  "cuda"; sm_90 with nvcc, bf16, 1-16 tokens, K % 128 == 0). It decodes each weight straight
+  into the MMA's register fragment; without ``config`` it runs first where the H200 sweep
+  pinned it (``nvfp4_configs.PINNED_CUDA``: 2-8 tokens on the dense and expert shapes, every
+  token count on one expert's w2) and at 2-8 tokens on unmeasured shapes
+  (``nvfp4_gemm_cuda.cuda_auto_config``); anywhere it cannot run, the choice above.
 - **Split-K** for few output tiles (small N at small M): partial sums go to an fp32 workspace
   ``[S, M, N]`` and ``_sum_rows_kernel`` adds them (deterministic, no atomics).
 
@@ -52,12 +58,18 @@ import triton.language as tl
 
 from mla_spec.device import cuda_capability, triton_interpreting, use_triton
 from mla_spec.kernels.nvfp4_configs import (
+    CudaMmaConfig,
     NVFP4GemmConfig,
     NVFP4MmaConfig,
     m_bucket,
     pinned_config,
 )
 from mla_spec.kernels.nvfp4_decode import _decode
+from mla_spec.kernels.nvfp4_gemm_cuda import (
+    cuda_auto_config,
+    cuda_gemm_supported,
+    launch_nvfp4_cuda,
+)
 from mla_spec.kernels.nvfp4_gemv import (
     GEMV_MAX_M,
     GemvConfig,
@@ -317,10 +329,12 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         uint8 ``[N, K/2]``, float8_e4m3fn ``[N, K/16]``, fp32 scalar (ModelOpt layout).
     out_dtype : torch.dtype, optional
         default ``x.dtype``.
-    config : GemvConfig, NVFP4GemmConfig or NVFP4MmaConfig, optional
-        kernel (GEMV, swap-AB MMA, standard MMA) and tiles; default ``auto_config(M, N, K)``:
-        the H200-pinned config for a measured shape, else ``default_gemv_config`` for
-        M <= ``GEMV_MAX_M``, else ``default_mma_config``.
+    config : GemvConfig, NVFP4GemmConfig, NVFP4MmaConfig or CudaMmaConfig, optional
+        kernel (GEMV, swap-AB MMA, standard MMA, hand-written CUDA MMA) and tiles; default
+        ``cuda_auto_config`` where the CUDA kernel can run the call and is pinned or 2-8 tokens,
+        else ``auto_config(M, N, K)``: the H200-pinned config for a measured shape, else the
+        packed GEMV up to 2 tokens, else ``default_mma_config``. A ``CudaMmaConfig`` the call
+        cannot take raises ValueError with the reason.
 
     Returns
     -------
@@ -340,7 +354,14 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     if m == 0:
         return out.reshape(*lead, n)
     interp = triton_interpreting()
-    cfg = config or auto_config(m, n, k)
+    cfg = config or cuda_auto_config(x2, weight, weight_scale, weight_scale_2,
+                                     out_dtype) or auto_config(m, n, k)
+    if isinstance(cfg, CudaMmaConfig):
+        why = cuda_gemm_supported(x2, weight, weight_scale, weight_scale_2, out_dtype, cfg)
+        if why is not None:
+            raise ValueError(f"{cfg} cannot run this call: {why}")
+        return launch_nvfp4_cuda(x2, weight, weight_scale, weight_scale_2, out,
+                                 cfg).reshape(*lead, n)
     if isinstance(cfg, GemvConfig):
         w = weight if weight.data_ptr() % 8 == 0 else weight.clone()
         return nvfp4_gemv(x2, w, weight_scale, weight_scale_2, out, cfg, interp).reshape(*lead, n)

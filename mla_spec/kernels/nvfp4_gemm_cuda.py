@@ -1,0 +1,173 @@
+"""Launcher of the hand-written NVFP4 W4A16 ``mma.sync`` kernel (``csrc/nvfp4_mma_sm90.cu``).
+
+Same contract and result as :func:`mla_spec.kernels.nvfp4_gemm.nvfp4_gemm` for what it takes:
+``y [M, N] = x [M, K] @ dequant(W)^T`` with 1-16 tokens, bf16 ``x`` and ``y``, ModelOpt's
+NVFP4 layout read as is (uint8 ``[N, K/2]``, e4m3 ``[N, K/16]``, fp32 scalar), K a multiple
+of 128, 16-byte aligned rows, an sm_90 GPU with nvcc (the kernel is compiled on first use).
+Why it exists and how it decodes: the ``.cu`` header. Its torch twin is ``nvfp4_gemm_ref``;
+``tests/kernels/test_nvfp4_gemm_cuda.py`` checks the fragment mapping on the CPU (a model of
+the kernel's loads, decode and MMA slots) and the kernel against the twin on the GPU.
+
+Numerics: the decoded weights are exact in bf16, products and sums are fp32 (tensor-core
+accumulation), ``weight_scale_2 * 256`` scales the fp32 sum, one rounding to bf16 at the end.
+With ``split_k > 1`` the partial sums are added in split order (deterministic).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from mla_spec.device import sm_count
+from mla_spec.kernels.cuda_driver import CudaKernel, cuda_kernels_available
+from mla_spec.kernels.nvfp4_configs import (
+    PINNED_CUDA,
+    PINNED_CUDA_REFUSED,
+    CudaMmaConfig,
+    m_bucket,
+    parse_variant,
+)
+from mla_spec.kernels.pdl import pdl_on
+
+__all__ = ["CudaMmaConfig", "CUDA_MMA_AUTO", "CUDA_MMA_BUILT", "CUDA_MMA_MAX_M",
+           "cuda_gemm_supported", "launch_nvfp4_cuda", "default_cuda_config", "cuda_auto_config"]
+
+#: the kernel's token tiles: 8 tokens per MMA, one or two MMAs
+CUDA_MMA_MAX_M = 16
+#: ``nvfp4_gemm`` picks this kernel by itself (``cuda_auto_config``) where it can run the call;
+#: ``MLA_SPEC_NVFP4_CUDA=0`` turns that off at import (explicit configs still run it)
+CUDA_MMA_AUTO = os.environ.get("MLA_SPEC_NVFP4_CUDA", "1") not in ("0", "", "false", "False")
+#: unmeasured shapes take the kernel for this many tokens (it won at 2-8 tokens on all four
+#: measured shapes; the packed GEMV keeps 1 token, mmab 9-16 on three of them)
+CUDA_MMA_AUTO_M = range(2, 9)
+_CHUNK = 128  # elements of K per load step (64 bytes of a weight row)
+
+
+class _Params(ctypes.Structure):
+    """``Nvfp4GemmParams`` of the ``.cu`` file, field for field."""
+
+    _fields_ = [("w", ctypes.c_void_p), ("ws", ctypes.c_void_p), ("ws2", ctypes.c_void_p),
+                ("x", ctypes.c_void_p), ("out", ctypes.c_void_p), ("part", ctypes.c_void_p),
+                ("counters", ctypes.c_void_p), ("stride_w", ctypes.c_longlong),
+                ("stride_ws", ctypes.c_longlong), ("stride_x", ctypes.c_longlong),
+                ("stride_out", ctypes.c_longlong), ("m", ctypes.c_int), ("n", ctypes.c_int),
+                ("k", ctypes.c_int), ("splits", ctypes.c_int)]
+
+
+#: (token tiles of 8, warps, stages, x prefetch) compiled in the .cu file (keep in sync)
+CUDA_MMA_BUILT = ((1, 4, 2, True), (1, 4, 4, True), (1, 4, 8, True), (1, 8, 4, True),
+                  (1, 4, 4, False), (2, 4, 4, True), (2, 4, 2, False), (2, 4, 4, False),
+                  (2, 4, 8, False), (2, 8, 4, False))
+_KERNELS = {key: CudaKernel("nvfp4_mma_sm90.cu",
+                            f"nvfp4_mma_n{key[0]}_w{key[1]}_s{key[2]}_x{int(key[3])}",
+                            arch="sm_90a") for key in CUDA_MMA_BUILT}
+# (device index, stream) -> int32 arrival counters, zero between calls (each call's last CTA
+# per tile resets its own); per stream so that concurrent calls never share one
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _key(m: int, cfg: CudaMmaConfig) -> tuple[int, int, int, bool]:
+    return (1 if m <= 8 else 2, cfg.num_warps, cfg.num_stages, cfg.x_prefetch)
+
+
+def cuda_gemm_supported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        weight_scale_2: torch.Tensor, out_dtype: torch.dtype,
+                        cfg: CudaMmaConfig | None = None) -> str | None:
+    """None when the kernel (``cfg``'s build, if given) takes this call (``x`` 2-D ``[M, K]``),
+    else why not."""
+    m = x.shape[0]
+    if cfg is not None and 1 <= m <= CUDA_MMA_MAX_M and _key(m, cfg) not in _KERNELS:
+        return (f"{cfg} is not built for {x.shape[0]} tokens; built (token tiles, warps, "
+                f"stages, x prefetch): {CUDA_MMA_BUILT}")
+    why = cuda_kernels_available(x.device)
+    if why is not None:
+        return why
+    k = x.shape[1]
+    if not 1 <= m <= CUDA_MMA_MAX_M:
+        return f"the cuda NVFP4 kernel takes 1..{CUDA_MMA_MAX_M} tokens, got {m}"
+    if x.dtype != torch.bfloat16 or out_dtype != torch.bfloat16:
+        return f"the cuda NVFP4 kernel takes bf16 x and y, got {x.dtype} -> {out_dtype}"
+    if k % _CHUNK:
+        return f"the cuda NVFP4 kernel needs K a multiple of {_CHUNK}, got {k}"
+    if weight_scale.dtype != torch.float8_e4m3fn or weight_scale_2.dtype != torch.float32:
+        return "the cuda NVFP4 kernel takes e4m3 weight_scale and an fp32 weight_scale_2"
+    for name, t, esz in (("x", x, 2), ("weight", weight, 1)):
+        if t.stride(-1) != 1 or (t.stride(0) * esz) % 16 or t.data_ptr() % 16:
+            return f"the cuda NVFP4 kernel needs 16-byte aligned, unit-stride rows of {name}"
+    if weight_scale.stride(-1) != 1 or weight_scale.stride(0) % 2 or weight_scale.data_ptr() % 2:
+        return "the cuda NVFP4 kernel needs 2-byte aligned rows of weight_scale"
+    if not (x.device == weight.device == weight_scale.device == weight_scale_2.device):
+        return "x and the NVFP4 tensors must be on one device"
+    return None
+
+
+def default_cuda_config(m: int, n: int, k: int, sms: int = 132) -> CudaMmaConfig:
+    """Unmeasured shapes: 4 warps, 4 stages, and enough K splits that the 16-row tiles give
+    each SM about four CTAs (while every warp keeps two or more chunks)."""
+    tiles = -(-n // 16)
+    split = 1
+    while tiles * split < 4 * sms and k // (_CHUNK * 4 * split * 2) >= 1:
+        split *= 2
+    return CudaMmaConfig(num_warps=4, num_stages=4, split_k=split, x_prefetch=m <= 8)
+
+
+@functools.lru_cache(maxsize=4096)
+def _auto(m: int, n: int, k: int, sms: int) -> CudaMmaConfig | None:
+    key = (n, k, m_bucket(m))
+    if key in PINNED_CUDA:
+        return parse_variant(PINNED_CUDA[key])
+    if key in PINNED_CUDA_REFUSED or m not in CUDA_MMA_AUTO_M:
+        return None
+    return default_cuda_config(m, n, k, sms)
+
+
+def cuda_auto_config(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     weight_scale_2: torch.Tensor, out_dtype: torch.dtype
+                     ) -> CudaMmaConfig | None:
+    """The kernel's config when ``nvfp4_gemm`` should run it for this call without a
+    ``config``: the H200-pinned entry (``nvfp4_configs.PINNED_CUDA``), else 2-8 tokens on an
+    unmeasured shape; None when the kernel cannot take the call or the Triton path measured
+    faster (``PINNED_CUDA_REFUSED``)."""
+    if not CUDA_MMA_AUTO or not x.is_cuda or x.dim() != 2:
+        return None
+    m, k = x.shape
+    cfg = _auto(m, weight.shape[0], k, sm_count(x.device))
+    if cfg is None or cuda_gemm_supported(x, weight, weight_scale, weight_scale_2, out_dtype,
+                                          cfg) is not None:
+        return None
+    return cfg
+
+
+def _counters(device: torch.device, tiles: int) -> torch.Tensor:
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def launch_nvfp4_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      weight_scale_2: torch.Tensor, out: torch.Tensor,
+                      cfg: CudaMmaConfig) -> torch.Tensor:
+    """Write ``x @ dequant(W)^T`` into ``out [M, N]`` bf16 (row stride free, unit column
+    stride). The caller checked :func:`cuda_gemm_supported`."""
+    m, k = x.shape
+    n = weight.shape[0]
+    chunks = k // _CHUNK
+    split = max(1, min(cfg.split_k, chunks))
+    tiles = -(-n // 16)
+    part = counters = None
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, tiles)
+    p = _Params(weight.data_ptr(), weight_scale.data_ptr(), weight_scale_2.data_ptr(),
+                x.data_ptr(), out.data_ptr(), part.data_ptr() if part is not None else 0,
+                counters.data_ptr() if counters is not None else 0, weight.stride(0),
+                weight_scale.stride(0), x.stride(0), out.stride(0), m, n, k, split)
+    kernel = _KERNELS[_key(m, cfg)]
+    kernel((tiles, split, 1), 32 * cfg.num_warps, 0, p, x.device, pdl=pdl_on(x))
+    return out
