@@ -126,7 +126,8 @@ RECORDED_H200_FLOORS = [
     dict(shape="dense_gate_up_tp4", read_us=11.25, ours_us=14.71, bf16_us=43.75, target_us=14.58),
     dict(shape="dense_down_tp4", read_us=6.44, ours_us=10.09, bf16_us=23.54, target_us=7.85),
     dict(shape="expert_w13_tp4", read_us=2.39, ours_us=4.87, bf16_us=9.37, target_us=3.12),
-    dict(shape="expert_w2_tp4", read_us=2.05, ours_us=2.95, bf16_us=4.79, target_us=1.60),
+    # ours_us: the eleventh session's mma.sync kernel (sweep_nvfp4_cuda.py; 2.95 before)
+    dict(shape="expert_w2_tp4", read_us=2.05, ours_us=2.26, bf16_us=4.79, target_us=1.60),
 ]
 
 
@@ -137,37 +138,40 @@ RECORDED_H200_FLOORS = [
 # weights rotated past L2. ours_us: the config now pinned (nvfp4_configs.PINNED_CONFIGS, the
 # standard-orientation "mmab" kernel everywhere); default_us: the previous default (GEMV / swap-AB
 # MMA pins of the first session); bf16_us: cuBLAS bf16 in the same run.
+# Rows pinned 'cuda ...': `benchmarks/sweep_nvfp4_cuda.py` (2026-11-30, eleventh session): the
+# hand-written mma.sync kernel (nvfp4_configs.PINNED_CUDA); default_us = the Triton config it
+# replaced, bf16_us = cuBLAS, both in the same run.
 RECORDED_H200 = [
     dict(shape='dense_gate_up_tp4', m=1, ours_us=15.23, default_us=29.59,
          bf16_us=43.97, speedup_vs_bf16=2.89, pinned='gemv bn8 s1 w2 st1 g64 h2 pf'),
-    dict(shape='dense_gate_up_tp4', m=4, ours_us=29.68, default_us=52.04,
-         bf16_us=43.89, speedup_vs_bf16=1.48, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
+    dict(shape='dense_gate_up_tp4', m=4, ours_us=19.22, default_us=28.72,
+         bf16_us=41.76, speedup_vs_bf16=2.17, pinned='cuda w8 st4 s1'),
     dict(shape='dense_gate_up_tp4', m=16, ours_us=29.35, default_us=88.88,
          bf16_us=43.97, speedup_vs_bf16=1.5, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
     dict(shape='dense_gate_up_tp4', m=64, ours_us=51.93, default_us=317.73,
          bf16_us=39.49, speedup_vs_bf16=0.76, pinned='mmab bm64 bn128 bk128 w4 st3 s4'),
     dict(shape='dense_down_tp4', m=1, ours_us=9.88, default_us=17.39,
          bf16_us=23.62, speedup_vs_bf16=2.39, pinned='gemv bn8 s1 w2 st1 g64 h2 pf'),
-    dict(shape='dense_down_tp4', m=4, ours_us=17.14, default_us=28.47,
-         bf16_us=23.66, speedup_vs_bf16=1.38, pinned='mmab bm16 bn64 bk128 w4 st4 s4'),
+    dict(shape='dense_down_tp4', m=4, ours_us=12.0, default_us=15.94,
+         bf16_us=23.52, speedup_vs_bf16=1.96, pinned='cuda w8 st4 s1'),
     dict(shape='dense_down_tp4', m=16, ours_us=16.66, default_us=41.88,
          bf16_us=21.6, speedup_vs_bf16=1.3, pinned='mmab bm16 bn64 bk128 w4 st4 s4'),
     dict(shape='dense_down_tp4', m=64, ours_us=26.54, default_us=140.0,
          bf16_us=21.69, speedup_vs_bf16=0.82, pinned='mmab bm64 bn64 bk128 w4 st4 s4'),
     dict(shape='expert_w13_tp4', m=1, ours_us=5.91, default_us=9.01,
          bf16_us=9.4, speedup_vs_bf16=1.59, pinned='gemv bn4 s4 w1 st1 g64 h2 pf'),
-    dict(shape='expert_w13_tp4', m=4, ours_us=8.93, default_us=21.26,
-         bf16_us=9.37, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
+    dict(shape='expert_w13_tp4', m=4, ours_us=6.51, default_us=7.66,
+         bf16_us=9.46, speedup_vs_bf16=1.45, pinned='cuda w4 st4 s16 xl'),
     dict(shape='expert_w13_tp4', m=16, ours_us=9.09, default_us=28.77,
          bf16_us=9.53, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
     dict(shape='expert_w13_tp4', m=64, ours_us=11.02, default_us=159.36,
          bf16_us=10.11, speedup_vs_bf16=0.92, pinned='mmab bm64 bn64 bk128 w4 st4 s8'),
-    dict(shape='expert_w2_tp4', m=1, ours_us=3.16, default_us=5.01,
-         bf16_us=4.78, speedup_vs_bf16=1.51, pinned='gemv bn4 s1 w1 st1 g32 h2 pf'),
-    dict(shape='expert_w2_tp4', m=4, ours_us=4.66, default_us=9.66,
-         bf16_us=4.77, speedup_vs_bf16=1.02, pinned='mmab bm16 bn64 bk128 w4 st4 s1'),
-    dict(shape='expert_w2_tp4', m=16, ours_us=4.47, default_us=13.83,
-         bf16_us=4.84, speedup_vs_bf16=1.08, pinned='mmab bm16 bn64 bk128 w4 st4 s1'),
+    dict(shape='expert_w2_tp4', m=1, ours_us=2.26, default_us=2.97,
+         bf16_us=4.8, speedup_vs_bf16=2.12, pinned='cuda w4 st4 s1 xl'),
+    dict(shape='expert_w2_tp4', m=4, ours_us=2.35, default_us=4.06,
+         bf16_us=4.79, speedup_vs_bf16=2.04, pinned='cuda w4 st4 s1 xl'),
+    dict(shape='expert_w2_tp4', m=16, ours_us=3.22, default_us=3.86,
+         bf16_us=4.84, speedup_vs_bf16=1.5, pinned='cuda w4 st4 s1'),
     dict(shape='expert_w2_tp4', m=64, ours_us=5.38, default_us=38.26,
          bf16_us=5.13, speedup_vs_bf16=0.95, pinned='mmab bm64 bn64 bk128 w4 st4 s1'),
 ]
