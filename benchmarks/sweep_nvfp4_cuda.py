@@ -1,7 +1,7 @@
 """The hand-written NVFP4 ``mma.sync`` kernel (``nvfp4_gemm_cuda``) against what ``nvfp4_gemm``
 runs today and cuBLAS bf16, at issue 5's TP-4 shapes and 1-16 tokens (GPU only).
 
-For each (shape, M): every built ``cuda w<warps> st<stages> s<splits> [xl]`` variant is
+For each (shape, M): every built ``cuda w<warps> st<stages> s<splits> [r2] [xl]`` variant is
 checked against the torch twin, then timed per call in one replayed CUDA graph that rotates
 weight sets past the 60 MB L2 (PDL on, as the model runs), beside the current automatic config
 and cuBLAS bf16 on bf16 weights in the same run. Prints one table (µs, x cuBLAS, cuda / auto)
@@ -31,10 +31,10 @@ def variants(m: int, n: int, k: int) -> list[CudaMmaConfig]:
     """Every build that takes ``m`` tokens, at the K splits worth trying for (N, K)."""
     chunks = k // 128
     splits = sorted({s for s in (1, 2, 4, 8, 16) if s <= max(1, chunks // 2)}
-                    if n < 4096 else {1, 2})
+                    if n < 4096 else {1, 2, 3, 4})
     nt = 1 if m <= 8 else 2
-    return [CudaMmaConfig(w, st, s, xpf) for s in splits
-            for t, w, st, xpf in CUDA_MMA_BUILT if t == nt]
+    return [CudaMmaConfig(w, st, s, xpf, r) for s in splits
+            for t, w, st, xpf, r in CUDA_MMA_BUILT if t == nt]
 
 
 def main() -> None:

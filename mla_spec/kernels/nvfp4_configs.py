@@ -15,7 +15,7 @@ Variant grammar (tokens after the kind, any order)::
     gemv bn<block_n> s<split_k> w<num_warps> st<num_stages> [g<groups>] [h2 [pf]] [pure]
     mma  bn<block_n> s<split_k> w<num_warps> st<num_stages> [bk<block_k>] [pure]
     mmab [bm<block_m>] bn<block_n> bk<block_k> w<num_warps> st<num_stages> s<split_k> [pure]
-    cuda w<num_warps> st<num_stages> s<split_k> [xl]  (CudaMmaConfig: nvfp4_gemm_cuda)
+    cuda w<num_warps> st<num_stages> s<split_k> [r<row_tiles>] [xl]  (CudaMmaConfig)
 
 ``pure`` selects the portable decoder (default: the PTX decoders, validated on the H200);
 ``h2`` the GEMV's packed-fp16 math (``nvfp4_gemv_packed``: two weights per instruction), ``pf``
@@ -89,14 +89,16 @@ class CudaMmaConfig:
     """The hand-written ``mma.sync`` kernel (``nvfp4_gemm_cuda``, up to 16 tokens, sm_90 with
     nvcc): ``num_warps`` warps per 16-row tile share its K range, each with a ring of
     ``num_stages`` 128-element chunks in flight (``cp.async``); ``split_k`` CTAs per tile
-    along K; ``x_prefetch``: the next chunk's activations are loaded during this chunk's math.
-    ``nvfp4_gemm_cuda.CUDA_MMA_BUILT`` lists the (tokens > 8, warps, stages, x_prefetch)
-    combinations compiled."""
+    along K; ``x_prefetch``: the next chunk's activations are loaded during this chunk's math;
+    ``row_tiles``: 16-row tiles per warp (2: a chunk's activations serve two tiles).
+    ``nvfp4_gemm_cuda.CUDA_MMA_BUILT`` lists the (tokens > 8, warps, stages, x_prefetch,
+    row_tiles) combinations compiled."""
 
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1
     x_prefetch: bool = True
+    row_tiles: int = 1
 
 
 M_BUCKETS = (1, 2, 4, 8, 16, 64, 128, 512)
@@ -149,35 +151,38 @@ PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
 }
 
 # The hand-written mma.sync kernel (``nvfp4_gemm_cuda``, sm_90 with nvcc) where the H200 sweep
-# measured it faster than the entry above (ninth session, `benchmarks/sweep_nvfp4_cuda.py`, µs per
-# call in a CUDA graph, PDL on: cuda vs the Triton config above, cuBLAS bf16 in the same run).
-# ``nvfp4_gemm`` takes these first when the kernel can run the call, else the Triton table.
+# measured it faster than the entry above (eleventh session, `benchmarks/sweep_nvfp4_cuda.py`,
+# second sweep, after the two-row-tile build: µs per call in a CUDA graph, PDL on, cuda vs the
+# Triton config above, cuBLAS bf16 in the same run). ``nvfp4_gemm`` takes these first when the
+# kernel can run the call, else the Triton table.
 PINNED_CUDA: dict[tuple[int, int, int], str] = {
-    (9216, 7168, 2): "cuda w8 st4 s1",  # 18.30 vs 22.57 (cuBLAS 42.02)
-    (9216, 7168, 4): "cuda w8 st4 s1",  # 19.22 vs 28.72 (cuBLAS 41.76)
-    (9216, 7168, 8): "cuda w4 st8 s1",  # 21.36 vs 28.38 (cuBLAS 42.02)
-    (7168, 4608, 2): "cuda w8 st4 s1",  # 11.70 vs 14.31 (cuBLAS 23.35)
-    (7168, 4608, 4): "cuda w8 st4 s1",  # 12.00 vs 15.94 (cuBLAS 23.52)
-    (7168, 4608, 8): "cuda w4 st8 s1",  # 13.04 vs 15.73 (cuBLAS 23.48)
-    (1024, 7168, 4): "cuda w4 st4 s16 xl",  # 6.51 vs 7.66 (cuBLAS 9.46)
-    (1024, 7168, 8): "cuda w4 st4 s16 xl",  # 6.73 vs 7.73 (cuBLAS 9.45)
-    (7168, 512, 1): "cuda w4 st4 s1 xl",  # 2.26 vs 2.97 (cuBLAS 4.80)
-    (7168, 512, 2): "cuda w4 st4 s1 xl",  # 2.32 vs 2.82 (cuBLAS 4.81)
-    (7168, 512, 4): "cuda w4 st4 s1 xl",  # 2.35 vs 4.06 (cuBLAS 4.79)
-    (7168, 512, 8): "cuda w4 st4 s1 xl",  # 2.57 vs 3.92 (cuBLAS 4.80)
-    (7168, 512, 16): "cuda w4 st4 s1",  # 3.22 vs 3.86 (cuBLAS 4.84)
+    (9216, 7168, 2): "cuda w8 st4 s1",  # 18.41 vs 22.55 (cuBLAS 43.27)
+    (9216, 7168, 4): "cuda w8 st4 s1",  # 19.24 vs 28.79 (cuBLAS 43.75)
+    (9216, 7168, 8): "cuda w4 st8 s1",  # 21.36 vs 28.37 (cuBLAS 43.80)
+    (7168, 4608, 1): "cuda w8 st4 s1 r2",  # 9.50 vs 10.03 (cuBLAS 23.50)
+    (7168, 4608, 2): "cuda w8 st4 s1 r2",  # 9.61 vs 14.25 (cuBLAS 23.52)
+    (7168, 4608, 4): "cuda w8 st4 s1 r2",  # 9.73 vs 16.04 (cuBLAS 23.49)
+    (7168, 4608, 8): "cuda w8 st4 s1 r2",  # 9.99 vs 15.78 (cuBLAS 23.62)
+    (7168, 4608, 16): "cuda w8 st4 s1 r2 xl",  # 13.52 vs 15.41 (cuBLAS 21.49)
+    (1024, 7168, 4): "cuda w4 st4 s16 xl",  # 6.53 vs 7.76 (cuBLAS 9.46)
+    (1024, 7168, 8): "cuda w4 st4 s16 xl",  # 6.71 vs 7.70 (cuBLAS 9.45)
+    (7168, 512, 1): "cuda w4 st4 s1 xl",  # 2.31 vs 2.96 (cuBLAS 4.79)
+    (7168, 512, 2): "cuda w4 st4 s1 xl",  # 2.36 vs 2.81 (cuBLAS 4.78)
+    (7168, 512, 4): "cuda w4 st4 s1 xl",  # 2.41 vs 4.01 (cuBLAS 4.79)
+    (7168, 512, 8): "cuda w4 st8 s1 r2",  # 2.67 vs 3.90 (cuBLAS 4.81)
+    (7168, 512, 16): "cuda w4 st4 s1 xl",  # 3.38 vs 3.86 (cuBLAS 4.83)
 }
-# Where the sweep kept the Triton entry (cuda slower or within 2%): M = 1 on the dense and w13
-# shapes (the packed GEMV), M = 2 and 9-16 on w13, M = 9-16 on the dense shapes (mmab).
-PINNED_CUDA_REFUSED = frozenset({(9216, 7168, 1), (9216, 7168, 16), (7168, 4608, 1),
-                                 (7168, 4608, 16), (1024, 7168, 1), (1024, 7168, 2),
-                                 (1024, 7168, 16)})
+# Where the sweep kept the Triton entry (cuda slower or within 2%): M = 1 on gate/up and w13
+# (the packed GEMV: 14.71 vs 17.95, 4.93 vs 5.61), M = 2 on w13 (6.29 vs 6.41), M = 9-16 on
+# gate/up and w13 (mmab: 28.35 vs 30.18, 7.94 vs 9.18).
+PINNED_CUDA_REFUSED = frozenset({(9216, 7168, 1), (9216, 7168, 16), (1024, 7168, 1),
+                                 (1024, 7168, 2), (1024, 7168, 16)})
 
 _FIELDS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "st": "num_stages", "s": "split_k",
-           "w": "num_warps", "g": "groups"}
+           "w": "num_warps", "g": "groups", "r": "row_tiles"}
 _POW2 = ("block_n", "block_k", "groups", "num_warps")
 _KIND_TOKENS = {"gemv": ("bn", "st", "s", "w", "g"), "mma": ("bn", "bk", "st", "s", "w"),
-                "mmab": ("bm", "bn", "bk", "st", "s", "w"), "cuda": ("w", "st", "s")}
+                "mmab": ("bm", "bn", "bk", "st", "s", "w"), "cuda": ("w", "st", "s", "r")}
 
 
 def m_bucket(m: int) -> int | None:
@@ -199,7 +204,7 @@ def parse_variant(name: str) -> GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig | 
         raise ValueError(f"variant {name!r} must start with 'gemv', 'mma', 'mmab' or 'cuda'")
     kw: dict[str, int | bool] = {}
     for tok in tokens:
-        hit = re.fullmatch(r"(bm|bn|bk|st|s|w|g)(\d+)", tok)
+        hit = re.fullmatch(r"(bm|bn|bk|st|s|w|g|r)(\d+)", tok)
         if tok == "pure" and kind != "cuda":
             kw["fast_dequant"] = False
         elif tok == "h2" and kind == "gemv":
@@ -230,6 +235,7 @@ def variant_name(cfg: GemvConfig | NVFP4GemmConfig | NVFP4MmaConfig | CudaMmaCon
     """Inverse of ``parse_variant`` (the sweep's naming)."""
     if isinstance(cfg, CudaMmaConfig):
         return (f"cuda w{cfg.num_warps} st{cfg.num_stages} s{cfg.split_k}"
+                + (f" r{cfg.row_tiles}" if cfg.row_tiles != 1 else "")
                 + ("" if cfg.x_prefetch else " xl"))
     pure = " pure" if cfg.fast_dequant is False else ""
     if isinstance(cfg, NVFP4MmaConfig):

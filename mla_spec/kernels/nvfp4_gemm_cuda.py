@@ -57,20 +57,24 @@ class _Params(ctypes.Structure):
                 ("k", ctypes.c_int), ("splits", ctypes.c_int)]
 
 
-#: (token tiles of 8, warps, stages, x prefetch) compiled in the .cu file (keep in sync)
-CUDA_MMA_BUILT = ((1, 4, 2, True), (1, 4, 4, True), (1, 4, 8, True), (1, 8, 4, True),
-                  (1, 4, 4, False), (2, 4, 4, True), (2, 4, 2, False), (2, 4, 4, False),
-                  (2, 4, 8, False), (2, 8, 4, False))
-_KERNELS = {key: CudaKernel("nvfp4_mma_sm90.cu",
-                            f"nvfp4_mma_n{key[0]}_w{key[1]}_s{key[2]}_x{int(key[3])}",
-                            arch="sm_90a") for key in CUDA_MMA_BUILT}
+#: (token tiles of 8, warps, stages, x prefetch, row tiles) compiled in the .cu file (in sync)
+CUDA_MMA_BUILT = ((1, 4, 2, True, 1), (1, 4, 4, True, 1), (1, 4, 8, True, 1),
+                  (1, 8, 4, True, 1), (1, 4, 4, False, 1), (2, 4, 4, True, 1),
+                  (2, 4, 2, False, 1), (2, 4, 4, False, 1), (2, 4, 8, False, 1),
+                  (2, 8, 4, False, 1), (1, 4, 4, True, 2), (1, 8, 4, True, 2),
+                  (1, 4, 8, True, 2), (2, 4, 4, False, 2), (2, 8, 4, False, 2),
+                  (2, 4, 2, False, 2))
+_KERNELS = {(nt, w, st, xpf, r): CudaKernel("nvfp4_mma_sm90.cu",
+                                            f"nvfp4_mma_n{nt}_w{w}_s{st}_x{int(xpf)}_r{r}",
+                                            arch="sm_90a")
+            for nt, w, st, xpf, r in CUDA_MMA_BUILT}
 # (device index, stream) -> int32 arrival counters, zero between calls (each call's last CTA
 # per tile resets its own); per stream so that concurrent calls never share one
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def _key(m: int, cfg: CudaMmaConfig) -> tuple[int, int, int, bool]:
-    return (1 if m <= 8 else 2, cfg.num_warps, cfg.num_stages, cfg.x_prefetch)
+def _key(m: int, cfg: CudaMmaConfig) -> tuple[int, int, int, bool, int]:
+    return (1 if m <= 8 else 2, cfg.num_warps, cfg.num_stages, cfg.x_prefetch, cfg.row_tiles)
 
 
 def cuda_gemm_supported(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -159,7 +163,7 @@ def launch_nvfp4_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     n = weight.shape[0]
     chunks = k // _CHUNK
     split = max(1, min(cfg.split_k, chunks))
-    tiles = -(-n // 16)
+    tiles = -(-n // (16 * cfg.row_tiles))
     part = counters = None
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)

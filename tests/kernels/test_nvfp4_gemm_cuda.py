@@ -175,9 +175,9 @@ def test_params_layout_matches_source():
     body = re.search(r"struct Nvfp4GemmParams \{(.*?)\};", src, re.S)[1]
     names = re.findall(r"(\w+)(?:,|;)", re.sub(r"//[^\n]*", "", body))
     assert names == [f for f, _ in nc._Params._fields_]
-    built = re.findall(r"^NVFP4_MMA\((\d), (\d), (\d), (\d)\)", src, re.M)
+    built = re.findall(r"^NVFP4_MMA\((\d), (\d), (\d), (\d), (\d)\)", src, re.M)
     assert sorted(tuple(int(v) for v in b) for b in built) == sorted(
-        (a, b, c, int(d)) for a, b, c, d in nc.CUDA_MMA_BUILT)
+        (a, b, c, int(d), e) for a, b, c, d, e in nc.CUDA_MMA_BUILT)
 
 
 def test_cpu_is_refused_with_a_reason():
@@ -187,9 +187,10 @@ def test_cpu_is_refused_with_a_reason():
 
 
 def test_variant_names_round_trip():
-    for cfg in (CudaMmaConfig(), CudaMmaConfig(8, 4, 3, False)):
+    for cfg in (CudaMmaConfig(), CudaMmaConfig(8, 4, 3, False), CudaMmaConfig(4, 4, 1, True, 2)):
         assert parse_variant(variant_name(cfg)) == cfg
     assert parse_variant("cuda w4 st8 s2 xl") == CudaMmaConfig(4, 8, 2, False)
+    assert parse_variant("cuda w8 st4 s1 r2") == CudaMmaConfig(8, 4, 1, True, 2)
     with pytest.raises(ValueError, match="unsupported token"):
         parse_variant("cuda w4 u1 s1")
 
@@ -197,7 +198,7 @@ def test_variant_names_round_trip():
 def test_unbuilt_config_is_refused_with_the_list():
     x, w, ws, ws2 = _case(12, 32, 256, seed=1)
     why = nc.cuda_gemm_supported(x, w, ws, ws2, torch.bfloat16, CudaMmaConfig(8, 8, 1))
-    assert "not built" in why and "(2, 4, 4, False)" in why
+    assert "not built" in why and "(2, 4, 4, False, 1)" in why
 
 
 def test_default_config_fills_the_gpu():
@@ -245,6 +246,13 @@ GPU_CASES = [  # m, n, k, config (every build at least once)
     (16, 7168, 512, CudaMmaConfig(4, 4, 1, False)),
     (10, 300, 4608, CudaMmaConfig(4, 8, 2, False)),
     (3, 40, 384, CudaMmaConfig(4, 4, 64)),  # more splits than chunks: clamped
+    # two 16-row tiles per warp: N not a multiple of 32, a tile past N, splits
+    (6, 40, 1024, CudaMmaConfig(4, 4, 1, True, 2)),
+    (8, 1000, 7168, CudaMmaConfig(8, 4, 1, True, 2)),
+    (3, 300, 2048, CudaMmaConfig(4, 8, 3, True, 2)),
+    (16, 520, 3072, CudaMmaConfig(4, 4, 1, False, 2)),
+    (12, 72, 4608, CudaMmaConfig(8, 4, 4, False, 2)),
+    (9, 1024, 7168, CudaMmaConfig(4, 2, 8, False, 2)),
 ]
 
 

@@ -83,11 +83,11 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// one chunk of one warp's shared-memory ring: each lane's 16 code bytes of rows g and g+8
-// (code[0 / 1][lane]), then the tile's 16 rows x 8 scale bytes (lane (g, t) copies 4 of
-// them: row g + 8 (t / 2), half t % 2)
-constexpr int kSlotBytes = 2 * 32 * 16 + 16 * 8;
-constexpr int kScaleOffset = 2 * 32 * 16;
+// one chunk of one warp's shared-memory ring, per 16-row tile r of the warp's R: each lane's 16
+// code bytes of rows g and g+8 (at r * 1024 + {0, 512} + 16 lane), then per tile the 16 rows x
+// 8 scale bytes (at R * 1024 + 128 r; lane (g, t) copies 4: row g + 8 (t / 2), half t % 2)
+template <int R>
+__host__ __device__ constexpr int slot_bytes() { return R * (2 * 32 * 16 + 16 * 8); }
 
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
@@ -131,12 +131,15 @@ struct Acts {
 
 // The loop keeps running pointers (advanced by a constant per chunk) and 32-bit shared
 // addresses: an earlier version recomputed 64-bit addresses per chunk and spent more
-// instructions on them than on decoding (docs/bench_nvfp4.md, ninth session).
-template <int NT, int WARPS, int STAGES, bool XPF>
+// instructions on them than on decoding (docs/bench_nvfp4.md, eleventh session). R 16-row
+// tiles per warp share each chunk's activations (and their byte permutes): at 8-16 tokens the
+// activations re-read from L2 per tile outweighed the weights.
+template <int NT, int WARPS, int STAGES, bool XPF, int R>
 __device__ __forceinline__ void body(const Nvfp4GemmParams& p, uint32_t ring) {
+  constexpr int kSlot = slot_bytes<R>(), kScales = R * 1024;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int tile = blockIdx.x, split = blockIdx.y;
+  const int tile = blockIdx.x, split = blockIdx.y;  // tile: R * 16 rows
   const int chunks = p.k >> 7;
   const int c_begin = static_cast<int>(static_cast<long long>(chunks) * split / p.splits);
   const int c_end = static_cast<int>(static_cast<long long>(chunks) * (split + 1) / p.splits);
@@ -145,34 +148,42 @@ __device__ __forceinline__ void body(const Nvfp4GemmParams& p, uint32_t ring) {
   const int c0 = c_begin + warp;
   // rows past N and tokens past M read row N-1 / token M-1 and are not stored: MMA rows and
   // columns are independent, so no predication
-  const int row_a = min(tile * 16 + g, p.n - 1), row_b = min(tile * 16 + g + 8, p.n - 1);
-  const int row_s = min(tile * 16 + g + 8 * (t >> 1), p.n - 1);
-  const uint8_t* wa = p.w + row_a * p.stride_w + t * 16 + c0 * 64;
-  const uint8_t* wb = p.w + row_b * p.stride_w + t * 16 + c0 * 64;
-  const uint8_t* sp = p.ws + row_s * p.stride_ws + (t & 1) * 4 + c0 * 8;
+  const uint8_t* wa[R];
+  const uint8_t* wb[R];
+  const uint8_t* sp[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row0 = (tile * R + r) * 16;
+    wa[r] = p.w + min(row0 + g, p.n - 1) * p.stride_w + t * 16 + c0 * 64;
+    wb[r] = p.w + min(row0 + g + 8, p.n - 1) * p.stride_w + t * 16 + c0 * 64;
+    sp[r] = p.ws + min(row0 + g + 8 * (t >> 1), p.n - 1) * p.stride_ws + (t & 1) * 4 + c0 * 8;
+  }
   const __nv_bfloat16* xr[NT];
 #pragma unroll
   for (int j = 0; j < NT; ++j)
     xr[j] = p.x + min(8 * j + g, p.m - 1) * p.stride_x + t * 32 + c0 * 128;
-  ring += warp * STAGES * kSlotBytes;
-  const uint32_t ring_end = ring + STAGES * kSlotBytes;
+  ring += warp * STAGES * kSlot;
+  const uint32_t ring_end = ring + STAGES * kSlot;
   const uint32_t dst_code = lane * 16;
-  const uint32_t dst_scale = kScaleOffset + (t >> 1) * 64 + g * 8 + (t & 1) * 4;
-  const uint32_t src_scale = kScaleOffset + g * 8 + (t >> 1) * 4;
+  const uint32_t dst_scale = kScales + (t >> 1) * 64 + g * 8 + (t & 1) * 4;
+  const uint32_t src_scale = kScales + g * 8 + (t >> 1) * 4;
 
   uint32_t wr = ring;  // the slot the next issue fills
   int issued = 0;
   auto issue = [&]() {
     if (issued < steps) {
-      cp_async16(wr + dst_code, wa);
-      cp_async16(wr + 512 + dst_code, wb);
-      cp_async4(wr + dst_scale, sp);
-      wa += WARPS * 64;
-      wb += WARPS * 64;
-      sp += WARPS * 8;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        cp_async16(wr + r * 1024 + dst_code, wa[r]);
+        cp_async16(wr + r * 1024 + 512 + dst_code, wb[r]);
+        cp_async4(wr + r * 128 + dst_scale, sp[r]);
+        wa[r] += WARPS * 64;
+        wb[r] += WARPS * 64;
+        sp[r] += WARPS * 8;
+      }
     }
     ++issued;
-    wr = wr + kSlotBytes == ring_end ? ring : wr + kSlotBytes;
+    wr = wr + kSlot == ring_end ? ring : wr + kSlot;
     cp_async_commit();  // empty groups keep the count uniform
   };
   int loaded = 0;
@@ -189,30 +200,48 @@ __device__ __forceinline__ void body(const Nvfp4GemmParams& p, uint32_t ring) {
     ++loaded;
   };
 
-  float acc[NT][4];
+  float acc[R][NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[r][j][0] = acc[r][j][1] = acc[r][j][2] = acc[r][j][3] = 0.f;
 
   auto compute = [&](uint32_t slot, const Acts<NT>& a) {
-    const uint4 code_a = lds128(slot + dst_code), code_b = lds128(slot + 512 + dst_code);
-    const uint32_t sc_a = lds32(slot + src_scale) >> (16 * (t & 1));
-    const uint32_t sc_b = lds32(slot + src_scale + 64) >> (16 * (t & 1));
+    uint4 code_a[R], code_b[R];
+    uint32_t sc_a[R], sc_b[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      code_a[r] = lds128(slot + r * 1024 + dst_code);
+      code_b[r] = lds128(slot + r * 1024 + 512 + dst_code);
+      sc_a[r] = lds32(slot + r * 128 + src_scale) >> (16 * (t & 1));
+      sc_b[r] = lds32(slot + r * 128 + src_scale + 64) >> (16 * (t & 1));
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // scale block 2t + h: words 2h, 2h+1
-      const uint32_t s_a = scale_pair(sc_a >> (8 * h));
-      const uint32_t s_b = scale_pair(sc_b >> (8 * h));
+      uint32_t s_a[R], s_b[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        s_a[r] = scale_pair(sc_a[r] >> (8 * h));
+        s_b[r] = scale_pair(sc_b[r] >> (8 * h));
+      }
 #pragma unroll
       for (int q = 2 * h; q < 2 * h + 2; ++q) {
-        uint32_t pa[4], pb[4];
-        decode_word(word(code_a, q), s_a, pa);
-        decode_word(word(code_b, q), s_b, pb);
+        uint32_t pa[R][4], pb[R][4];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          decode_word(word(code_a[r], q), s_a[r], pa[r]);
+          decode_word(word(code_b[r], q), s_b[r], pb[r]);
+        }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const uint4 v = a.v[j][q];  // x[e .. e+7] as (e, e+1) .. (e+6, e+7)
-          mma_bf16(acc[j], pa[0], pb[0], pa[1], pb[1], prmt(v.x, v.z, 0x5410),
-                   prmt(v.x, v.z, 0x7632));
-          mma_bf16(acc[j], pa[2], pb[2], pa[3], pb[3], prmt(v.y, v.w, 0x5410),
-                   prmt(v.y, v.w, 0x7632));
+          const uint32_t b0 = prmt(v.x, v.z, 0x5410), b1 = prmt(v.x, v.z, 0x7632);
+          const uint32_t b2 = prmt(v.y, v.w, 0x5410), b3 = prmt(v.y, v.w, 0x7632);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            mma_bf16(acc[r][j], pa[r][0], pb[r][0], pa[r][1], pb[r][1], b0, b1);
+            mma_bf16(acc[r][j], pa[r][2], pb[r][2], pa[r][3], pb[r][3], b2, b3);
+          }
         }
       }
     }
@@ -235,50 +264,46 @@ __device__ __forceinline__ void body(const Nvfp4GemmParams& p, uint32_t ring) {
     __syncwarp();
     compute(rd, cur);
     __syncwarp();  // the slot is refilled by the next issue
-    rd = rd + kSlotBytes == ring_end ? ring : rd + kSlotBytes;
+    rd = rd + kSlot == ring_end ? ring : rd + kSlot;
     if (XPF) cur = nxt;
   }
   cp_async_wait<0>();
 
   // the warps' sums meet in shared memory; warp 0 finishes
-  __shared__ float red[WARPS > 1 ? WARPS - 1 : 1][NT * 4][32];
+  constexpr int kAcc = R * NT * 4;
+  __shared__ float red[WARPS > 1 ? WARPS - 1 : 1][kAcc][32];
   __shared__ int last;
+  float* const a = &acc[0][0][0];
   if (WARPS > 1) {
     if (warp > 0)
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) red[warp - 1][j * 4 + i][lane] = acc[j][i];
+      for (int i = 0; i < kAcc; ++i) red[warp - 1][i][lane] = a[i];
     __syncthreads();
     if (warp > 0) return;
 #pragma unroll
     for (int w = 0; w < WARPS - 1; ++w)
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][i] += red[w][j * 4 + i][lane];
+      for (int i = 0; i < kAcc; ++i) a[i] += red[w][i][lane];
   }
+  // acc[r][j][i]: row (tile * R + r) * 16 + g + 8 (i / 2), token 8 j + 2 t + i % 2
+  auto row_of = [&](int i) { return (tile * R + i / (NT * 4)) * 16 + g + 8 * ((i & 3) >> 1); };
+  auto tok_of = [&](int i) { return 8 * ((i / 4) % NT) + 2 * t + (i & 1); };
   const float out_scale = *p.ws2 * 256.f;
-  const int rows[2] = {tile * 16 + g, tile * 16 + g + 8};
   if (p.splits == 1) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int tok = 8 * j + 2 * t + (i & 1), row = rows[i >> 1];
-        if (tok < p.m && row < p.n)
-          p.out[tok * p.stride_out + row] = __float2bfloat16_rn(acc[j][i] * out_scale);
-      }
+    for (int i = 0; i < kAcc; ++i) {
+      const int tok = tok_of(i), row = row_of(i);
+      if (tok < p.m && row < p.n)
+        p.out[tok * p.stride_out + row] = __float2bfloat16_rn(a[i] * out_scale);
+    }
     return;
   }
   const long long mn = static_cast<long long>(p.m) * p.n;
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int tok = 8 * j + 2 * t + (i & 1), row = rows[i >> 1];
-      if (tok < p.m && row < p.n) __stcg(p.part + split * mn + tok * p.n + row, acc[j][i]);
-    }
+  for (int i = 0; i < kAcc; ++i) {
+    const int tok = tok_of(i), row = row_of(i);
+    if (tok < p.m && row < p.n) __stcg(p.part + split * mn + tok * p.n + row, a[i]);
+  }
   __threadfence();
   __syncwarp();
   if (lane == 0) last = atomicAdd(p.counters + tile, 1) == p.splits - 1;
@@ -286,37 +311,41 @@ __device__ __forceinline__ void body(const Nvfp4GemmParams& p, uint32_t ring) {
   if (!last) return;
   __threadfence();
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int tok = 8 * j + 2 * t + (i & 1), row = rows[i >> 1];
-      if (tok < p.m && row < p.n) {
-        float s = 0.f;
-        for (int sp = 0; sp < p.splits; ++sp) s += __ldcg(p.part + sp * mn + tok * p.n + row);
-        p.out[tok * p.stride_out + row] = __float2bfloat16_rn(s * out_scale);
-      }
+  for (int i = 0; i < kAcc; ++i) {
+    const int tok = tok_of(i), row = row_of(i);
+    if (tok < p.m && row < p.n) {
+      float v = 0.f;
+      for (int s = 0; s < p.splits; ++s) v += __ldcg(p.part + s * mn + tok * p.n + row);
+      p.out[tok * p.stride_out + row] = __float2bfloat16_rn(v * out_scale);
     }
+  }
   if (lane == 0) p.counters[tile] = 0;
 }
 
 }  // namespace
 
-// kernels nvfp4_mma_n<NT>_w<WARPS>_s<STAGES>_x<XPF>
-#define NVFP4_MMA(NT, WARPS, STAGES, XPF)                                                   \
+// kernels nvfp4_mma_n<NT>_w<WARPS>_s<STAGES>_x<XPF>_r<R>
+#define NVFP4_MMA(NT, WARPS, STAGES, XPF, R)                                                \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                 \
-      nvfp4_mma_n##NT##_w##WARPS##_s##STAGES##_x##XPF(                                     \
+      nvfp4_mma_n##NT##_w##WARPS##_s##STAGES##_x##XPF##_r##R(                              \
           const __grid_constant__ Nvfp4GemmParams p) {                                     \
-    __shared__ __align__(16) uint8_t ring[WARPS * STAGES * kSlotBytes];                   \
-    body<NT, WARPS, STAGES, XPF>(p, sm90::smem_u32(ring));                                \
+    __shared__ __align__(16) uint8_t ring[WARPS * STAGES * slot_bytes<R>()];              \
+    body<NT, WARPS, STAGES, XPF, R>(p, sm90::smem_u32(ring));                             \
   }
 
-NVFP4_MMA(1, 4, 2, 1)
-NVFP4_MMA(1, 4, 4, 1)
-NVFP4_MMA(1, 4, 8, 1)
-NVFP4_MMA(1, 8, 4, 1)
-NVFP4_MMA(1, 4, 4, 0)
-NVFP4_MMA(2, 4, 4, 1)
-NVFP4_MMA(2, 4, 2, 0)
-NVFP4_MMA(2, 4, 4, 0)
-NVFP4_MMA(2, 4, 8, 0)
-NVFP4_MMA(2, 8, 4, 0)
+NVFP4_MMA(1, 4, 2, 1, 1)
+NVFP4_MMA(1, 4, 4, 1, 1)
+NVFP4_MMA(1, 4, 8, 1, 1)
+NVFP4_MMA(1, 8, 4, 1, 1)
+NVFP4_MMA(1, 4, 4, 0, 1)
+NVFP4_MMA(2, 4, 4, 1, 1)
+NVFP4_MMA(2, 4, 2, 0, 1)
+NVFP4_MMA(2, 4, 4, 0, 1)
+NVFP4_MMA(2, 4, 8, 0, 1)
+NVFP4_MMA(2, 8, 4, 0, 1)
+NVFP4_MMA(1, 4, 4, 1, 2)
+NVFP4_MMA(1, 8, 4, 1, 2)
+NVFP4_MMA(1, 4, 8, 1, 2)
+NVFP4_MMA(2, 4, 4, 0, 2)
+NVFP4_MMA(2, 8, 4, 0, 2)
+NVFP4_MMA(2, 4, 2, 0, 2)
