@@ -256,64 +256,64 @@ GPU_CASES = [  # m, n, k, config (every build at least once)
 ]
 
 
+@pytest.fixture
+def cuda_kernels():
+    """The GPU tests' device; skipped with the reason where the kernel cannot be built."""
+    dev = torch.device("cuda")
+    why = nc.cuda_kernels_available(dev)
+    if why:
+        pytest.skip(why)
+    return dev
+
+
+def _rel_err(y, ref):
+    """max |y - ref| / max |ref|: one bf16 rounding of an fp32 sum stays under 8e-3."""
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,cfg", GPU_CASES)
-def test_kernel_matches_twin_on_gpu(m, n, k, cfg):
-    if nc.cuda_kernels_available(torch.device("cuda")):
-        pytest.skip(nc.cuda_kernels_available(torch.device("cuda")))
-    x, w, ws, ws2 = _case(m, n, k, seed=m * n, device="cuda")
+def test_kernel_matches_twin_on_gpu(m, n, k, cfg, cuda_kernels):
+    x, w, ws, ws2 = _case(m, n, k, seed=m * n, device=cuda_kernels)
     ref = nvfp4_gemm_ref(x, w, ws, ws2, torch.float32)
     for _ in range(2):  # the second call finds the split counters reset
         y = nvfp4_gemm(x, w, ws, ws2, config=cfg)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-        err = (y.float() - ref).abs().max() / ref.abs().max()
-        assert err < 8e-3, err  # one bf16 rounding of an fp32 sum
+        assert _rel_err(y, ref) < 8e-3
         assert not torch.isnan(y).any()
 
 
 @pytest.mark.gpu
-def test_graph_replay_reads_new_inputs():
-    dev = torch.device("cuda")
-    if nc.cuda_kernels_available(dev):
-        pytest.skip(nc.cuda_kernels_available(dev))
-    x, w, ws, ws2 = _case(6, 300, 1024, seed=3, device="cuda")
+def test_graph_replay_reads_new_inputs(cuda_kernels):
+    x, w, ws, ws2 = _case(6, 300, 1024, seed=3, device=cuda_kernels)
     cfg = CudaMmaConfig(4, 4, 4)
     y = nvfp4_gemm(x, w, ws, ws2, config=cfg)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = nvfp4_gemm(x, w, ws, ws2, config=cfg)
     for seed in (5, 6):
-        x.copy_(_case(6, 300, 1024, seed=seed, device="cuda")[0])
+        x.copy_(_case(6, 300, 1024, seed=seed, device=cuda_kernels)[0])
         graph.replay()
-        ref = nvfp4_gemm_ref(x, w, ws, ws2, torch.float32)
-        assert (y.float() - ref).abs().max() / ref.abs().max() < 8e-3
+        assert _rel_err(y, nvfp4_gemm_ref(x, w, ws, ws2, torch.float32)) < 8e-3
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(4, 7168, 512), (3, 520, 3072), (1, 7168, 512)])
-def test_default_call_takes_the_kernel_where_chosen(m, n, k):
-    dev = torch.device("cuda")
-    if nc.cuda_kernels_available(dev):
-        pytest.skip(nc.cuda_kernels_available(dev))
-    x, w, ws, ws2 = _case(m, n, k, seed=9, device="cuda")
+def test_default_call_takes_the_kernel_where_chosen(m, n, k, cuda_kernels):
+    x, w, ws, ws2 = _case(m, n, k, seed=9, device=cuda_kernels)
     assert nc.cuda_auto_config(x, w, ws, ws2, torch.bfloat16) is not None
     assert nc.cuda_auto_config(x.float(), w, ws, ws2, torch.float32) is None
-    ref = nvfp4_gemm_ref(x, w, ws, ws2, torch.float32)
-    y = nvfp4_gemm(x, w, ws, ws2)
-    assert (y.float() - ref).abs().max() / ref.abs().max() < 8e-3
+    assert _rel_err(nvfp4_gemm(x, w, ws, ws2), nvfp4_gemm_ref(x, w, ws, ws2, torch.float32)) < 8e-3
 
 
 @pytest.mark.gpu
-def test_bad_input_is_refused_on_gpu():
-    dev = torch.device("cuda")
-    if nc.cuda_kernels_available(dev):
-        pytest.skip(nc.cuda_kernels_available(dev))
-    x, w, ws, ws2 = _case(17, 32, 256, seed=2, device="cuda")
+def test_bad_input_is_refused_on_gpu(cuda_kernels):
+    x, w, ws, ws2 = _case(17, 32, 256, seed=2, device=cuda_kernels)
     with pytest.raises(ValueError, match="1..16 tokens"):
         nvfp4_gemm(x, w, ws, ws2, config=CudaMmaConfig())
-    x, w, ws, ws2 = _case(4, 32, 144, seed=2, device="cuda")
+    x, w, ws, ws2 = _case(4, 32, 144, seed=2, device=cuda_kernels)
     with pytest.raises(ValueError, match="multiple of 128"):
         nvfp4_gemm(x, w, ws, ws2, config=CudaMmaConfig())
-    x, w, ws, ws2 = _case(4, 32, 256, seed=2, device="cuda")
+    x, w, ws, ws2 = _case(4, 32, 256, seed=2, device=cuda_kernels)
     with pytest.raises(ValueError, match="bf16"):
         nvfp4_gemm(x.float(), w, ws, ws2, config=CudaMmaConfig())
