@@ -23,7 +23,8 @@ def test_off_on_cpu():
     assert not pdl.l2pf_on(t)
 
 
-def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq, fp4a, fp4b, w13, w2):
+def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq, fp4a, fp4b, w13, w2,
+           fp4c):
     """Each kernel consumes its predecessor's output; the GEMVs that read weights before the
     wait (pdl rule 3) follow the kernel that writes their activations."""
     from mla_spec.kernels.bf16_gemv import bgemv
@@ -45,8 +46,15 @@ def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq, fp4a, fp4b
                          routed_scaling_factor=2.5, ids_dtype=torch.int32)
     moe = fused_moe_nvfp4(h, ids, w, w13, w2, path="gemv", gemv_packed=True,
                           gemv_prefetch=True)
+    # the hand-written mma.sync kernel (weights before the wait, split-K counters) when it can
+    # be built here; else the Triton choice for the same call
+    from mla_spec.kernels.nvfp4_configs import CudaMmaConfig
+    from mla_spec.kernels.nvfp4_gemm_cuda import cuda_kernels_available
+    z3 = nvfp4_gemm(moe.expand(5, -1).contiguous(), *fp4c,
+                    config=None if cuda_kernels_available(moe.device)
+                    else CudaMmaConfig(4, 4, 2, True, 2))
     q, k = rope_qk(pos, q_pe, k_pe, inv_freq)
-    return y, z, z2, w, ids, moe, q, k
+    return y, z, z2, w, ids, moe, z3, q, k
 
 
 @pytest.mark.gpu
@@ -73,7 +81,7 @@ def test_chain_identical_with_and_without_pdl(monkeypatch):
             torch.randn(1, 32, 192, device=dev, dtype=bf, generator=g)[..., 128:],
             torch.randn(1, 576, device=dev, dtype=bf, generator=g)[:, 512:],
             torch.rand(32, device=dev, generator=g) * 0.1,
-            fp4(1040, 2112), fp4(528, 1040), w13, w2)
+            fp4(1040, 2112), fp4(528, 1040), w13, w2, fp4(300, 7168))
     _switch(monkeypatch, False)
     ref = _chain(*args)
     _switch(monkeypatch, True)
