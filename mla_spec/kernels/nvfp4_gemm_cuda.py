@@ -84,8 +84,8 @@ def cuda_gemm_supported(x: torch.Tensor, weight: torch.Tensor, weight_scale: tor
     else why not."""
     m = x.shape[0]
     if cfg is not None and 1 <= m <= CUDA_MMA_MAX_M and _key(m, cfg) not in _KERNELS:
-        return (f"{cfg} is not built for {x.shape[0]} tokens; built (token tiles, warps, "
-                f"stages, x prefetch): {CUDA_MMA_BUILT}")
+        return (f"{cfg} is not built for {m} tokens; built (token tiles, warps, stages, "
+                f"x prefetch, row tiles): {CUDA_MMA_BUILT}")
     why = cuda_kernels_available(x.device)
     if why is not None:
         return why

@@ -3,8 +3,8 @@
 // Why it exists: at 2-16 tokens the Triton MMA kernels spent their time moving decoded weights
 // between register layouts (1.2-2.0x cuBLAS bf16, docs/bench_nvfp4.md), while the bytes allow
 // 3.6x. Here every weight is decoded straight into the register fragment `mma.sync` reads and
-// is never stored anywhere: the weight rows are the MMA's M side (16 per warp tile), the tokens
-// its N side (8 per MMA, 1-2 MMAs), so few tokens waste MMA slots, never weight bytes.
+// is never stored anywhere but registers: the weight rows are the MMA's M side (16 per tile),
+// the tokens its N side (8 per MMA, 1-2 MMAs), so few tokens waste MMA slots, never bytes.
 //
 // Layout: ModelOpt's, read as is (no repacking): w uint8 [N, K/2] (element 2j in byte j's low
 // nibble), ws e4m3 [N, K/16], ws2 fp32 scalar, x bf16 [M, K], out bf16 [M, N].
@@ -23,11 +23,13 @@
 // placed at bf16 bits 10:4 (s * 2^-120) and multiplied twice by 2^119. ws2 * 2^8 scales the
 // fp32 result.
 //
-// Work split: CTA = one 16-row tile x one of `splits` K ranges; its WARPS warps take that
-// range's chunks round-robin, U chunks per step, the next step's loads issued before this
-// step's math (registers double buffer); their fp32 sums meet in shared memory. With
-// splits > 1 each CTA writes fp32 partials, and the last to arrive on the tile's counter
-// sums them in split order (deterministic), writes y and resets the counter for the next call.
+// Work split: CTA = R 16-row tiles x one of `splits` K ranges; its WARPS warps take that
+// range's chunks round-robin, each through its own ring of STAGES chunks in shared memory
+// (cp.async, no registers held while in flight; a lane reads back only what it copied, but
+// the scale bytes, hence one __syncwarp); with R = 2 a chunk's activations and their permutes
+// serve both tiles. The warps' fp32 sums meet in shared memory. With splits > 1 each CTA
+// writes fp32 partials, and the last to arrive on the CTA's counter sums them in split order
+// (deterministic), writes y and resets the counter for the next call.
 // PDL: weights and scales are read before griddepcontrol.wait, activations after it.
 #include "sm90_common.cuh"
 
