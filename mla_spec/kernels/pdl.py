@@ -42,12 +42,13 @@ statement):
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from mla_spec.device import cuda_capability
 
 __all__ = ["L2_PREFETCH", "PDL", "gdc_enter", "gdc_launch", "gdc_wait", "l2pf_on", "pdl_kwargs",
            "pdl_on", "prefetch_l2"]
@@ -59,14 +60,9 @@ PDL = os.environ.get("MLA_SPEC_PDL", "1") not in ("0", "", "false", "False")
 L2_PREFETCH = os.environ.get("MLA_SPEC_L2PF", "1") not in ("0", "", "false", "False")
 
 
-@functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device use PDL: ``PDL`` and a CUDA device of sm_90 or newer."""
-    return bool(PDL) and t.is_cuda and _capable(t.get_device())
+    return bool(PDL) and t.is_cuda and cuda_capability(t.device)[0] >= 9
 
 
 def l2pf_on(t: torch.Tensor) -> bool:
