@@ -17,13 +17,9 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
 - **Weights as [BN, BK/16, 8] bytes** (128-byte rows per step for BK = 256: 16-byte loads), the
   e4m3 block scale broadcast over the last axis: one scale load per 16 elements.
 - **Decode.** ``W' = E2M1 * s * 2**-8`` is exact in bf16 (E2M1 has 2 significant bits, e4m3 4);
-  ``weight_scale_2 * 256`` is applied to the fp32 accumulator, read from device memory (no host
-  sync; CUDA-graph safe). Two decoders (``nvfp4_decode``): ``_decode_pure`` (portable, runs in
-  the interpreter: the nibble is placed in fp16 bits, ``E2M1 * 2**-14``, then scaled in fp32)
-  and ``_decode_asm`` (GPU: PTX that decodes four bytes into eight bf16 with shifts/masks on
-  32-bit words holding two bf16 each, ``E2M1 * 2**-126``, and one packed ``mul.bf16x2`` by
-  ``s * 2**118``; the default (``NVFP4GemmConfig.fast_dequant``) since the H200 check, see
-  docs/bench_nvfp4.md; skipped in the interpreter, below sm_90 and for fp16 / fp32 x).
+  ``weight_scale_2 * 256`` scales the fp32 accumulator, read from device memory (no host sync;
+  CUDA-graph safe). The decoders live in ``nvfp4_decode``: portable (the interpreter) and PTX
+  (the default on sm_90+ with bf16 x, ``NVFP4GemmConfig.fast_dequant``).
 - **Standard orientation** (``_nvfp4_mma_kernel``, ``NVFP4MmaConfig``, variants "mmab"):
   ``acc[BM, BN] += x[BM, BK] @ W'[BK, BN]``, the usual W4A16 layout. x is a plain bf16 load;
   the packed bytes ``[BN, BK/2]`` decode (same decoders) into low / high values that
@@ -39,13 +35,12 @@ Layout and tiling (shapes: x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale
   shapes; pass a ``GemvConfig`` / ``NVFP4GemmConfig`` / ``NVFP4MmaConfig`` as ``config`` to
   force one.
 - **The hand-written ``mma.sync`` kernel** (``nvfp4_gemm_cuda``, ``CudaMmaConfig``, variants
-  "cuda"; sm_90 with nvcc, bf16, 1-16 tokens, K % 128 == 0). It decodes each weight straight
-  into the MMA's register fragment; without ``config`` it runs first where the H200 sweep
-  pinned it (``nvfp4_configs.PINNED_CUDA``: 2-8 tokens on the dense and expert shapes, every
-  token count on one expert's w2) and at 2-8 tokens on unmeasured shapes
-  (``nvfp4_gemm_cuda.cuda_auto_config``); anywhere it cannot run, the choice above.
+  "cuda"; sm_90 with nvcc, bf16, 1-16 tokens, K % 128 == 0) decodes each weight into the MMA's
+  register fragment. Without ``config`` it runs first where the H200 sweep pinned it
+  (``nvfp4_configs.PINNED_CUDA``) and at 2-8 tokens on unmeasured shapes
+  (``nvfp4_gemm_cuda.cuda_auto_config``); where it cannot run, the choice above.
 - **Split-K** for few output tiles (small N at small M): partial sums go to an fp32 workspace
-  ``[S, M, N]`` and ``_sum_rows_kernel`` adds them (deterministic, no atomics).
+  ``[S, M, N]`` and ``split_sum.sum_rows`` adds them (deterministic, no atomics).
 
 ``nvfp4_gemm_ref`` is the torch twin (dequantize, then matmul in fp32).
 """
@@ -78,6 +73,7 @@ from mla_spec.kernels.nvfp4_gemv import (
     packed_gemv_config,
 )
 from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.split_sum import sum_rows
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 
 __all__ = ["NVFP4GemmConfig", "NVFP4MmaConfig", "nvfp4_gemm", "nvfp4_gemm_ref",
@@ -189,20 +185,6 @@ def _nvfp4_mma_kernel(
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty),
              mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
-
-
-@triton.jit
-def _sum_rows_kernel(src_ptr, dst_ptr, R, N, S, stride_sr, stride_ss, stride_dr,
-                     BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
-    """dst[r, n] = sum_s src[r * stride_sr + s * stride_ss + n] (fp32 sum, cast on store)."""
-    gdc_enter(USE_GDC)
-    r = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(0, S):
-        acc += tl.load(src_ptr + r * stride_sr + s * stride_ss + offs, mask=ok, other=0.0)
-    tl.store(dst_ptr + r * stride_dr + offs, acc.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
 _CONFIGS: dict[tuple[int | None, int, int], NVFP4GemmConfig | NVFP4MmaConfig] = {}
@@ -396,15 +378,6 @@ def ptx_decoder_ok(device: torch.device, interp: bool) -> bool:
     if interp or device.type != "cuda":
         return False
     return cuda_capability(device) >= (9, 0)
-
-
-def sum_rows(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst[r, :] = src[r].sum(0)`` for ``src [R, S, N]`` fp32 (last dim contiguous)."""
-    r, s, n = src.shape
-    block = 1024 if n >= 1024 else triton.next_power_of_2(max(n, 16))
-    _sum_rows_kernel[(r, triton.cdiv(n, block))](
-        src, dst, r, n, s, src.stride(0), src.stride(1), dst.stride(0), BLOCK=block,
-        **pdl_kwargs(src))
 
 
 def nvfp4_gemm_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -19,7 +19,8 @@ import triton.language as tl
 
 from mla_spec.kernels.nvfp4_configs import NVFP4MmaConfig
 from mla_spec.kernels.nvfp4_decode import _decode
-from mla_spec.kernels.nvfp4_gemm import block_m_for, mma_block_m, ptx_decoder_ok, sum_rows
+from mla_spec.kernels.nvfp4_gemm import block_m_for, mma_block_m, ptx_decoder_ok
+from mla_spec.kernels.split_sum import sum_rows
 from mla_spec.quant.nvfp4 import NVFP4Tensor
 
 __all__ = ["MOE_MMAB_CONFIG", "moe_align", "moe_sorted", "scale2_strides"]
