@@ -339,8 +339,10 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     cfg = config or cuda_auto_config(x2, weight, weight_scale, weight_scale_2,
                                      out_dtype) or auto_config(m, n, k)
     if isinstance(cfg, CudaMmaConfig):
-        why = cuda_gemm_supported(x2, weight, weight_scale, weight_scale_2, out_dtype, cfg)
-        if why is not None:
+        # cuda_auto_config only returns a config that passed this check
+        why = config is not None and cuda_gemm_supported(x2, weight, weight_scale,
+                                                         weight_scale_2, out_dtype, cfg)
+        if why:
             raise ValueError(f"{cfg} cannot run this call: {why}")
         return launch_nvfp4_cuda(x2, weight, weight_scale, weight_scale_2, out,
                                  cfg).reshape(*lead, n)
