@@ -176,6 +176,14 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     ("fp8", "r32", "big"): "W|CF",
     ("fp8", "r128", "b48"): "W64|CF",
     ("fp8", "r128", "big"): "W64|CF",
+    # twelfth session: more than 128 rows (H 128 q 4, TARGET_VERIFY without tensor
+    # parallelism) run W64 with one 64-row block per 64 rows, each streaming the request's KV
+    # (the blocks of one request run side by side, so the re-reads mostly hit L2; docs/
+    # bench_mla.md v10, graph µs, FlashInfer in the same run): bf16 bs 32 ctx 4k 361-380 vs C
+    # 545 (FlashInfer 239), bs 128 ctx 8k 2879 vs 4171 (2104); fp8 bs 32 ctx 4k 441-444 vs CF
+    # 687-694 (FlashInfer fp8 909-919), bs 128 ctx 8k 3378 vs 5280 (7116)
+    **{(kv, "big", bc): f"W64|{tri}" for kv, tri in (("bf16", "C"), ("fp8", "CF"))
+       for bc in ("b48", "big")},
 }
 
 
@@ -203,6 +211,9 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # widening of tile i + 1 overlaps tile i's P V: bs 128 ctx 8k 356.6 -> 338.8 µs
     ("fp8", "r32", "b1", "long"): "W/sp128|G4",
     ("fp8", "r128", "b1", "long"): "W64/sp64|CF",
+    # twelfth session, 512 rows at batch 1 (v10): 32k W64/sp16 120.3-121.7 vs C/sp16 148.1
+    # (FlashInfer 74.6); at 4k C stays (31.8 vs W64/sp8 39.2-39.6; fp8 CF 37.4 vs 44.9)
+    ("bf16", "big", "b1", "long"): "W64/sp16|C",
 }
 
 
