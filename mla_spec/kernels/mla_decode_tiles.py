@@ -56,6 +56,10 @@ class PagedConfig:
     #: with ``wgmma``: the split's first tiles into L2 before the PDL wait (as the Triton
     #: kernels' ``L2PF``)
     prefetch: bool = False
+    #: with ``wgmma``, 64 rows, a bf16 cache: the query rows on the MMA's M side
+    #: (``csrc/mla_wgmma_rows_sm90.cu``: P V with P from registers, 35% fewer shared-memory
+    #: operand bytes per tile than the swapped ``W64``)
+    rows_m: bool = False
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
@@ -70,6 +74,8 @@ class PagedConfig:
                              "block_n 64, 8 (consumer) warps, 2 stages")
         if self.prefetch and not self.wgmma:
             raise ValueError("prefetch is a wgmma option")
+        if self.rows_m and not (self.wgmma and self.block_m == 64 and not self.prefetch):
+            raise ValueError("rows_m is an option of the 64-row wgmma kernel without prefetch")
 
     @property
     def tag(self) -> str:
@@ -77,7 +83,8 @@ class PagedConfig:
                 f"{'T' if self.tma else 'P'}{'b' if self.part_bf16 else 'f'}"
                 f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
                 f"{'S' if self.swap else ''}{'K' if self.cuda else ''}"
-                f"{'W' if self.wgmma else ''}{'p' if self.prefetch else ''}")
+                f"{'W' if self.wgmma else ''}{'p' if self.prefetch else ''}"
+                f"{'R' if self.rows_m else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -133,6 +140,8 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     # tested on the CPU only so far: not timed, no default names them)
     "Wp": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True, prefetch=True),
     "W64p": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, prefetch=True),
+    # 64 rows with the query rows on the MMA's M side (FlashMLA's split of the work)
+    "WR": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, rows_m=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins
@@ -239,10 +248,10 @@ def parse_choice(choice: str) -> tuple[PagedConfig, int | None]:
 
 
 def cuda_cache_ok(cfg: PagedConfig, kv_dtype: torch.dtype) -> bool:
-    """Whether a CUDA variant takes this cache dtype: bf16 always, fp8 e4m3 the wgmma kernels
-    without prefetch (``mla_decode_wgmma.WGMMA_FP8_KERNELS``)."""
+    """Whether a CUDA variant takes this cache dtype: bf16 always, fp8 e4m3 the swapped wgmma
+    kernels without prefetch (``mla_decode_wgmma.WGMMA_FP8_BLOCK_M``)."""
     return kv_dtype == torch.bfloat16 or (kv_dtype == FP8_DTYPE and cfg.wgmma
-                                          and not cfg.prefetch)
+                                          and not cfg.prefetch and not cfg.rows_m)
 
 
 def _runs_here(cfg: PagedConfig, kv_dtype: torch.dtype, device: torch.device,

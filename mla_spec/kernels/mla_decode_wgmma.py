@@ -52,13 +52,18 @@ _KERNELS = {(bm, pf, False): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}{'p' i
                                         arch="sm_90a") for bm, pf in WGMMA_KERNELS}
 _KERNELS.update({(bm, False, True): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}_f8",
                                                arch="sm_90a") for bm in WGMMA_FP8_BLOCK_M})
+#: the 64-row kernel with the query rows on the MMA's M side (bf16 cache, no prefetch)
+_ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
+_KERNELS[(64, False, False, True)] = CudaKernel(_ROWS_SOURCE, "mla_wgmma_rows64", arch="sm_90a")
 
 
-def wgmma_smem(block_m: int) -> int:
+def wgmma_smem(block_m: int, rows_m: bool = False) -> int:
     """Dynamic shared memory of one CTA (as laid out in the ``.cu`` files): 1 KB of alignment
-    slack, the KV stages, the queries, P^T, then the S^T exchange (16 / 32 rows) or the
-    per-row rescale factors (64), the reductions, the stage barriers."""
+    slack, the KV stages, the queries, P^T (P with ``rows_m``), then the S^T exchange (16 / 32
+    rows) or the per-row rescale factors (64), the reductions, the stage barriers."""
     base = 1024 + _STAGES * 9 * _BN * 128 + 9 * block_m * 128 + block_m * 128 + 16 * _STAGES
+    if rows_m:
+        return base + 2 * block_m * 4
     if block_m == 64:
         return base + 8 * 32 * 4 + 2 * block_m * 4
     return base + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4
@@ -89,18 +94,19 @@ def _tensor_map(kv_flat: torch.Tensor) -> bytes:
     return got
 
 
-def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype):
-    return (block_m, prefetch, kv_dtype == FP8_DTYPE)
+def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False):
+    return (block_m, prefetch, kv_dtype == FP8_DTYPE) + ((True,) if rows_m else ())
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
                         page_size: int, block_m: int, q_len: int | None,
-                        prefetch: bool = False) -> str | None:
+                        prefetch: bool = False, rows_m: bool = False) -> str | None:
     """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
-    if _kernel_key(block_m, prefetch, kv_flat.dtype) not in _KERNELS:
-        return f"(block_m, prefetch) {(block_m, prefetch)} is not compiled for a " \
-               f"{kv_flat.dtype} cache (bf16: one of {WGMMA_KERNELS}; e4m3: block_m one of " \
-               f"{WGMMA_FP8_BLOCK_M}, no prefetch)"
+    if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m) not in _KERNELS:
+        return f"(block_m, prefetch, rows_m) {(block_m, prefetch, rows_m)} is not compiled " \
+               f"for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one of " \
+               f"{WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
+               f"{WGMMA_FP8_BLOCK_M}, no prefetch, no rows_m)"
     why = call_supported(q_nope, q_pe, kv_flat, page_size, _BN, q_len, "wgmma kernel",
                          (torch.bfloat16, FP8_DTYPE))
     if why is None and cuda_capability(q_nope.device) != (9, 0):
@@ -110,7 +116,8 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
-                     num_splits: int, block_m: int, prefetch: bool = False) -> None:
+                     num_splits: int, block_m: int, prefetch: bool = False,
+                     rows_m: bool = False) -> None:
     """Run the split kernel (and the combine when ``num_splits > 1``) into ``out`` / ``lse``
     (see :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
@@ -122,8 +129,8 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                                      num_splits, part_bf16=block_m in PART_BF16_BLOCK_M)
     p = _WgParams(m)
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat), 128)
-    _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype)](
+    _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype, rows_m)](
         (num_splits, m_blocks, req_pool_indices.numel()), _SOURCES[block_m][1],
-        wgmma_smem(block_m), p, q_nope.device, pdl=pdl_on(q_nope))
+        wgmma_smem(block_m, rows_m), p, q_nope.device, pdl=pdl_on(q_nope))
     if num_splits > 1:
         combine_splits(part, part_lse, out, lse)

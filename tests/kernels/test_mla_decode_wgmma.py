@@ -23,8 +23,8 @@ from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS, mla_decode_paged
 
 SM = 0.1352338
 DV, DPE = 512, 64
-SRC, SRC64, HDR = (CSRC / n for n in ("mla_wgmma_sm90.cu", "mla_wgmma64_sm90.cu",
-                                      "sm90_wgmma.cuh"))
+SRC, SRC64, SRC_ROWS, HDR = (CSRC / n for n in ("mla_wgmma_sm90.cu", "mla_wgmma64_sm90.cu",
+                                                "mla_wgmma_rows_sm90.cu", "sm90_wgmma.cuh"))
 
 
 def test_params_layout_matches_source():
@@ -53,8 +53,13 @@ def test_instantiations_match_source():
     for name, cfg in PAGED_VARIANTS.items():
         if cfg.wgmma:
             assert (cfg.block_m, cfg.prefetch) in mw.WGMMA_KERNELS, name
+            assert mw._kernel_key(cfg.block_m, cfg.prefetch, torch.bfloat16,
+                                  cfg.rows_m) in mw._KERNELS, name
     for bm in mw.WGMMA_BLOCK_M:
         assert mw.wgmma_smem(bm) <= 227 * 1024
+    assert mw.wgmma_smem(64, rows_m=True) <= 227 * 1024
+    assert re.search(r"void __launch_bounds__\(NT \+ 128, 1\)\s+mla_wgmma_rows64\(",
+                     SRC_ROWS.read_text())
 
 
 def test_cpu_is_refused_with_a_reason():
@@ -65,16 +70,18 @@ def test_cpu_is_refused_with_a_reason():
     assert why and "CUDA" in why
     with pytest.raises(ValueError, match="wgmma"):
         PAGED_VARIANTS["W"].__class__(32, 32, 8, 2, cuda=True, wgmma=True)  # block_n 32
+    with pytest.raises(ValueError, match="64-row wgmma"):
+        PAGED_VARIANTS["W"].__class__(32, 64, 8, 2, cuda=True, wgmma=True, rows_m=True)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_source_compiles_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("MLA_SPEC_CACHE", str(tmp_path))
-    for src in (SRC, SRC64):
+    for src in (SRC, SRC64, SRC_ROWS):
         cubin = compile_cubin(src, "sm_90a")
         assert cubin[:4] == b"\x7fELF"
-        for key, kern in mw._KERNELS.items():
-            if mw._SOURCES[key[0]][0] == src.name:
+        for kern in mw._KERNELS.values():
+            if kern.src == src:
                 assert kern.name.encode() in cubin
 
 
@@ -102,7 +109,7 @@ def _long_case(lens, h, page, seed, nan_tail):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["W", "W16", "W64", "Wp", "W64p", "K"])
+@pytest.mark.parametrize("name", ["W", "W16", "W64", "Wp", "W64p", "WR", "K"])
 @pytest.mark.parametrize("lens,splits", [([32768], 128), ([16383, 77], 64), ([8191], 1)])
 def test_long_contexts_and_nan_tails(name, lens, splits):
     qn, qp, kv, r2t, rpi, kl = _long_case(lens, 32, 64, seed=len(lens) + splits, nan_tail=True)
@@ -163,6 +170,8 @@ def test_fp8_kernels_are_refused_where_not_built():
     kv = torch.zeros(64, DV + DPE, dtype=FP8_DTYPE)
     why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, prefetch=True)
     assert why and "not compiled" in why and "no prefetch" in why
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 64, 1, rows_m=True)
+    assert why and "not compiled" in why and "no rows_m" in why
 
 
 def _fp8_case(lens, h, q_len, page, seed):

@@ -65,6 +65,11 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// count this warp's arrival at barrier id (of `threads` in all) without waiting for it
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // byte offset of 16-byte chunk c of row r in a 128-byte-swizzled block (1024-B aligned)
 __device__ __forceinline__ uint32_t sw128(int r, int c) {
   return r * 128 + ((c ^ (r & 7)) << 4);
@@ -76,6 +81,15 @@ __device__ __forceinline__ uint32_t sw128(int r, int c) {
 __device__ __forceinline__ void stsm_x4_t(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
                                           uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
+// four 8 x 8 bf16 blocks from accumulator-layout registers (thread t: row t / 4, columns
+// 2 (t % 4)..) into shared memory as they are: lane l gives the address of row l % 8 of block
+// l / 8
+__device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
+                                        uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
                ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 

@@ -1,0 +1,272 @@
+// Split-KV MLA decode with warpgroup MMA, query rows on the MMA's M side (sm_90a): 64 rows per
+// CTA, bf16 cache. The 128-row classes (H 128 at q_len 1, H 32 at q_len 4) and 512 rows.
+//
+// Why not swapped like mla_wgmma64_sm90.cu: that kernel's warpgroups each multiply the whole
+// K tile against their 32 rows (m64n32, 216 KB of shared-memory operand reads per tile) and
+// its O^T = V^T P^T reads P^T from shared memory (128 KB more). Its time per tile grew with
+// those bytes (a variant with 64 KB more ran 8% slower, docs/bench_mla.md v10). Here, as in
+// FlashMLA:
+//   warpgroup 0:  S[64 rows, 64 tok] = Q . K^T     (A = Q, B = K tile; 36 m64n64k16, 144 KB)
+//                 softmax in registers (a row lives in one quad: no cross-warp reduction)
+//                 O[:, 0:256]   += P . V[:, 0:256]  (A = P from registers, B = V; 32 KB)
+//   warpgroup 1:  O[:, 256:512] += P . V[:, 256:512] (A = P from shared memory; 40 KB)
+// 224 KB per tile instead of 344. Warpgroup 0 hands P and the rows' rescale factors to
+// warpgroup 1 through shared memory (named barriers FULL / FREE); its P V of tile i is issued
+// together with Q K of tile i + 1. A producer warpgroup (TMA, as sm90_wgmma.cuh) gives its
+// registers away (setmaxnreg). Shared memory: two KV stages (144 KB), Q (72 KB), P (8 KB).
+// What it computes: exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache).
+#include "sm90_wgmma.cuh"
+
+namespace {
+
+using namespace sm90;
+
+constexpr int BM = 64;
+constexpr int B_FULL = 2, B_FREE = 3;  // P(i) written / P(i - 1) read (256 threads each)
+
+#define ACC32(d)                                                                              \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),          \
+      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),          \
+      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
+            "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
+
+// D[64, 64] += A . B, A from registers (an m64k16 bf16 fragment: per warp rows g / g + 8 of
+// its 16, k 2 t4.. and 8 + 2 t4..), B from shared memory N-major (the V tile's layout)
+__device__ __forceinline__ void wgmma_rs_vn(float (&d)[32], const uint32_t* a, uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32
+               ", {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
+               : ACC32(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// D[64, 64] += A . B, A K-major and B N-major, both from shared memory
+__device__ __forceinline__ void wgmma_ss_vn(float (&d)[32], uint64_t da, uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32
+               ", %32, %33, 1, 1, 1, 0, 1;\n"
+               : ACC32(d)
+               : "l"(da), "l"(db));
+}
+
+// B operand of a k16 step of P V: tokens 16 kk.. of the 64-dim block c of a stage (N-major,
+// the geometry the swapped kernels read V^T in as an M-major A)
+__device__ __forceinline__ uint64_t v_desc(uint32_t stage, int c, int kk) {
+  return sw128_desc(stage + c * BLK + kk * 2048, BLK, 1024);
+}
+
+// the V dims [256 wg, 256 wg + 256) of a stage's rows [nvalid, 64) zeroed by the warpgroup's
+// 128 threads (a freed slot may hold NaN; P = 0 times NaN is NaN), fenced for wgmma, the
+// warpgroup synced. Only a split's last tile has such rows (the condition is CTA-uniform).
+__device__ __forceinline__ void zero_v_half(unsigned char* stage_s, int nvalid, int wg, int wt) {
+  if (nvalid >= BN) return;
+  for (int c = wt; c < (BN - nvalid) * 32; c += 128)
+    *reinterpret_cast<uint4*>(stage_s + (4 * wg + ((c >> 3) & 3)) * BLK +
+                              (nvalid + (c >> 5)) * 128 + (c & 7) * 16) = make_uint4(0, 0, 0, 0);
+  fence_proxy_async();
+  named_barrier(4 + wg, 128);
+}
+
+__device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
+  const MlaParams& p = wp.m;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* kv_s = smem;                              // [STAGES][9][64 tok][128 B]
+  unsigned char* q_s = kv_s + STAGES * TILE;               // [9][64 rows][128 B]
+  unsigned char* p_s = q_s + NCH * BM * 128;               // P [64 rows][64 tok], swizzled
+  float* alpha_s = reinterpret_cast<float*>(p_s + BM * 128);  // [64] tile's rescale factors
+  float* rowv = alpha_s + BM;                                 // [64] v_scale / l
+  uint64_t* full = reinterpret_cast<uint64_t*>(rowv + BM);
+  uint64_t* empty = full + STAGES;
+
+  const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
+  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  CtaWork w;
+  if (!cta_start<BM, false>(wp, split, mb, b, tid, full, empty, w)) return;
+  QueryLoad<BM> qload;
+  if (tid < NT) qload.issue(p, b, w.m0, w.n_rows, tid);
+  cta_range<BM>(p, split, b, w);
+  __syncthreads();
+  if (tid >= NT) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (tid == NT) produce<KV_BF16>(wp, w, kv_s, full, empty);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  qload.store<false>(q_s, tid);
+  fence_proxy_async();
+  named_barrier(1, NT);
+
+  const int r0 = 16 * wq + g;  // this thread's rows r0 and r0 + 8 (accumulator rows)
+  const uint32_t p_base = smem_u32(p_s);
+  const auto stage_u32 = [&](int it) { return smem_u32(kv_s + (it % STAGES) * TILE); };
+  const auto wait_full = [&](int it) { mbar_wait(&full[it % STAGES], (it / STAGES) & 1); };
+  const auto nvalid = [&](int it) { return w.hi - (w.lo + it * BN); };
+  const auto release = [&](int it) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[it % STAGES]);
+  };
+  float o[4][32];  // O[64 rows, this warpgroup's 256 dims]: value 4 j + 2 h + c of block nb
+#pragma unroll     // is row r0 + 8 h, dim 256 wg + 64 nb + 8 j + 2 t4 + c
+  for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[nb][i] = 0.f;
+  float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
+
+  if (wg == 0) {
+    int bound[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) bound[h] = min(window_end(p, w.kv_len, w.m0 + r0 + 8 * h), w.hi);
+    const int min_bound = min(window_end(p, w.kv_len, w.m0), w.hi);
+    const uint64_t q_desc = sw128_desc(smem_u32(q_s), 16, 1024);
+    const float scale = p.qk_scale_log2;
+    float s[32];  // S: value 4 j + 2 h + c is row r0 + 8 h, token 8 j + 2 t4 + c
+    const auto qk = [&](int it) {  // 36 k16 steps: Q's and the tile's dim blocks j / 4
+      const uint64_t k_desc = sw128_desc(stage_u32(it), 16, 1024);
+#pragma unroll
+      for (int j = 0; j < 36; ++j) {
+        const uint32_t off = (j >> 2) * BLK + (j & 3) * 32;  // Q's blocks are BLK apart too
+        Wgmma<64, 0, false>::run(s, q_desc + (off >> 4), k_desc + (off >> 4));
+      }
+    };
+    if (w.ntiles > 0) {
+      wait_full(0);
+      zero_v_half(kv_s, nvalid(0), 0, wt);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      wgmma_fence();
+      qk(0);
+      wgmma_commit();
+      wgmma_wait0();
+    }
+    // tile it: softmax, P handed over, P V(it) issued with Q K(it + 1) when there is more
+    const auto step = [&](int it, bool more) {
+      const int t0 = w.lo + it * BN;
+      const bool masked = t0 + BN > min_bound;
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = 4 * j + 2 * h + c;
+            const float x = !masked || t0 + 8 * j + 2 * t4 + c < bound[h] ? s[i] * scale
+                                                                        : -INFINITY;
+            s[i] = x;
+            mx = fmaxf(mx, x);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_r[h], mx), m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[h] = exp2f(m_r[h] - m_use);
+        m_r[h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int i = 4 * j + 2 * h + c;
+            s[i] = exp2f(s[i] - m_use);
+            sum += s[i];
+          }
+        l_r[h] = l_r[h] * alpha[h] + sum;
+      }
+      // P as four k16 A fragments; the same registers are stmatrix's four 8x8 blocks
+      uint32_t pa[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) pa[i] = pack_bf16(s[2 * i], s[2 * i + 1]);
+      named_barrier(B_FREE, NT);  // warpgroup 1 has read P(it - 1) and alpha(it - 1)
+#pragma unroll
+      for (int kb = 0; kb < 4; ++kb) {
+        const int mi = lane >> 3;
+        stsm_x4(p_base + sw128(16 * wq + 8 * (mi & 1) + (lane & 7), 2 * kb + (mi >> 1)),
+                pa[4 * kb], pa[4 * kb + 1], pa[4 * kb + 2], pa[4 * kb + 3]);
+      }
+      if (t4 == 0) {
+        alpha_s[r0] = alpha[0];
+        alpha_s[r0 + 8] = alpha[1];
+      }
+      fence_proxy_async();
+      named_arrive(B_FULL, NT);
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f))
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+          for (int i = 0; i < 32; ++i) o[nb][i] *= alpha[(i >> 1) & 1];
+      if (more) {
+        wait_full(it + 1);
+        zero_v_half(kv_s + ((it + 1) % STAGES) * TILE, nvalid(it + 1), 0, wt);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[i] = 0.f;
+      }
+      wgmma_fence();
+      const uint32_t st = stage_u32(it);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) wgmma_rs_vn(o[nb], pa + 4 * kk, v_desc(st, nb, kk));
+      if (more) qk(it + 1);
+      wgmma_commit();
+      wgmma_wait0();
+      release(it);
+        };
+    for (int it = 0; it + 1 < w.ntiles; ++it) step(it, true);
+    if (w.ntiles > 0) step(w.ntiles - 1, false);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
+      l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 2);
+    }
+  } else {
+    const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
+    if (w.ntiles > 0) named_arrive(B_FREE, NT);  // P's buffer starts free
+    for (int it = 0; it < w.ntiles; ++it) {
+      wait_full(it);
+      zero_v_half(kv_s + (it % STAGES) * TILE, nvalid(it), 1, wt);
+      named_barrier(B_FULL, NT);  // P(it) and alpha(it) are in
+      const float a0 = alpha_s[r0], a1 = alpha_s[r0 + 8];
+      if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f))
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+          for (int i = 0; i < 32; ++i) o[nb][i] *= (i >> 1) & 1 ? a1 : a0;
+      wgmma_fence();
+      const uint32_t st = stage_u32(it);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int nb = 0; nb < 4; ++nb) wgmma_ss_vn(o[nb], p_desc + kk * 2, v_desc(st, 4 + nb, kk));
+      wgmma_commit();
+      wgmma_wait0();
+      if (it + 1 < w.ntiles) named_arrive(B_FREE, NT);
+      release(it);
+    }
+  }
+  griddep_launch();
+
+  named_barrier(1, NT);  // every MMA is done: the stages are free for the output staging
+  float* ost = reinterpret_cast<float*>(kv_s);  // fp32 rows [64][OSTRIDE]
+#pragma unroll
+  for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+      ost[(r0 + 8 * ((i >> 1) & 1)) * OSTRIDE + 256 * wg + 64 * nb + 8 * (i >> 2) + 2 * t4 +
+          (i & 1)] = o[nb][i];
+  if (wg == 0 && t4 == 0) {
+    finish_row(p, w, split, b, r0, l_r[0], m_r[0], rowv);
+    finish_row(p, w, split, b, r0 + 8, l_r[1], m_r[1], rowv);
+  }
+  named_barrier(1, NT);
+  store_rows<BM>(p, w, split, b, ost, rowv, tid);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_rows64(const __grid_constant__ WgParams p) {
+  mla_wgmma_rows(p);
+}
