@@ -68,6 +68,7 @@ __device__ __forceinline__ void zero_v_half(unsigned char* stage_s, int nvalid, 
   named_barrier(4 + wg, 128);
 }
 
+template <bool OVL>
 __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const MlaParams& p = wp.m;
   extern __shared__ unsigned char smem_raw[];
@@ -122,30 +123,28 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     const int min_bound = min(window_end(p, w.kv_len, w.m0), w.hi);
     const uint64_t q_desc = sw128_desc(smem_u32(q_s), 16, 1024);
     const float scale = p.qk_scale_log2;
-    float s[32];  // S: value 4 j + 2 h + c is row r0 + 8 h, token 8 j + 2 t4 + c
-    const auto qk = [&](int it) {  // 36 k16 steps: Q's and the tile's dim blocks j / 4
+    float s[32];   // S: value 4 j + 2 h + c is row r0 + 8 h, token 8 j + 2 t4 + c
+    float sn[32];  // OVL: the next tile's S, in flight during this tile's softmax
+    uint32_t pa[16];  // P as four k16 A fragments (the same registers: stmatrix's 8x8 blocks)
+    // tile it landed, its V tail (this warpgroup's dims) zeroed, then its 36 k16 steps of
+    // Q K^T issued into d (Q's dim blocks are BLK apart too)
+    const auto qk = [&](float(&d)[32], int it) {
+      wait_full(it);
+      zero_v_half(kv_s + (it % STAGES) * TILE, nvalid(it), 0, wt);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) d[i] = 0.f;
+      wgmma_fence();
       const uint64_t k_desc = sw128_desc(stage_u32(it), 16, 1024);
 #pragma unroll
       for (int j = 0; j < 36; ++j) {
-        const uint32_t off = (j >> 2) * BLK + (j & 3) * 32;  // Q's blocks are BLK apart too
-        Wgmma<64, 0, false>::run(s, q_desc + (off >> 4), k_desc + (off >> 4));
+        const uint32_t off = (j >> 2) * BLK + (j & 3) * 32;
+        Wgmma<64, 0, false>::run(d, q_desc + (off >> 4), k_desc + (off >> 4));
       }
     };
-    if (w.ntiles > 0) {
-      wait_full(0);
-      zero_v_half(kv_s, nvalid(0), 0, wt);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) s[i] = 0.f;
-      wgmma_fence();
-      qk(0);
-      wgmma_commit();
-      wgmma_wait0();
-    }
-    // tile it: softmax, P handed over, P V(it) issued with Q K(it + 1) when there is more
-    const auto step = [&](int it, bool more) {
+    // the online softmax of tile it over s (probabilities in place), its rows' alpha
+    const auto softmax = [&](int it, float(&alpha)[2]) {
       const int t0 = w.lo + it * BN;
       const bool masked = t0 + BN > min_bound;
-      float alpha[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = -INFINITY;
@@ -175,8 +174,9 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
           }
         l_r[h] = l_r[h] * alpha[h] + sum;
       }
-      // P as four k16 A fragments; the same registers are stmatrix's four 8x8 blocks
-      uint32_t pa[16];
+    };
+    // P into pa and (for warpgroup 1) shared memory with alpha; O rescaled (P V(it - 1) done)
+    const auto hand_over = [&](const float(&alpha)[2]) {
 #pragma unroll
       for (int i = 0; i < 16; ++i) pa[i] = pack_bf16(s[2 * i], s[2 * i + 1]);
       named_barrier(B_FREE, NT);  // warpgroup 1 has read P(it - 1) and alpha(it - 1)
@@ -197,25 +197,58 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
         for (int nb = 0; nb < 4; ++nb)
 #pragma unroll
           for (int i = 0; i < 32; ++i) o[nb][i] *= alpha[(i >> 1) & 1];
-      if (more) {
-        wait_full(it + 1);
-        zero_v_half(kv_s + ((it + 1) % STAGES) * TILE, nvalid(it + 1), 0, wt);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) s[i] = 0.f;
-      }
-      wgmma_fence();
+    };
+    const auto pv = [&](int it) {  // O[:, 0:256] += P . V[:, 0:256]
       const uint32_t st = stage_u32(it);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
         for (int nb = 0; nb < 4; ++nb) wgmma_rs_vn(o[nb], pa + 4 * kk, v_desc(st, nb, kk));
-      if (more) qk(it + 1);
+    };
+    if (w.ntiles > 0) {
+      qk(s, 0);
       wgmma_commit();
       wgmma_wait0();
-      release(it);
-        };
-    for (int it = 0; it + 1 < w.ntiles; ++it) step(it, true);
-    if (w.ntiles > 0) step(w.ntiles - 1, false);
+    }
+    if constexpr (!OVL) {
+      // tile it's softmax, then its P V issued with Q K(it + 1) when there is more
+      const auto step = [&](int it, bool more) {
+        float alpha[2];
+        softmax(it, alpha);
+        hand_over(alpha);
+        if (more) qk(s, it + 1);  // (fences before its first MMA)
+        else wgmma_fence();
+        pv(it);
+        wgmma_commit();
+        wgmma_wait0();
+        release(it);
+      };
+      for (int it = 0; it + 1 < w.ntiles; ++it) step(it, true);
+      if (w.ntiles > 0) step(w.ntiles - 1, false);
+    } else {
+      // Q K(it + 1) runs on the tensor cores during tile it's softmax (nothing stays in
+      // flight across steps: ptxas serializes every wgmma of a kernel that leaves a group
+      // pending over the loop's back edge)
+      const auto step = [&](int it, bool more) {
+        if (more) {
+          qk(sn, it + 1);
+          wgmma_commit();
+        }
+        float alpha[2];
+        softmax(it, alpha);
+        hand_over(alpha);
+        wgmma_fence();
+        pv(it);
+        wgmma_commit();
+        wgmma_wait0();
+        if (more)
+#pragma unroll
+          for (int i = 0; i < 32; ++i) s[i] = sn[i];
+        release(it);
+      };
+      for (int it = 0; it + 1 < w.ntiles; ++it) step(it, true);
+      if (w.ntiles > 0) step(w.ntiles - 1, false);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
@@ -268,5 +301,11 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
 
 extern "C" __global__ void __launch_bounds__(NT + 128, 1)
     mla_wgmma_rows64(const __grid_constant__ WgParams p) {
-  mla_wgmma_rows(p);
+  mla_wgmma_rows<false>(p);
+}
+
+// OVL: warpgroup 0 issues Q K(i + 1) before tile i's softmax (two S register sets)
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_rows64o(const __grid_constant__ WgParams p) {
+  mla_wgmma_rows<true>(p);
 }
