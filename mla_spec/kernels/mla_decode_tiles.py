@@ -59,7 +59,7 @@ class PagedConfig:
     #: with ``wgmma``, 64 rows, a bf16 cache: the query rows on the MMA's M side
     #: (``csrc/mla_wgmma_rows_sm90.cu``: P V with P from registers, 35% fewer shared-memory
     #: operand bytes per tile than the swapped ``W64``)
-    rows_m: int = 0  # 2: Q K of the next tile issued before this tile's softmax
+    rows_m: bool = False
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
@@ -84,7 +84,7 @@ class PagedConfig:
                 f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
                 f"{'S' if self.swap else ''}{'K' if self.cuda else ''}"
                 f"{'W' if self.wgmma else ''}{'p' if self.prefetch else ''}"
-                f"{'R' if self.rows_m else ''}{'o' if self.rows_m == 2 else ''}")
+                f"{'R' if self.rows_m else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -141,8 +141,7 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "Wp": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True, prefetch=True),
     "W64p": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, prefetch=True),
     # 64 rows with the query rows on the MMA's M side (FlashMLA's split of the work)
-    "WR": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, rows_m=1),
-    "WRo": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, rows_m=2),
+    "WR": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, rows_m=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins
@@ -172,8 +171,12 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # (C: one per 64 rows too, but Triton's per-tile cost). bs 128 ctx 8k H 128: 730 vs C 1105
     # (FlashInfer 574); H 32 q 4: 762 vs 1128 (567); bs 32 ctx 4k q 4: W64/sp2 103.6 vs C/sp2
     # 152.8 (75.1); bs 64 ctx 32k H 128: 1466 vs 2160 (1192)
-    ("bf16", "r128", "b48"): "W64|C",
-    ("bf16", "r128", "big"): "W64|C",
+    # twelfth session: WR (the query rows on the MMA's M side, P V from registers; docs/
+    # bench_mla.md v10, FlashInfer in the same run): bs 128 ctx 8k H 128 612-635 vs W64 741-753
+    # (FlashInfer 547-557), H 32 q 4 632 vs 748 (565); bs 32 ctx 4k WR/sp2 89.4-90.7 vs W64
+    # 102-105 (75); bs 64 ctx 32k 1240-1279 vs 1474-1521 (1184-1208)
+    ("bf16", "r128", "b48"): "WR|W64|C",
+    ("bf16", "r128", "big"): "WR|W64|C",
     # third H200 sweep (sixth session, bs 1 at ctx 1k / 4k / 32k in a graph, after the split
     # model's combine term): S16 within 1.09x of the best over the class (V2: 1.25x), C 1.00x
     ("bf16", "r128", "b1"): "S16",
@@ -192,7 +195,9 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # bench_mla.md v10, graph µs, FlashInfer in the same run): bf16 bs 32 ctx 4k 361-380 vs C
     # 545 (FlashInfer 239), bs 128 ctx 8k 2879 vs 4171 (2104); fp8 bs 32 ctx 4k 441-444 vs CF
     # 687-694 (FlashInfer fp8 909-919), bs 128 ctx 8k 3378 vs 5280 (7116)
-    **{(kv, "big", bc): f"W64|{tri}" for kv, tri in (("bf16", "C"), ("fp8", "CF"))
+    # and WR for a bf16 cache: bs 32 ctx 4k 295-299 vs W64 366-368 (FlashInfer 241-246), bs 128
+    # ctx 8k 2320 vs 2847 (2049)
+    **{(kv, "big", bc): alts for kv, alts in (("bf16", "WR|W64|C"), ("fp8", "W64|CF"))
        for bc in ("b48", "big")},
 }
 
@@ -204,7 +209,7 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
 PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # 32k: CF 61.9 / 62.5 vs S16 91.8 / 91.1 µs (S16's 8 row blocks each re-read the KV from
     # L2); ninth session: W64/sp64 41.2 vs CF 51.8 (FlashInfer 39.8)
-    ("bf16", "r128", "b1", "long"): "W64/sp64|CF",
+    ("bf16", "r128", "b1", "long"): "WR/sp64|W64/sp64|CF",  # twelfth: WR 36.7-36.8 (FI 39.8-40.0)
     ("fp8", "r128", "b1", "c2k"): "G4",    # 1k: 14.1 vs V2 16.7, CF 20.4 µs
     # 4k: 26.2 / 26.4 vs CF 28.6 / 28.5 µs (32k: CF, 70); tenth session: W64/sp64 21.4 vs G4
     # 25.2 (FlashInfer fp8 43.6)
@@ -221,9 +226,10 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # widening of tile i + 1 overlaps tile i's P V: bs 128 ctx 8k 356.6 -> 338.8 µs
     ("fp8", "r32", "b1", "long"): "W/sp128|G4",
     ("fp8", "r128", "b1", "long"): "W64/sp64|CF",
-    # twelfth session, 512 rows at batch 1 (v10): 32k W64/sp16 120.3-121.7 vs C/sp16 148.1
-    # (FlashInfer 74.6); at 4k C stays (31.8 vs W64/sp8 39.2-39.6; fp8 CF 37.4 vs 44.9)
-    ("bf16", "big", "b1", "long"): "W64/sp16|C",
+    # twelfth session, 512 rows at batch 1 (v10): 32k WR/sp16 101.3 vs W64/sp16 120.3-122.4
+    # vs C/sp16 148.1 (FlashInfer 73.9-74.6); at 4k C stays (31.8-32.3 vs WR/sp16 41.9, W64/sp8
+    # 39.2-39.6; fp8 CF 37.4 vs W64 44.9)
+    ("bf16", "big", "b1", "long"): "WR/sp16|W64/sp16|C",
 }
 
 

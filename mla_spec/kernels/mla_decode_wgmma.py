@@ -54,11 +54,10 @@ _KERNELS.update({(bm, False, True): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm
                                                arch="sm_90a") for bm in WGMMA_FP8_BLOCK_M})
 #: the 64-row kernel with the query rows on the MMA's M side (bf16 cache, no prefetch)
 _ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
-_KERNELS[(64, False, False, 1)] = CudaKernel(_ROWS_SOURCE, "mla_wgmma_rows64", arch="sm_90a")
-_KERNELS[(64, False, False, 2)] = CudaKernel(_ROWS_SOURCE, "mla_wgmma_rows64o", arch="sm_90a")
+_KERNELS[(64, False, False, True)] = CudaKernel(_ROWS_SOURCE, "mla_wgmma_rows64", arch="sm_90a")
 
 
-def wgmma_smem(block_m: int, rows_m: int = 0) -> int:
+def wgmma_smem(block_m: int, rows_m: bool = False) -> int:
     """Dynamic shared memory of one CTA (as laid out in the ``.cu`` files): 1 KB of alignment
     slack, the KV stages, the queries, P^T (P with ``rows_m``), then the S^T exchange (16 / 32
     rows) or the per-row rescale factors (64), the reductions, the stage barriers."""
@@ -95,13 +94,13 @@ def _tensor_map(kv_flat: torch.Tensor) -> bytes:
     return got
 
 
-def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: int = 0):
-    return (block_m, prefetch, kv_dtype == FP8_DTYPE) + ((rows_m,) if rows_m else ())
+def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False):
+    return (block_m, prefetch, kv_dtype == FP8_DTYPE) + ((True,) if rows_m else ())
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
                         page_size: int, block_m: int, q_len: int | None,
-                        prefetch: bool = False, rows_m: int = 0) -> str | None:
+                        prefetch: bool = False, rows_m: bool = False) -> str | None:
     """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
     if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m) not in _KERNELS:
         return f"(block_m, prefetch, rows_m) {(block_m, prefetch, rows_m)} is not compiled " \
@@ -118,7 +117,7 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
                      num_splits: int, block_m: int, prefetch: bool = False,
-                     rows_m: int = 0) -> None:
+                     rows_m: bool = False) -> None:
     """Run the split kernel (and the combine when ``num_splits > 1``) into ``out`` / ``lse``
     (see :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \

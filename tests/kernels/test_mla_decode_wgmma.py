@@ -57,10 +57,9 @@ def test_instantiations_match_source():
                                   cfg.rows_m) in mw._KERNELS, name
     for bm in mw.WGMMA_BLOCK_M:
         assert mw.wgmma_smem(bm) <= 227 * 1024
-    assert mw.wgmma_smem(64, rows_m=1) <= 227 * 1024
-    for name in ("mla_wgmma_rows64", "mla_wgmma_rows64o"):
-        assert re.search(r"void __launch_bounds__\(NT \+ 128, 1\)\s+" + name + r"\(",
-                         SRC_ROWS.read_text())
+    assert mw.wgmma_smem(64, rows_m=True) <= 227 * 1024
+    assert re.search(r"void __launch_bounds__\(NT \+ 128, 1\)\s+mla_wgmma_rows64\(",
+                     SRC_ROWS.read_text())
 
 
 def test_cpu_is_refused_with_a_reason():
@@ -72,7 +71,7 @@ def test_cpu_is_refused_with_a_reason():
     with pytest.raises(ValueError, match="wgmma"):
         PAGED_VARIANTS["W"].__class__(32, 32, 8, 2, cuda=True, wgmma=True)  # block_n 32
     with pytest.raises(ValueError, match="64-row wgmma"):
-        PAGED_VARIANTS["W"].__class__(32, 64, 8, 2, cuda=True, wgmma=True, rows_m=1)
+        PAGED_VARIANTS["W"].__class__(32, 64, 8, 2, cuda=True, wgmma=True, rows_m=True)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
@@ -110,7 +109,7 @@ def _long_case(lens, h, page, seed, nan_tail):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["W", "W16", "W64", "Wp", "W64p", "WR", "WRo", "K"])
+@pytest.mark.parametrize("name", ["W", "W16", "W64", "Wp", "W64p", "WR", "K"])
 @pytest.mark.parametrize("lens,splits", [([32768], 128), ([16383, 77], 64), ([8191], 1)])
 def test_long_contexts_and_nan_tails(name, lens, splits):
     qn, qp, kv, r2t, rpi, kl = _long_case(lens, 32, 64, seed=len(lens) + splits, nan_tail=True)
@@ -171,7 +170,7 @@ def test_fp8_kernels_are_refused_where_not_built():
     kv = torch.zeros(64, DV + DPE, dtype=FP8_DTYPE)
     why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, prefetch=True)
     assert why and "not compiled" in why and "no prefetch" in why
-    why = mw.wgmma_mla_supported(q, qp, kv, 64, 64, 1, rows_m=1)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 64, 1, rows_m=True)
     assert why and "not compiled" in why and "no rows_m" in why
 
 

@@ -68,7 +68,6 @@ __device__ __forceinline__ void zero_v_half(unsigned char* stage_s, int nvalid, 
   named_barrier(4 + wg, 128);
 }
 
-template <bool OVL>
 __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const MlaParams& p = wp.m;
   extern __shared__ unsigned char smem_raw[];
@@ -124,7 +123,6 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     const uint64_t q_desc = sw128_desc(smem_u32(q_s), 16, 1024);
     const float scale = p.qk_scale_log2;
     float s[32];   // S: value 4 j + 2 h + c is row r0 + 8 h, token 8 j + 2 t4 + c
-    float sn[32];  // OVL: the next tile's S, in flight during this tile's softmax
     uint32_t pa[16];  // P as four k16 A fragments (the same registers: stmatrix's 8x8 blocks)
     // tile it landed, its V tail (this warpgroup's dims) zeroed, then its 36 k16 steps of
     // Q K^T issued into d (Q's dim blocks are BLK apart too)
@@ -210,45 +208,22 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
       wgmma_commit();
       wgmma_wait0();
     }
-    if constexpr (!OVL) {
-      // tile it's softmax, then its P V issued with Q K(it + 1) when there is more
-      const auto step = [&](int it, bool more) {
-        float alpha[2];
-        softmax(it, alpha);
-        hand_over(alpha);
-        if (more) qk(s, it + 1);  // (fences before its first MMA)
-        else wgmma_fence();
-        pv(it);
-        wgmma_commit();
-        wgmma_wait0();
-        release(it);
-      };
-      for (int it = 0; it + 1 < w.ntiles; ++it) step(it, true);
-      if (w.ntiles > 0) step(w.ntiles - 1, false);
-    } else {
-      // Q K(it + 1) runs on the tensor cores during tile it's softmax (nothing stays in
-      // flight across steps: ptxas serializes every wgmma of a kernel that leaves a group
-      // pending over the loop's back edge)
-      const auto step = [&](int it, bool more) {
-        if (more) {
-          qk(sn, it + 1);
-          wgmma_commit();
-        }
-        float alpha[2];
-        softmax(it, alpha);
-        hand_over(alpha);
-        wgmma_fence();
-        pv(it);
-        wgmma_commit();
-        wgmma_wait0();
-        if (more)
-#pragma unroll
-          for (int i = 0; i < 32; ++i) s[i] = sn[i];
-        release(it);
-      };
-      for (int it = 0; it + 1 < w.ntiles; ++it) step(it, true);
-      if (w.ntiles > 0) step(w.ntiles - 1, false);
-    }
+    // tile it's softmax, then its P V issued with Q K(it + 1) when there is more. (Issuing
+    // Q K(it + 1) before the softmax instead, into a second S, measured 1.2x slower on the
+    // H200: docs/bench_mla.md v10.)
+    const auto step = [&](int it, bool more) {
+      float alpha[2];
+      softmax(it, alpha);
+      hand_over(alpha);
+      if (more) qk(s, it + 1);  // (fences before its first MMA)
+      else wgmma_fence();
+      pv(it);
+      wgmma_commit();
+      wgmma_wait0();
+      release(it);
+    };
+    for (int it = 0; it + 1 < w.ntiles; ++it) step(it, true);
+    if (w.ntiles > 0) step(w.ntiles - 1, false);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l_r[h] += __shfl_xor_sync(0xffffffffu, l_r[h], 1);
@@ -301,11 +276,5 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
 
 extern "C" __global__ void __launch_bounds__(NT + 128, 1)
     mla_wgmma_rows64(const __grid_constant__ WgParams p) {
-  mla_wgmma_rows<false>(p);
-}
-
-// OVL: warpgroup 0 issues Q K(i + 1) before tile i's softmax (two S register sets)
-extern "C" __global__ void __launch_bounds__(NT + 128, 1)
-    mla_wgmma_rows64o(const __grid_constant__ WgParams p) {
-  mla_wgmma_rows<true>(p);
+  mla_wgmma_rows(p);
 }

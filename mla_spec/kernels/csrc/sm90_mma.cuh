@@ -26,11 +26,6 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
-// until at most N of the committed groups are pending (the oldest complete first)
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 
 // D[64, N] += A[64, 16] . B[16, N], bf16 (F16: fp16) in, fp32 accumulators (N / 2 per
 // thread); TA = 1: A is M-major in shared memory (the V^T view), else K-major
