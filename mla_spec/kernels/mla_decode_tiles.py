@@ -59,7 +59,7 @@ class PagedConfig:
     #: with ``wgmma``, 64 rows, a bf16 cache: the query rows on the MMA's M side
     #: (``csrc/mla_wgmma_rows_sm90.cu``: P V with P from registers, 35% fewer shared-memory
     #: operand bytes per tile than the swapped ``W64``)
-    rows_m: int = 0  # 2: P V in m64n256 steps (experiment)
+    rows_m: bool = False
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
@@ -84,7 +84,7 @@ class PagedConfig:
                 f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
                 f"{'S' if self.swap else ''}{'K' if self.cuda else ''}"
                 f"{'W' if self.wgmma else ''}{'p' if self.prefetch else ''}"
-                f"{'R' if self.rows_m else ''}{'n' if self.rows_m == 2 else ''}")
+                f"{'R' if self.rows_m else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -142,7 +142,6 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "W64p": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, prefetch=True),
     # 64 rows with the query rows on the MMA's M side (FlashMLA's split of the work)
     "WR": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, rows_m=True),
-    "WRn": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, rows_m=2),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins

@@ -54,8 +54,7 @@ _KERNELS.update({(bm, False, True): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm
                                                arch="sm_90a") for bm in WGMMA_FP8_BLOCK_M})
 #: the 64-row kernel with the query rows on the MMA's M side (bf16 cache, no prefetch)
 _ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
-_KERNELS[(64, False, False, 1)] = CudaKernel(_ROWS_SOURCE, "mla_wgmma_rows64", arch="sm_90a")
-_KERNELS[(64, False, False, 2)] = CudaKernel(_ROWS_SOURCE, "mla_wgmma_rows64n", arch="sm_90a")
+_KERNELS[(64, False, False, True)] = CudaKernel(_ROWS_SOURCE, "mla_wgmma_rows64", arch="sm_90a")
 
 
 def wgmma_smem(block_m: int, rows_m: bool = False) -> int:
@@ -96,7 +95,7 @@ def _tensor_map(kv_flat: torch.Tensor) -> bytes:
 
 
 def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False):
-    return (block_m, prefetch, kv_dtype == FP8_DTYPE) + ((int(rows_m),) if rows_m else ())
+    return (block_m, prefetch, kv_dtype == FP8_DTYPE) + ((True,) if rows_m else ())
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
