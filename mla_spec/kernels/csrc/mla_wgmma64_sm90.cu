@@ -52,11 +52,8 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   const int tid = threadIdx.x, wg = tid >> 7, wq = (tid & 127) >> 5;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
-  if (!cta_start<BM, L2PF>(wp, split, mb, b, tid, full, empty, w)) return;
   QueryLoad<BM> qload;
-  if (tid < NT) qload.issue(p, b, w.m0, w.n_rows, tid);
-  cta_range<BM>(p, split, b, w);
-  __syncthreads();  // barriers initialized
+  if (!cta_begin<BM, L2PF>(wp, split, mb, b, tid, full, empty, w, qload)) return;
   if (tid >= NT) {  // a producer warpgroup (one lane works) gives its registers away
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (tid == NT) produce<KV>(wp, w, kv_s, full, empty);

@@ -63,11 +63,8 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
-  if (!cta_start<BM, L2PF>(wp, split, mb, b, tid, full, empty, w)) return;
-  QueryLoad<BM> qload;  // the queries' loads go out beside the index loads
-  if (tid < NT) qload.issue(p, b, w.m0, w.n_rows, tid);
-  cta_range<BM>(p, split, b, w);
-  __syncthreads();  // barriers initialized
+  QueryLoad<BM> qload;
+  if (!cta_begin<BM, L2PF>(wp, split, mb, b, tid, full, empty, w, qload)) return;
   if (tid >= NT) {  // the producer warp
     if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);
     return;

@@ -192,6 +192,20 @@ struct QueryLoad {
   }
 };
 
+// a CTA's start shared by the wgmma kernels: barriers, the work range, the queries' loads
+// issued (stored by the consumers once the producer has split off); false when the row block
+// is past the request's rows (the whole CTA exits)
+template <int BM, bool L2PF>
+__device__ __forceinline__ bool cta_begin(const WgParams& wp, int split, int mb, int b, int tid,
+                                          uint64_t* full, uint64_t* empty, CtaWork& w,
+                                          QueryLoad<BM>& qload) {
+  if (!cta_start<BM, L2PF>(wp, split, mb, b, tid, full, empty, w)) return false;
+  if (tid < NT) qload.issue(wp.m, b, w.m0, w.n_rows, tid);  // beside the index loads
+  cta_range<BM>(wp.m, split, b, w);
+  __syncthreads();  // barriers initialized
+  return true;
+}
+
 // producer warp, lane 0: a tile's nine [64 tok, 64 dim] TMA boxes into a stage as soon as the
 // consumer warps have released it (empty), completing on full (an e4m3 tile: into the stage's
 // upper half, see sm90_fp8.cuh)
