@@ -56,7 +56,7 @@ class PagedConfig:
     #: with ``wgmma``: the split's first tiles into L2 before the PDL wait (as the Triton
     #: kernels' ``L2PF``)
     prefetch: bool = False
-    #: with ``wgmma``, 64 rows, a bf16 cache: the query rows on the MMA's M side
+    #: with ``wgmma``, 64 rows: the query rows on the MMA's M side
     #: (``csrc/mla_wgmma_rows_sm90.cu``: P V with P from registers, 35% fewer shared-memory
     #: operand bytes per tile than the swapped ``W64``)
     rows_m: bool = False
@@ -255,10 +255,10 @@ def parse_choice(choice: str) -> tuple[PagedConfig, int | None]:
 
 
 def cuda_cache_ok(cfg: PagedConfig, kv_dtype: torch.dtype) -> bool:
-    """Whether a CUDA variant takes this cache dtype: bf16 always, fp8 e4m3 the swapped wgmma
-    kernels without prefetch (``mla_decode_wgmma.WGMMA_FP8_BLOCK_M``)."""
+    """Whether a CUDA variant takes this cache dtype: bf16 always, fp8 e4m3 the wgmma kernels
+    without prefetch (``mla_decode_wgmma.WGMMA_FP8_BLOCK_M``, and ``WR``)."""
     return kv_dtype == torch.bfloat16 or (kv_dtype == FP8_DTYPE and cfg.wgmma
-                                          and not cfg.prefetch and not cfg.rows_m)
+                                          and not cfg.prefetch)
 
 
 def _runs_here(cfg: PagedConfig, kv_dtype: torch.dtype, device: torch.device,

@@ -52,9 +52,11 @@ _KERNELS = {(bm, pf, False): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}{'p' i
                                         arch="sm_90a") for bm, pf in WGMMA_KERNELS}
 _KERNELS.update({(bm, False, True): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}_f8",
                                                arch="sm_90a") for bm in WGMMA_FP8_BLOCK_M})
-#: the 64-row kernel with the query rows on the MMA's M side (bf16 cache, no prefetch)
+#: the 64-row kernel with the query rows on the MMA's M side (bf16 or e4m3 cache, no prefetch)
 _ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
-_KERNELS[(64, False, False, True)] = CudaKernel(_ROWS_SOURCE, "mla_wgmma_rows64", arch="sm_90a")
+_KERNELS.update({(64, False, f8, True): CudaKernel(_ROWS_SOURCE,
+                                                   f"mla_wgmma_rows64{'_f8' if f8 else ''}",
+                                                   arch="sm_90a") for f8 in (False, True)})
 
 
 def wgmma_smem(block_m: int, rows_m: bool = False) -> int:
@@ -106,7 +108,7 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
         return f"(block_m, prefetch, rows_m) {(block_m, prefetch, rows_m)} is not compiled " \
                f"for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one of " \
                f"{WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
-               f"{WGMMA_FP8_BLOCK_M}, no prefetch, no rows_m)"
+               f"{WGMMA_FP8_BLOCK_M}, no prefetch, rows_m with 64 rows)"
     why = call_supported(q_nope, q_pe, kv_flat, page_size, _BN, q_len, "wgmma kernel",
                          (torch.bfloat16, FP8_DTYPE))
     if why is None and cuda_capability(q_nope.device) != (9, 0):

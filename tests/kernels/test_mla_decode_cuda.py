@@ -118,7 +118,8 @@ def test_matches_twin_on_gpu(name, h, q_len, lens, page, splits, idx):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,fp8", [("K", False), ("W", False), ("W", True), ("WR", False)])
+@pytest.mark.parametrize("name,fp8", [("K", False), ("W", False), ("W", True), ("WR", False),
+                                      ("WR", True)])
 def test_cuda_graph_replay_reads_new_data(name, fp8):
     from mla_spec.quant.fp8 import quantize_fp8
 

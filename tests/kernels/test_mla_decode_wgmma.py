@@ -170,8 +170,8 @@ def test_fp8_kernels_are_refused_where_not_built():
     kv = torch.zeros(64, DV + DPE, dtype=FP8_DTYPE)
     why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, prefetch=True)
     assert why and "not compiled" in why and "no prefetch" in why
-    why = mw.wgmma_mla_supported(q, qp, kv, 64, 64, 1, rows_m=True)
-    assert why and "not compiled" in why and "no rows_m" in why
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, rows_m=True)
+    assert why and "not compiled" in why and "rows_m with 64 rows" in why
 
 
 def _fp8_case(lens, h, q_len, page, seed):
@@ -194,7 +194,7 @@ def _fp8_case(lens, h, q_len, page, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["W", "W16", "W64"])
+@pytest.mark.parametrize("name", ["W", "W16", "W64", "WR"])
 @pytest.mark.parametrize("lens,h,q_len,page,splits", [
     ([4096], 32, 1, 64, 32),
     ([0, 1, 63, 64, 65, 1000], 32, 1, 64, 1),

@@ -15,7 +15,7 @@
 // together with Q K of tile i + 1. A producer warpgroup (TMA, as sm90_wgmma.cuh) gives its
 // registers away (setmaxnreg). Shared memory: two KV stages (144 KB), Q (72 KB), P (8 KB).
 // What it computes: exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache).
-#include "sm90_wgmma.cuh"
+#include "sm90_fp8.cuh"
 
 namespace {
 
@@ -33,21 +33,30 @@ constexpr int B_FULL = 2, B_FREE = 3;  // P(i) written / P(i - 1) read (256 thre
 #define D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
             "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
 
-// D[64, 64] += A . B, A from registers (an m64k16 bf16 fragment: per warp rows g / g + 8 of
-// its 16, k 2 t4.. and 8 + 2 t4..), B from shared memory N-major (the V tile's layout)
+// D[64, 64] += A . B, A from registers (an m64k16 fragment: per warp rows g / g + 8 of its 16,
+// k 2 t4.. and 8 + 2 t4..), B from shared memory N-major (the V tile's layout); bf16, or fp16
+// (F16: an e4m3 cache widened to fp16, sm90_fp8.cuh)
+template <bool F16>
 __device__ __forceinline__ void wgmma_rs_vn(float (&d)[32], const uint32_t* a, uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32
-               ", {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"
-               : ACC32(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+#define RS_VN(T)                                                                              \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " D32                \
+               ", {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"                                     \
+               : ACC32(d)                                                                    \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+  if constexpr (F16) RS_VN("f16"); else RS_VN("bf16");
+#undef RS_VN
 }
 
 // D[64, 64] += A . B, A K-major and B N-major, both from shared memory
+template <bool F16>
 __device__ __forceinline__ void wgmma_ss_vn(float (&d)[32], uint64_t da, uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " D32
-               ", %32, %33, 1, 1, 1, 0, 1;\n"
-               : ACC32(d)
-               : "l"(da), "l"(db));
+#define SS_VN(T)                                                                              \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " D32                \
+               ", %32, %33, 1, 1, 1, 0, 1;\n"                                                \
+               : ACC32(d)                                                                    \
+               : "l"(da), "l"(db))
+  if constexpr (F16) SS_VN("f16"); else SS_VN("bf16");
+#undef SS_VN
 }
 
 // B operand of a k16 step of P V: tokens 16 kk.. of the 64-dim block c of a stage (N-major,
@@ -68,8 +77,10 @@ __device__ __forceinline__ void zero_v_half(unsigned char* stage_s, int nvalid, 
   named_barrier(4 + wg, 128);
 }
 
+template <int KV>
 __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const MlaParams& p = wp.m;
+  constexpr bool F16 = KvTraits<KV>::f16;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   unsigned char* kv_s = smem;                              // [STAGES][9][64 tok][128 B]
@@ -88,11 +99,11 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   if (!cta_begin<BM, false>(wp, split, mb, b, tid, full, empty, w, qload)) return;
   if (tid >= NT) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (tid == NT) produce<KV_BF16>(wp, w, kv_s, full, empty);
+    if (tid == NT) produce<KV>(wp, w, kv_s, full, empty);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-  qload.store<false>(q_s, tid);
+  qload.store<F16>(q_s, tid);
   fence_proxy_async();
   named_barrier(1, NT);
 
@@ -104,6 +115,12 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const auto release = [&](int it) {
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[it % STAGES]);
+  };
+  // an e4m3 tile is widened to fp16 in place by both warpgroups together (widen_tile's
+  // schedule needs all 256 consumer threads): warpgroup 0 before its Q K, warpgroup 1 after
+  // its P V of the tile before
+  const auto widen = [&](int it) {
+    if constexpr (F16) widen_tile(kv_s + (it % STAGES) * TILE, tid);
   };
   float o[4][32];  // O[64 rows, this warpgroup's 256 dims]: value 4 j + 2 h + c of block nb
 #pragma unroll     // is row r0 + 8 h, dim 256 wg + 64 nb + 8 j + 2 t4 + c
@@ -125,6 +142,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     // Q K^T issued into d (Q's dim blocks are BLK apart too)
     const auto qk = [&](float(&d)[32], int it) {
       wait_full(it);
+      widen(it);
       zero_v_half(kv_s + (it % STAGES) * TILE, nvalid(it), 0, wt);
 #pragma unroll
       for (int i = 0; i < 32; ++i) d[i] = 0.f;
@@ -133,7 +151,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
 #pragma unroll
       for (int j = 0; j < 36; ++j) {
         const uint32_t off = (j >> 2) * BLK + (j & 3) * 32;
-        Wgmma<64, 0, false>::run(d, q_desc + (off >> 4), k_desc + (off >> 4));
+        Wgmma<64, 0, F16>::run(d, q_desc + (off >> 4), k_desc + (off >> 4));
       }
     };
     // the online softmax of tile it over s (probabilities in place), its rows' alpha
@@ -173,7 +191,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     // P into pa and (for warpgroup 1) shared memory with alpha; O rescaled (P V(it - 1) done)
     const auto hand_over = [&](const float(&alpha)[2]) {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) pa[i] = pack_bf16(s[2 * i], s[2 * i + 1]);
+      for (int i = 0; i < 16; ++i) pa[i] = pack_h2<F16>(s[2 * i], s[2 * i + 1]);
       named_barrier(B_FREE, NT);  // warpgroup 1 has read P(it - 1) and alpha(it - 1)
 #pragma unroll
       for (int kb = 0; kb < 4; ++kb) {
@@ -198,7 +216,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int nb = 0; nb < 4; ++nb) wgmma_rs_vn(o[nb], pa + 4 * kk, v_desc(st, nb, kk));
+        for (int nb = 0; nb < 4; ++nb) wgmma_rs_vn<F16>(o[nb], pa + 4 * kk, v_desc(st, nb, kk));
     };
     if (w.ntiles > 0) {
       qk(s, 0);
@@ -208,13 +226,23 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     // tile it's softmax, then its P V issued with Q K(it + 1) when there is more. (Issuing
     // Q K(it + 1) before the softmax instead, into a second S, measured 1.2x slower on the
     // H200: docs/bench_mla.md v10.)
+    // On an e4m3 cache P V(it) goes first, so the tensor cores have it while tile it + 1 is
+    // widened.
     const auto step = [&](int it, bool more) {
       float alpha[2];
       softmax(it, alpha);
       hand_over(alpha);
-      if (more) qk(s, it + 1);  // (fences before its first MMA)
-      else wgmma_fence();
-      pv(it);
+      if (F16 || !more) {
+        wgmma_fence();
+        pv(it);
+        if (more) {
+          wgmma_commit();
+          qk(s, it + 1);
+        }
+      } else {
+        qk(s, it + 1);  // (fences before its first MMA)
+        pv(it);
+      }
       wgmma_commit();
       wgmma_wait0();
       release(it);
@@ -228,7 +256,13 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     }
   } else {
     const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
-    if (w.ntiles > 0) named_arrive(B_FREE, NT);  // P's buffer starts free
+    if (w.ntiles > 0) {
+      named_arrive(B_FREE, NT);  // P's buffer starts free
+      if constexpr (F16) {
+        wait_full(0);
+        widen(0);
+      }
+    }
     for (int it = 0; it < w.ntiles; ++it) {
       wait_full(it);
       zero_v_half(kv_s + (it % STAGES) * TILE, nvalid(it), 1, wt);
@@ -244,10 +278,17 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
-        for (int nb = 0; nb < 4; ++nb) wgmma_ss_vn(o[nb], p_desc + kk * 2, v_desc(st, 4 + nb, kk));
+        for (int nb = 0; nb < 4; ++nb)
+          wgmma_ss_vn<F16>(o[nb], p_desc + kk * 2, v_desc(st, 4 + nb, kk));
       wgmma_commit();
       wgmma_wait0();
-      if (it + 1 < w.ntiles) named_arrive(B_FREE, NT);
+      if (it + 1 < w.ntiles) {
+        named_arrive(B_FREE, NT);
+        if constexpr (F16) {
+          wait_full(it + 1);
+          widen(it + 1);
+        }
+      }
       release(it);
     }
   }
@@ -273,5 +314,11 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
 
 extern "C" __global__ void __launch_bounds__(NT + 128, 1)
     mla_wgmma_rows64(const __grid_constant__ WgParams p) {
-  mla_wgmma_rows(p);
+  mla_wgmma_rows<KV_BF16>(p);
+}
+
+// an e4m3 cache, widened to fp16 in shared memory (sm90_fp8.cuh); fp16 MMAs
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_rows64_f8(const __grid_constant__ WgParams p) {
+  mla_wgmma_rows<KV_FP8>(p);
 }
