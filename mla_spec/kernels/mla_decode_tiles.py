@@ -187,8 +187,11 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # 855-858 vs 1364-1369 (1742-1779)
     ("fp8", "r32", "b48"): "W|CF",
     ("fp8", "r32", "big"): "W|CF",
-    ("fp8", "r128", "b48"): "W64|CF",
-    ("fp8", "r128", "big"): "W64|CF",
+    # twelfth session: WR on an e4m3 cache (both warpgroups widen a tile together; v10): bs
+    # 128 ctx 8k H 128 653.9 vs W64 846.3 (FlashInfer fp8 1760.6); H 32 q 4 bs 32 ctx 4k
+    # WR/sp2 96.8 vs 125.0 (251.9); bs 64 ctx 32k 1278.2 vs 1611.1 (3586.5)
+    ("fp8", "r128", "b48"): "WR|W64|CF",
+    ("fp8", "r128", "big"): "WR|W64|CF",
     # twelfth session: more than 128 rows (H 128 q 4, TARGET_VERIFY without tensor
     # parallelism) run W64 with one 64-row block per 64 rows, each streaming the request's KV
     # (the blocks of one request run side by side, so the re-reads mostly hit L2; docs/
@@ -197,7 +200,8 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # 687-694 (FlashInfer fp8 909-919), bs 128 ctx 8k 3378 vs 5280 (7116)
     # and WR for a bf16 cache: bs 32 ctx 4k 295-299 vs W64 366-368 (FlashInfer 241-246), bs 128
     # ctx 8k 2320 vs 2847 (2049)
-    **{(kv, "big", bc): alts for kv, alts in (("bf16", "WR|W64|C"), ("fp8", "W64|CF"))
+    # (fp8 bs 32 ctx 4k: WR 342.0 vs W64 443.5, FlashInfer fp8 916.7)
+    **{(kv, "big", bc): alts for kv, alts in (("bf16", "WR|W64|C"), ("fp8", "WR|W64|CF"))
        for bc in ("b48", "big")},
 }
 
@@ -213,7 +217,7 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     ("fp8", "r128", "b1", "c2k"): "G4",    # 1k: 14.1 vs V2 16.7, CF 20.4 µs
     # 4k: 26.2 / 26.4 vs CF 28.6 / 28.5 µs (32k: CF, 70); tenth session: W64/sp64 21.4 vs G4
     # 25.2 (FlashInfer fp8 43.6)
-    ("fp8", "r128", "b1", "c8k"): "W64/sp64|G4",
+    ("fp8", "r128", "b1", "c8k"): "WR/sp64|W64/sp64|G4",  # twelfth: 4k 18.5 vs W64 19.9
     # eighth session, after the one-round combine (docs/bench_mla.md v7): 64 one-tile splits at
     # 4k, 9.57 vs 11.41 µs at the model's 32 (at 1k the model's 16 stays: 7.44 vs 8.20 at 64)
     ("bf16", "r32", "b1", "c8k"): "S16/sp64",
@@ -225,7 +229,7 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # (FlashInfer fp8 76.4, bf16 48.2); 128 rows: W64/sp64 44.9 vs CF 60.2 (87.4). The
     # widening of tile i + 1 overlaps tile i's P V: bs 128 ctx 8k 356.6 -> 338.8 µs
     ("fp8", "r32", "b1", "long"): "W/sp128|G4",
-    ("fp8", "r128", "b1", "long"): "W64/sp64|CF",
+    ("fp8", "r128", "b1", "long"): "WR/sp64|W64/sp64|CF",  # twelfth: H 32 q 4 36.8 vs 44.4
     # twelfth session, 512 rows at batch 1 (v10): 32k WR/sp16 101.3 vs W64/sp16 120.3-122.4
     # vs C/sp16 148.1 (FlashInfer 73.9-74.6); at 4k C stays (31.8-32.3 vs WR/sp16 41.9, W64/sp8
     # 39.2-39.6; fp8 CF 37.4 vs W64 44.9)

@@ -290,16 +290,16 @@ def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
     cap["v"] = (9, 0)
     assert mt.paged_choice(128, torch.bfloat16, cuda, 64, 1, 32768) == (V["WR"], 64)
     assert mt.paged_choice(128, torch.bfloat16, cuda, 64, 32, 4096) == (V["WR"], None)
-    # more than 128 rows (H 128 q 4): WR for bf16, W64 for e4m3
+    # more than 128 rows (H 128 q 4): WR for bf16 and e4m3
     assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 32, 4096) == (V["WR"], None)
     assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 32768) == (V["WR"], 16)
     assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 4096) == (V["C"], None)
-    assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 32, 4096) == (V["W64"], None)
-    assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 32, 4096) == (V["W64"], None)
+    assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 32, 4096) == (V["WR"], None)
+    assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 32, 4096) == (V["WR"], None)
     # an e4m3 cache: the wgmma kernels on sm_90 (not the mma.sync K*), Triton elsewhere
     assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 128, 8192) == (V["W"], None)
     assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 32768) == (V["W"], 128)
-    assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 1, 4096) == (V["W64"], 64)
+    assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 1, 4096) == (V["WR"], 64)
     assert not mt.cuda_cache_ok(V["K"], FP8_DTYPE) and not mt.cuda_cache_ok(V["Wp"], FP8_DTYPE)
     cap["v"] = (10, 0)
     assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 128, 8192) == (V["CF"], None)
