@@ -198,7 +198,7 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # bench_mla.md v10, graph µs, FlashInfer in the same run): bf16 bs 32 ctx 4k 361-380 vs C
     # 545 (FlashInfer 239), bs 128 ctx 8k 2879 vs 4171 (2104); fp8 bs 32 ctx 4k 441-444 vs CF
     # 687-694 (FlashInfer fp8 909-919), bs 128 ctx 8k 3378 vs 5280 (7116)
-    # and WR for a bf16 cache: bs 32 ctx 4k 295-299 vs W64 366-368 (FlashInfer 241-246), bs 128
+    # and WR: bf16 bs 32 ctx 4k 295-299 vs W64 366-368 (FlashInfer 241-246), bs 128
     # ctx 8k 2320 vs 2847 (2049)
     # (fp8 bs 32 ctx 4k: WR 342.0 vs W64 443.5, FlashInfer fp8 916.7)
     **{(kv, "big", bc): alts for kv, alts in (("bf16", "WR|W64|C"), ("fp8", "WR|W64|CF"))

@@ -1,5 +1,6 @@
 // Split-KV MLA decode with warpgroup MMA, query rows on the MMA's M side (sm_90a): 64 rows per
-// CTA, bf16 cache. The 128-row classes (H 128 at q_len 1, H 32 at q_len 4) and 512 rows.
+// CTA, bf16 or e4m3 cache. The 128-row classes (H 128 at q_len 1, H 32 at q_len 4) and 512
+// rows.
 //
 // Why not swapped like mla_wgmma64_sm90.cu: that kernel's warpgroups each multiply the whole
 // K tile against their 32 rows (m64n32, 216 KB of shared-memory operand reads per tile) and
@@ -14,7 +15,10 @@
 // warpgroup 1 through shared memory (named barriers FULL / FREE); its P V of tile i is issued
 // together with Q K of tile i + 1. A producer warpgroup (TMA, as sm90_wgmma.cuh) gives its
 // registers away (setmaxnreg). Shared memory: two KV stages (144 KB), Q (72 KB), P (8 KB).
-// What it computes: exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache).
+// An e4m3 tile lands as bytes and both warpgroups widen it to fp16 in place together
+// (sm90_fp8.cuh; warpgroup 0 with P V of the tile before on the tensor cores), then the
+// MMAs run in fp16 with the queries and P in fp16.
+// What it computes: exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len).
 #include "sm90_fp8.cuh"
 
 namespace {
