@@ -171,12 +171,13 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # (C: one per 64 rows too, but Triton's per-tile cost). bs 128 ctx 8k H 128: 730 vs C 1105
     # (FlashInfer 574); H 32 q 4: 762 vs 1128 (567); bs 32 ctx 4k q 4: W64/sp2 103.6 vs C/sp2
     # 152.8 (75.1); bs 64 ctx 32k H 128: 1466 vs 2160 (1192)
-    # twelfth session: WR (the query rows on the MMA's M side, P V from registers; docs/
+    # twelfth session: WR (the query rows on the MMA's M side, P V from registers; W64 runs
+    # wherever WR does, so it is no alternative: it stays a variant for comparisons; docs/
     # bench_mla.md v10, FlashInfer in the same run): bs 128 ctx 8k H 128 612-635 vs W64 741-753
     # (FlashInfer 547-557), H 32 q 4 632 vs 748 (565); bs 32 ctx 4k WR/sp2 89.4-90.7 vs W64
     # 102-105 (75); bs 64 ctx 32k 1240-1279 vs 1474-1521 (1184-1208)
-    ("bf16", "r128", "b48"): "WR|W64|C",
-    ("bf16", "r128", "big"): "WR|W64|C",
+    ("bf16", "r128", "b48"): "WR|C",
+    ("bf16", "r128", "big"): "WR|C",
     # third H200 sweep (sixth session, bs 1 at ctx 1k / 4k / 32k in a graph, after the split
     # model's combine term): S16 within 1.09x of the best over the class (V2: 1.25x), C 1.00x
     ("bf16", "r128", "b1"): "S16",
@@ -190,8 +191,8 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # twelfth session: WR on an e4m3 cache (both warpgroups widen a tile together; v10): bs
     # 128 ctx 8k H 128 653.9 vs W64 846.3 (FlashInfer fp8 1760.6); H 32 q 4 bs 32 ctx 4k
     # WR/sp2 96.8 vs 125.0 (251.9); bs 64 ctx 32k 1278.2 vs 1611.1 (3586.5)
-    ("fp8", "r128", "b48"): "WR|W64|CF",
-    ("fp8", "r128", "big"): "WR|W64|CF",
+    ("fp8", "r128", "b48"): "WR|CF",
+    ("fp8", "r128", "big"): "WR|CF",
     # twelfth session: more than 128 rows (H 128 q 4, TARGET_VERIFY without tensor
     # parallelism) run W64 with one 64-row block per 64 rows, each streaming the request's KV
     # (the blocks of one request run side by side, so the re-reads mostly hit L2; docs/
@@ -201,7 +202,7 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # and WR: bf16 bs 32 ctx 4k 295-299 vs W64 366-368 (FlashInfer 241-246), bs 128
     # ctx 8k 2320 vs 2847 (2049)
     # (fp8 bs 32 ctx 4k: WR 342.0 vs W64 443.5, FlashInfer fp8 916.7)
-    **{(kv, "big", bc): alts for kv, alts in (("bf16", "WR|W64|C"), ("fp8", "WR|W64|CF"))
+    **{(kv, "big", bc): alts for kv, alts in (("bf16", "WR|C"), ("fp8", "WR|CF"))
        for bc in ("b48", "big")},
 }
 
@@ -213,11 +214,11 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
 PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # 32k: CF 61.9 / 62.5 vs S16 91.8 / 91.1 µs (S16's 8 row blocks each re-read the KV from
     # L2); ninth session: W64/sp64 41.2 vs CF 51.8 (FlashInfer 39.8)
-    ("bf16", "r128", "b1", "long"): "WR/sp64|W64/sp64|CF",  # twelfth: WR 36.7-36.8 (FI 39.8-40.0)
+    ("bf16", "r128", "b1", "long"): "WR/sp64|CF",  # twelfth: WR 36.7-36.8 (FI 39.8-40.0)
     ("fp8", "r128", "b1", "c2k"): "G4",    # 1k: 14.1 vs V2 16.7, CF 20.4 µs
     # 4k: 26.2 / 26.4 vs CF 28.6 / 28.5 µs (32k: CF, 70); tenth session: W64/sp64 21.4 vs G4
     # 25.2 (FlashInfer fp8 43.6)
-    ("fp8", "r128", "b1", "c8k"): "WR/sp64|W64/sp64|G4",  # twelfth: 4k 18.5 vs W64 19.9
+    ("fp8", "r128", "b1", "c8k"): "WR/sp64|G4",  # twelfth: 4k 18.5 vs W64 19.9
     # eighth session, after the one-round combine (docs/bench_mla.md v7): 64 one-tile splits at
     # 4k, 9.57 vs 11.41 µs at the model's 32 (at 1k the model's 16 stays: 7.44 vs 8.20 at 64)
     ("bf16", "r32", "b1", "c8k"): "S16/sp64",
@@ -229,11 +230,11 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # (FlashInfer fp8 76.4, bf16 48.2); 128 rows: W64/sp64 44.9 vs CF 60.2 (87.4). The
     # widening of tile i + 1 overlaps tile i's P V: bs 128 ctx 8k 356.6 -> 338.8 µs
     ("fp8", "r32", "b1", "long"): "W/sp128|G4",
-    ("fp8", "r128", "b1", "long"): "WR/sp64|W64/sp64|CF",  # twelfth: H 32 q 4 36.8 vs 44.4
+    ("fp8", "r128", "b1", "long"): "WR/sp64|CF",  # twelfth: H 32 q 4 36.8 vs 44.4
     # twelfth session, 512 rows at batch 1 (v10): 32k WR/sp16 101.3 vs W64/sp16 120.3-122.4
     # vs C/sp16 148.1 (FlashInfer 73.9-74.6); at 4k C stays (31.8-32.3 vs WR/sp16 41.9, W64/sp8
     # 39.2-39.6; fp8 CF 37.4 vs W64 44.9)
-    ("bf16", "big", "b1", "long"): "WR/sp16|W64/sp16|C",
+    ("bf16", "big", "b1", "long"): "WR/sp16|C",
 }
 
 

@@ -1,5 +1,5 @@
 """Launcher of the Hopper warpgroup-MMA split-KV MLA kernels (``csrc/mla_wgmma_sm90.cu``,
-``csrc/mla_wgmma64_sm90.cu``).
+``csrc/mla_wgmma64_sm90.cu``, ``csrc/mla_wgmma_rows_sm90.cu``).
 
 Same contract and result as :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for
 the shapes it takes: fixed ``q_len`` (DECODE, TARGET_VERIFY, DRAFT_EXTEND_V2), a contiguous
@@ -9,7 +9,8 @@ aligned rows, an sm_90 GPU (``wgmma`` exists on Hopper only). An e4m3 tile is wi
 in shared memory and multiplied in fp16 with the queries rounded to fp16 (``csrc/sm90_fp8.cuh``
 says why). 64, 32 or 16 query rows per CTA; more rows
 per request run more row blocks, each streaming the KV. Splits merge through
-``combine_splits``.
+``combine_splits``. ``rows_m`` (variant ``WR``, ``csrc/mla_wgmma_rows_sm90.cu``): 64 rows on
+the MMA's M side instead of N, P V with P from registers.
 
 Why it exists: see the ``.cu`` files' headers. Its torch twin is ``mla_decode_ref``
 (``tests/kernels/test_mla_decode_cuda.py`` runs every ``cuda`` variant against it on the GPU).
