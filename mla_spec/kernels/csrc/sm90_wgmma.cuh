@@ -1,7 +1,8 @@
-// What the warpgroup-MMA MLA kernels (mla_wgmma_sm90.cu, mla_wgmma64_sm90.cu) share: the
-// parameter struct, the tile geometry, TMA / stmatrix wrappers (the wgmma ones: sm90_mma.cuh),
-// and the parts of a CTA's life that do not depend on how it multiplies (its work range, the
-// queries' way into shared memory, the producer warp, the output rows).
+// What the warpgroup-MMA MLA kernels (mla_wgmma_sm90.cu, mla_wgmma64_sm90.cu,
+// mla_wgmma_rows_sm90.cu) share: the parameter struct, the tile geometry, TMA / stmatrix
+// wrappers (the wgmma ones: sm90_mma.cuh), and the parts of a CTA's life that do not depend on
+// how it multiplies (its start and work range, the queries' way into shared memory, the
+// producer, the output rows).
 #pragma once
 #include "mla_params.cuh"
 #include "sm90_common.cuh"
