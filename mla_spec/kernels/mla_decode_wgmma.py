@@ -49,10 +49,13 @@ WGMMA_FP8_BLOCK_M = (32, 16, 64)
 #: (fp8 H 128 ctx 32k 45.8 -> 44.3, 4k 21.4 -> 19.9); at 32 rows the combine of bf16 partials
 #: was slower (bs 32 ctx 4k 54.4 -> 63.3 µs; docs/bench_mla.md v9)
 PART_BF16_BLOCK_M = frozenset({64})
-_KERNELS = {(bm, pf, False): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}{'p' if pf else ''}",
-                                        arch="sm_90a") for bm, pf in WGMMA_KERNELS}
-_KERNELS.update({(bm, False, True): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}_f8",
-                                               arch="sm_90a") for bm in WGMMA_FP8_BLOCK_M})
+# keys: (rows per CTA, prefetch, e4m3 cache, rows on M: WR)
+_KERNELS = {(bm, pf, False, False): CudaKernel(_SOURCES[bm][0],
+                                               f"mla_wgmma_m{bm}{'p' if pf else ''}",
+                                               arch="sm_90a") for bm, pf in WGMMA_KERNELS}
+_KERNELS.update({(bm, False, True, False): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}_f8",
+                                                      arch="sm_90a")
+                 for bm in WGMMA_FP8_BLOCK_M})
 #: the 64-row kernel with the query rows on the MMA's M side (bf16 or e4m3 cache, no prefetch)
 _ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
 _KERNELS.update({(64, False, f8, True): CudaKernel(_ROWS_SOURCE,
@@ -98,7 +101,7 @@ def _tensor_map(kv_flat: torch.Tensor) -> bytes:
 
 
 def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False):
-    return (block_m, prefetch, kv_dtype == FP8_DTYPE) + ((True,) if rows_m else ())
+    return (block_m, prefetch, kv_dtype == FP8_DTYPE, rows_m)
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,

@@ -68,8 +68,8 @@ def test_stmatrix_puts_p_where_the_k_major_a_operand_reads_it():
 def test_output_staging_and_rescale_rows():
     """O value i of block nb is row r0 + 8 ((i >> 1) & 1), dim 256 wg + 64 nb + 8 (i >> 2) +
     2 t4 + (i & 1): the staging index and the rescale factor's row must say the same."""
-    assert "o[nb][i] *= alpha[(i >> 1) & 1]" in SRC
-    assert "o[nb][i] *= (i >> 1) & 1 ? a1 : a0" in SRC
+    assert "o[nb][i] *= (i >> 1) & 1 ? a1 : a0" in SRC  # rescale(a0, a1): rows r0, r0 + 8
+    assert "rescale(alpha[0], alpha[1]);" in SRC and "rescale(a0, a1);" in SRC
     assert re.search(r"ost\[\(r0 \+ 8 \* \(\(i >> 1\) & 1\)\) \* OSTRIDE \+ 256 \* wg \+ "
                      r"64 \* nb \+ 8 \* \(i >> 2\) \+ 2 \* t4 \+\s+\(i & 1\)\] = o\[nb\]\[i\];",
                      SRC)

@@ -28,39 +28,18 @@ using namespace sm90;
 constexpr int BM = 64;
 constexpr int B_FULL = 2, B_FREE = 3;  // P(i) written / P(i - 1) read (256 threads each)
 
-#define ACC32(d)                                                                              \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
-      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
-      "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),          \
-      "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),          \
-      "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define D32 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21," \
-            "%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}"
-
 // D[64, 64] += A . B, A from registers (an m64k16 fragment: per warp rows g / g + 8 of its 16,
 // k 2 t4.. and 8 + 2 t4..), B from shared memory N-major (the V tile's layout); bf16, or fp16
 // (F16: an e4m3 cache widened to fp16, sm90_fp8.cuh)
 template <bool F16>
 __device__ __forceinline__ void wgmma_rs_vn(float (&d)[32], const uint32_t* a, uint64_t db) {
 #define RS_VN(T)                                                                              \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " D32                \
+  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " SM90_D32           \
                ", {%32,%33,%34,%35}, %36, 1, 1, 1, 1;\n"                                     \
-               : ACC32(d)                                                                    \
+               : SM90_ACC32(d)                                                               \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
   if constexpr (F16) RS_VN("f16"); else RS_VN("bf16");
 #undef RS_VN
-}
-
-// D[64, 64] += A . B, A K-major and B N-major, both from shared memory
-template <bool F16>
-__device__ __forceinline__ void wgmma_ss_vn(float (&d)[32], uint64_t da, uint64_t db) {
-#define SS_VN(T)                                                                              \
-  asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " " D32                \
-               ", %32, %33, 1, 1, 1, 0, 1;\n"                                                \
-               : ACC32(d)                                                                    \
-               : "l"(da), "l"(db))
-  if constexpr (F16) SS_VN("f16"); else SS_VN("bf16");
-#undef SS_VN
 }
 
 // B operand of a k16 step of P V: tokens 16 kk.. of the 64-dim block c of a stage (N-major,
@@ -132,6 +111,14 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) o[nb][i] = 0.f;
   float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
+  // O's rows r0 and r0 + 8 times their factors a0 / a1 (skipped when no row of the warp moved)
+  const auto rescale = [&](float a0, float a1) {
+    if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f))
+#pragma unroll
+      for (int nb = 0; nb < 4; ++nb)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) o[nb][i] *= (i >> 1) & 1 ? a1 : a0;
+  };
 
   if (wg == 0) {
     int bound[2];
@@ -209,11 +196,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
       }
       fence_proxy_async();
       named_arrive(B_FULL, NT);
-      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f))
-#pragma unroll
-        for (int nb = 0; nb < 4; ++nb)
-#pragma unroll
-          for (int i = 0; i < 32; ++i) o[nb][i] *= alpha[(i >> 1) & 1];
+      rescale(alpha[0], alpha[1]);
     };
     const auto pv = [&](int it) {  // O[:, 0:256] += P . V[:, 0:256]
       const uint32_t st = stage_u32(it);
@@ -272,18 +255,14 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
       zero_v_half(kv_s + (it % STAGES) * TILE, nvalid(it), 1, wt);
       named_barrier(B_FULL, NT);  // P(it) and alpha(it) are in
       const float a0 = alpha_s[r0], a1 = alpha_s[r0 + 8];
-      if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f))
-#pragma unroll
-        for (int nb = 0; nb < 4; ++nb)
-#pragma unroll
-          for (int i = 0; i < 32; ++i) o[nb][i] *= (i >> 1) & 1 ? a1 : a0;
+      rescale(a0, a1);
       wgmma_fence();
       const uint32_t st = stage_u32(it);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
         for (int nb = 0; nb < 4; ++nb)
-          wgmma_ss_vn<F16>(o[nb], p_desc + kk * 2, v_desc(st, 4 + nb, kk));
+          Wgmma<64, 0, F16, 1>::run(o[nb], p_desc + kk * 2, v_desc(st, 4 + nb, kk));
       wgmma_commit();
       wgmma_wait0();
       if (it + 1 < w.ntiles) {
