@@ -54,7 +54,7 @@ from mla_spec.kernels.mla_decode_tiles import (  # noqa: E402
     splits_for,
 )
 from mla_spec.kernels.read_floor import empty_launch  # noqa: E402
-from mla_spec.quant.fp8 import FP8_DTYPE  # noqa: E402
+from mla_spec.quant.fp8 import FP8_DTYPE, e4m3_rows_round_trip  # noqa: E402
 
 DEFAULT_SHAPES = ("bf16:32x1:1024,bf16:32x1:4096,bf16:32x1:32768,bf16:32x4:4096,"
                   "fp8:32x1:4096,fp8:32x1:32768")
@@ -119,8 +119,13 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
         vcfg = PAGED_VARIANTS[variant]
         if vcfg.cuda and not cuda_cache_ok(vcfg, kvd):
             continue
+        vref = ref
+        if vcfg.e4m3_mma:  # checked against its twin: the queries rounded to e4m3 per row
+            qt = e4m3_rows_round_trip(torch.cat([qn, qp], -1))
+            vref = mla_decode_ref(qt[..., :DV], qt[..., DV:], flat, r2t, rpis[0], kv_lens,
+                                  SM_SCALE, q_len=q).float()
         for vsp in splits:
-            r = _variant_row(call, rpis, vcfg, vsp, ref, out)
+            r = _variant_row(call, rpis, vcfg, vsp, vref, out)
             if r:
                 r.update(shape=shape, variant=f"{variant}/sp{vsp}", MB=kv_bytes / 1e6)
                 if "fi" in res:

@@ -60,6 +60,11 @@ class PagedConfig:
     #: (``csrc/mla_wgmma_rows_sm90.cu``: P V with P from registers, 35% fewer shared-memory
     #: operand bytes per tile than the swapped ``W64``)
     rows_m: bool = False
+    #: with ``wgmma``, 32 rows, an e4m3 cache only: Q K as e4m3 MMAs on the tile as it lands
+    #: (the queries quantized to e4m3 per row) and V fed to ``wgmma`` from registers, nothing
+    #: widened in shared memory (``csrc/mla_wgmma_e4m3_sm90.cu``; the error it adds:
+    #: ``quant.fp8.fp8_query_attention_error_bound``)
+    e4m3_mma: bool = False
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
@@ -76,6 +81,10 @@ class PagedConfig:
             raise ValueError("prefetch is a wgmma option")
         if self.rows_m and not (self.wgmma and self.block_m == 64 and not self.prefetch):
             raise ValueError("rows_m is an option of the 64-row wgmma kernel without prefetch")
+        if self.e4m3_mma and not (self.wgmma and self.block_m == 32 and not self.prefetch
+                                  and not self.rows_m):
+            raise ValueError("e4m3_mma is an option of the 32-row wgmma kernel without "
+                             "prefetch (an e4m3 cache only)")
 
     @property
     def tag(self) -> str:
@@ -84,7 +93,7 @@ class PagedConfig:
                 f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
                 f"{'S' if self.swap else ''}{'K' if self.cuda else ''}"
                 f"{'W' if self.wgmma else ''}{'p' if self.prefetch else ''}"
-                f"{'R' if self.rows_m else ''}")
+                f"{'R' if self.rows_m else ''}{'E' if self.e4m3_mma else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -142,6 +151,8 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "W64p": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, prefetch=True),
     # 64 rows with the query rows on the MMA's M side (FlashMLA's split of the work)
     "WR": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, rows_m=True),
+    # an e4m3 cache multiplied as it lands: e4m3 Q K, V from registers (the queries go e4m3)
+    "WE": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True, e4m3_mma=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins
@@ -260,8 +271,10 @@ def parse_choice(choice: str) -> tuple[PagedConfig, int | None]:
 
 
 def cuda_cache_ok(cfg: PagedConfig, kv_dtype: torch.dtype) -> bool:
-    """Whether a CUDA variant takes this cache dtype: bf16 always, fp8 e4m3 the wgmma kernels
-    without prefetch (``mla_decode_wgmma.WGMMA_FP8_BLOCK_M``, and ``WR``)."""
+    """Whether a CUDA variant takes this cache dtype: bf16 all but ``e4m3_mma``, fp8 e4m3 the
+    wgmma kernels without prefetch (``mla_decode_wgmma.WGMMA_FP8_BLOCK_M``, ``WR``, ``WE``)."""
+    if cfg.e4m3_mma:
+        return kv_dtype == FP8_DTYPE
     return kv_dtype == torch.bfloat16 or (kv_dtype == FP8_DTYPE and cfg.wgmma
                                           and not cfg.prefetch)
 

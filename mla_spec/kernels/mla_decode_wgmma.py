@@ -10,7 +10,10 @@ in shared memory and multiplied in fp16 with the queries rounded to fp16 (``csrc
 says why). 64, 32 or 16 query rows per CTA; more rows
 per request run more row blocks, each streaming the KV. Splits merge through
 ``combine_splits``. ``rows_m`` (variant ``WR``, ``csrc/mla_wgmma_rows_sm90.cu``): 64 rows on
-the MMA's M side instead of N, P V with P from registers.
+the MMA's M side instead of N, P V with P from registers. ``e4m3_mma`` (variant ``WE``,
+``csrc/mla_wgmma_e4m3_sm90.cu``, an e4m3 cache, 32 rows): Q K in e4m3 MMAs straight from the
+tile with the queries quantized to e4m3 per row (``quant.fp8.quantize_rows_e4m3``), V fed to
+``wgmma`` from registers; nothing is widened in shared memory.
 
 Why it exists: see the ``.cu`` files' headers. Its torch twin is ``mla_decode_ref``
 (``tests/kernels/test_mla_decode_cuda.py`` runs every ``cuda`` variant against it on the GPU).
@@ -49,24 +52,33 @@ WGMMA_FP8_BLOCK_M = (32, 16, 64)
 #: (fp8 H 128 ctx 32k 45.8 -> 44.3, 4k 21.4 -> 19.9); at 32 rows the combine of bf16 partials
 #: was slower (bs 32 ctx 4k 54.4 -> 63.3 µs; docs/bench_mla.md v9)
 PART_BF16_BLOCK_M = frozenset({64})
-# keys: (rows per CTA, prefetch, e4m3 cache, rows on M: WR)
-_KERNELS = {(bm, pf, False, False): CudaKernel(_SOURCES[bm][0],
-                                               f"mla_wgmma_m{bm}{'p' if pf else ''}",
-                                               arch="sm_90a") for bm, pf in WGMMA_KERNELS}
-_KERNELS.update({(bm, False, True, False): CudaKernel(_SOURCES[bm][0], f"mla_wgmma_m{bm}_f8",
-                                                      arch="sm_90a")
+# keys: (rows per CTA, prefetch, e4m3 cache, rows on M: WR, e4m3 MMAs: WE)
+_KERNELS = {(bm, pf, False, False, False): CudaKernel(_SOURCES[bm][0],
+                                                      f"mla_wgmma_m{bm}{'p' if pf else ''}",
+                                                      arch="sm_90a") for bm, pf in WGMMA_KERNELS}
+_KERNELS.update({(bm, False, True, False, False): CudaKernel(_SOURCES[bm][0],
+                                                             f"mla_wgmma_m{bm}_f8", arch="sm_90a")
                  for bm in WGMMA_FP8_BLOCK_M})
 #: the 64-row kernel with the query rows on the MMA's M side (bf16 or e4m3 cache, no prefetch)
 _ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
-_KERNELS.update({(64, False, f8, True): CudaKernel(_ROWS_SOURCE,
-                                                   f"mla_wgmma_rows64{'_f8' if f8 else ''}",
-                                                   arch="sm_90a") for f8 in (False, True)})
+_KERNELS.update({(64, False, f8, True, False): CudaKernel(
+    _ROWS_SOURCE, f"mla_wgmma_rows64{'_f8' if f8 else ''}", arch="sm_90a") for f8 in (False, True)})
+#: the 32-row kernel with e4m3 Q K MMAs and V from registers (an e4m3 cache only; 288 threads)
+_E4M3_SOURCE = "mla_wgmma_e4m3_sm90.cu"
+_KERNELS[(32, False, True, False, True)] = CudaKernel(_E4M3_SOURCE, "mla_wgmma_e4m3_m32",
+                                                      arch="sm_90a")
+#: its stages (40 KB each: five 128-dim boxes of 64 tokens' bytes)
+_E4M3_STAGES, _E4M3_TILE = 4, 5 * _BN * 128
 
 
-def wgmma_smem(block_m: int, rows_m: bool = False) -> int:
+def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False) -> int:
     """Dynamic shared memory of one CTA (as laid out in the ``.cu`` files): 1 KB of alignment
     slack, the KV stages, the queries, P^T (P with ``rows_m``), then the S^T exchange (16 / 32
     rows) or the per-row rescale factors (64), the reductions, the stage barriers."""
+    if e4m3_mma:  # four 40 KB stages, e4m3 queries in five 128-byte boxes, the row amaxes
+        return (1024 + _E4M3_STAGES * _E4M3_TILE + 5 * block_m * 128 + block_m * 128
+                + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4
+                + 16 * _E4M3_STAGES)
     base = 1024 + _STAGES * 9 * _BN * 128 + 9 * block_m * 128 + block_m * 128 + 16 * _STAGES
     if rows_m:
         return base + 2 * block_m * 4
@@ -82,37 +94,42 @@ class _WgParams(ctypes.Structure):
     _fields_ = [("m", _Params), ("kv_map", ctypes.c_ubyte * 128)]
 
 
-_MAPS: dict[tuple[int, int, int, bool], bytes] = {}
+_MAPS: dict[tuple[int, int, int, bool, bool], bytes] = {}
 
 
-def _tensor_map(kv_flat: torch.Tensor) -> bytes:
-    """The cache's TMA descriptor (it depends on the address, the slot count and the dtype
-    only: the row length and contiguity are checked before): boxes of [64 tokens, 64 dims],
-    128-byte swizzled for bf16, packed bytes for e4m3 (``csrc/sm90_fp8.cuh``)."""
+def _tensor_map(kv_flat: torch.Tensor, e4m3_mma: bool = False) -> bytes:
+    """The cache's TMA descriptor (it depends on the address, the slot count, the dtype and
+    the kernel's box only: the row length and contiguity are checked before): boxes of [64
+    tokens, 64 dims], 128-byte swizzled for bf16, packed bytes for e4m3
+    (``csrc/sm90_fp8.cuh``); ``e4m3_mma``: [64 tokens, 128 dims] of e4m3, 128-byte swizzled."""
     fp8 = kv_flat.dtype == FP8_DTYPE
-    key = (kv_flat.data_ptr(), kv_flat.shape[0], kv_flat.device.index or 0, fp8)
+    key = (kv_flat.data_ptr(), kv_flat.shape[0], kv_flat.device.index or 0, fp8, e4m3_mma)
     got = _MAPS.get(key)
     if got is None:
         if len(_MAPS) >= 512:  # a pool per layer (61 in DeepSeek-V3, the MTP layer's too)
             _MAPS.clear()
-        got = _MAPS[key] = (tensor_map_2d(kv_flat.view(torch.uint8), 64, _BN, swizzle=False)
-                            if fp8 else tensor_map_2d(kv_flat, 64, _BN))
+        raw = kv_flat.view(torch.uint8) if fp8 else kv_flat
+        got = _MAPS[key] = (tensor_map_2d(raw, 128, _BN) if e4m3_mma else
+                            tensor_map_2d(raw, 64, _BN, swizzle=False) if fp8 else
+                            tensor_map_2d(raw, 64, _BN))
     return got
 
 
-def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False):
-    return (block_m, prefetch, kv_dtype == FP8_DTYPE, rows_m)
+def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False,
+                e4m3_mma: bool = False):
+    return (block_m, prefetch, kv_dtype == FP8_DTYPE, rows_m, e4m3_mma)
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
                         page_size: int, block_m: int, q_len: int | None,
-                        prefetch: bool = False, rows_m: bool = False) -> str | None:
+                        prefetch: bool = False, rows_m: bool = False,
+                        e4m3_mma: bool = False) -> str | None:
     """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
-    if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m) not in _KERNELS:
-        return f"(block_m, prefetch, rows_m) {(block_m, prefetch, rows_m)} is not compiled " \
-               f"for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one of " \
-               f"{WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
-               f"{WGMMA_FP8_BLOCK_M}, no prefetch, rows_m with 64 rows)"
+    if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma) not in _KERNELS:
+        return f"(block_m, prefetch, rows_m, e4m3_mma) {(block_m, prefetch, rows_m, e4m3_mma)}" \
+               f" is not compiled for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one " \
+               f"of {WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
+               f"{WGMMA_FP8_BLOCK_M}, no prefetch, rows_m with 64 rows, or e4m3_mma with 32)"
     why = call_supported(q_nope, q_pe, kv_flat, page_size, _BN, q_len, "wgmma kernel",
                          (torch.bfloat16, FP8_DTYPE))
     if why is None and cuda_capability(q_nope.device) != (9, 0):
@@ -123,7 +140,7 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
                      num_splits: int, block_m: int, prefetch: bool = False,
-                     rows_m: bool = False) -> None:
+                     rows_m: bool = False, e4m3_mma: bool = False) -> None:
     """Run the split kernel (and the combine when ``num_splits > 1``) into ``out`` / ``lse``
     (see :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
@@ -134,9 +151,9 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                                      kv_lens, out, lse, qk_scale_log2, v_scale, q_len,
                                      num_splits, part_bf16=block_m in PART_BF16_BLOCK_M)
     p = _WgParams(m)
-    ctypes.memmove(p.kv_map, _tensor_map(kv_flat), 128)
-    _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype, rows_m)](
+    ctypes.memmove(p.kv_map, _tensor_map(kv_flat, e4m3_mma), 128)
+    _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma)](
         (num_splits, m_blocks, req_pool_indices.numel()), _SOURCES[block_m][1],
-        wgmma_smem(block_m, rows_m), p, q_nope.device, pdl=pdl_on(q_nope))
+        wgmma_smem(block_m, rows_m, e4m3_mma), p, q_nope.device, pdl=pdl_on(q_nope))
     if num_splits > 1:
         combine_splits(part, part_lse, out, lse)

@@ -31,6 +31,9 @@ __all__ = [
     "fp8_e4m3_values",
     "fp8_max_rel_error",
     "fp8_kv_attention_error_bound",
+    "quantize_rows_e4m3",
+    "e4m3_rows_round_trip",
+    "fp8_query_attention_error_bound",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -140,3 +143,50 @@ def fp8_kv_attention_error_bound(q: torch.Tensor, kv: torch.Tensor, dv: int, sm_
     v_max = float(x[:, :dv].abs().max() * (1 + 2.0**-4) + 2.0**-10 * scale) if x.numel() else 0.0
     dv_max = float(dx[:, :dv].max()) if x.numel() else 0.0
     return (torch.tensor(2 * eps, dtype=torch.float64).exp().item() - 1) * v_max + dv_max
+
+
+def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries to e4m3 with one scale per row (the last dim), as the ``WE`` attention kernel
+    does before its e4m3 Q K products (``kernels/csrc/mla_wgmma_e4m3_sm90.cu``).
+
+    ``x [..., D]`` -> ``(q8 [..., D] float8_e4m3fn, scale [...] fp32)`` with ``scale =
+    amax / 448`` (0 for an all-zero row) and ``q8 = sat_rtne(x * (448 / amax))``, the product
+    in fp32 as the kernel computes it; ``q8 * scale`` is the round trip. Per row rather than
+    per tensor (TRT-LLM-gen's ``q_scale``): a head whose queries are small keeps its 3
+    mantissa bits. The error it adds to an attention output:
+    :func:`fp8_query_attention_error_bound`.
+    """
+    xf = x.to(torch.float32)
+    amax = xf.abs().amax(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
+    inv = torch.where(amax > 0, FP8_E4M3_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny),
+                      torch.zeros_like(amax))
+    q8 = (xf * inv[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
+    return q8, amax * (1.0 / FP8_E4M3_MAX)
+
+
+def e4m3_rows_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` through :func:`quantize_rows_e4m3` and back, in fp32 (shape of ``x``): the
+    queries the ``WE`` kernel multiplies, for its twin."""
+    q8, scale = quantize_rows_e4m3(x)
+    return q8.to(torch.float32) * scale[..., None]
+
+
+def fp8_query_attention_error_bound(q: torch.Tensor, kv: torch.Tensor, dv: int,
+                                    sm_scale: float) -> float:
+    """Worst-case max-abs change of an attention output when its queries go through
+    :func:`quantize_rows_e4m3` (the KV as given: pass the values the kernel multiplies).
+
+    ``q [M, D]`` the rows of one request, ``kv [L, D]``. Element d of row r moves by at most
+    ``d_q = 2**-4 |q_d| + 2**-10 amax_r / 448`` (normal rounding, the subnormal floor), every
+    score by at most ``eps = sm_scale * max_{r, j} sum_d d_q[r, d] |kv_jd|``, every softmax
+    weight by a factor within ``exp(±2 eps)``, so ``|out' - out| <= (exp(2 eps) - 1) max|v|``.
+    With an e4m3 cache add :func:`fp8_kv_attention_error_bound` (the two compose to first order).
+    """
+    if not q.numel() or not kv.numel():
+        return 0.0
+    qf, x = q.to(torch.float64), kv.to(torch.float64)
+    amax = qf.abs().amax(dim=-1, keepdim=True)
+    dq = 2.0**-4 * qf.abs() + 2.0**-10 * amax / FP8_E4M3_MAX
+    eps = float(sm_scale * (dq @ x.abs().T).max())
+    v_max = float(x[:, :dv].abs().max())
+    return (torch.tensor(2 * eps, dtype=torch.float64).exp().item() - 1) * v_max

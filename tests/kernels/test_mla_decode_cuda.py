@@ -119,9 +119,9 @@ def test_matches_twin_on_gpu(name, h, q_len, lens, page, splits, idx):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,fp8", [("K", False), ("W", False), ("W", True), ("WR", False),
-                                      ("WR", True)])
+                                      ("WR", True), ("WE", True)])
 def test_cuda_graph_replay_reads_new_data(name, fp8):
-    from mla_spec.quant.fp8 import quantize_fp8
+    from mla_spec.quant.fp8 import e4m3_rows_round_trip, quantize_fp8
 
     cfg = PAGED_VARIANTS[name]
     qn, qp, kv, r2t, rpi, kv_lens = _case(32, 1, [2000, 300], 64, torch.int64, seed=5)
@@ -145,6 +145,10 @@ def test_cuda_graph_replay_reads_new_data(name, fp8):
         kv.copy_(quantize_fp8(fresh * 8) if fp8 else fresh.to(kv.dtype))
         g.replay()
         torch.cuda.synchronize()
-        ref = mla_decode_ref(qn, qp, kv, r2t, rpi, kv_lens.int(), SM, q_len=1)
+        q_ref = (qn, qp)
+        if cfg.e4m3_mma:  # the queries as WE multiplies them (e4m3 per row, fp32)
+            q = e4m3_rows_round_trip(torch.cat([qn, qp], -1))
+            q_ref = (q[..., :512], q[..., 512:])
+        ref = mla_decode_ref(*q_ref, kv, r2t, rpi, kv_lens.int(), SM, q_len=1)
         err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
         assert err.item() < 1e-2

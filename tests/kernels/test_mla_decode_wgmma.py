@@ -20,11 +20,14 @@ from mla_spec.kernels import mla_decode_wgmma as mw
 from mla_spec.kernels.cuda_driver import CSRC, compile_cubin, nvcc_path
 from mla_spec.kernels.mla_decode import mla_decode_ref
 from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS, mla_decode_paged
+from mla_spec.kernels.mla_decode_tiles import cuda_cache_ok
+from mla_spec.quant.fp8 import FP8_DTYPE, e4m3_rows_round_trip
 
 SM = 0.1352338
 DV, DPE = 512, 64
-SRC, SRC64, SRC_ROWS, HDR = (CSRC / n for n in ("mla_wgmma_sm90.cu", "mla_wgmma64_sm90.cu",
-                                                "mla_wgmma_rows_sm90.cu", "sm90_wgmma.cuh"))
+SRC, SRC64, SRC_ROWS, SRC_E4M3, HDR = (CSRC / n for n in (
+    "mla_wgmma_sm90.cu", "mla_wgmma64_sm90.cu", "mla_wgmma_rows_sm90.cu",
+    "mla_wgmma_e4m3_sm90.cu", "sm90_wgmma.cuh"))
 
 
 def test_params_layout_matches_source():
@@ -53,8 +56,9 @@ def test_instantiations_match_source():
     for name, cfg in PAGED_VARIANTS.items():
         if cfg.wgmma:
             assert (cfg.block_m, cfg.prefetch) in mw.WGMMA_KERNELS, name
-            assert mw._kernel_key(cfg.block_m, cfg.prefetch, torch.bfloat16,
-                                  cfg.rows_m) in mw._KERNELS, name
+            kvd = FP8_DTYPE if cfg.e4m3_mma else torch.bfloat16
+            assert mw._kernel_key(cfg.block_m, cfg.prefetch, kvd, cfg.rows_m,
+                                  cfg.e4m3_mma) in mw._KERNELS, name
     for bm in mw.WGMMA_BLOCK_M:
         assert mw.wgmma_smem(bm) <= 227 * 1024
     assert mw.wgmma_smem(64, rows_m=True) <= 227 * 1024
@@ -72,12 +76,19 @@ def test_cpu_is_refused_with_a_reason():
         PAGED_VARIANTS["W"].__class__(32, 32, 8, 2, cuda=True, wgmma=True)  # block_n 32
     with pytest.raises(ValueError, match="64-row wgmma"):
         PAGED_VARIANTS["W"].__class__(32, 64, 8, 2, cuda=True, wgmma=True, rows_m=True)
+    with pytest.raises(ValueError, match="32-row wgmma"):
+        PAGED_VARIANTS["W"].__class__(64, 64, 8, 2, cuda=True, wgmma=True, e4m3_mma=True)
+    # WE multiplies e4m3 bytes: a bf16 cache is refused, by the table and by the launcher
+    assert not cuda_cache_ok(PAGED_VARIANTS["WE"], torch.bfloat16)
+    assert cuda_cache_ok(PAGED_VARIANTS["WE"], FP8_DTYPE)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, e4m3_mma=True)
+    assert why and "not compiled" in why and "e4m3_mma with 32" in why
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_source_compiles_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("MLA_SPEC_CACHE", str(tmp_path))
-    for src in (SRC, SRC64, SRC_ROWS):
+    for src in (SRC, SRC64, SRC_ROWS, SRC_E4M3):
         cubin = compile_cubin(src, "sm_90a")
         assert cubin[:4] == b"\x7fELF"
         for kern in mw._KERNELS.values():
@@ -163,8 +174,6 @@ def test_split_params_fill_the_struct_the_kernels_read():
 
 
 def test_fp8_kernels_are_refused_where_not_built():
-    from mla_spec.quant.fp8 import FP8_DTYPE
-
     q = torch.zeros(1, 2, DV, dtype=torch.bfloat16)
     qp = torch.zeros(1, 2, DPE, dtype=torch.bfloat16)
     kv = torch.zeros(64, DV + DPE, dtype=FP8_DTYPE)
@@ -219,6 +228,46 @@ def test_fp8_cache_matches_twin(name, lens, h, q_len, page, splits):
     fin = torch.isfinite(lse_ref)
     assert torch.equal(fin, torch.isfinite(lse))
     assert torch.allclose(lse[fin], lse_ref[fin].float(), atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens,h,q_len,page,splits", [
+    ([4096], 32, 1, 64, 32),
+    ([0, 1, 63, 64, 65, 1000], 32, 1, 64, 1),
+    ([3001, 5, 128], 16, 2, 128, 3),
+    ([700, 2049], 128, 1, 64, 7),
+    ([1, 4, 1500], 32, 4, 64, 5),
+    ([32768], 32, 1, 64, 128),
+    ([8191, 77], 32, 1, 64, 1),
+])
+def test_e4m3_mma_kernel_matches_its_twin(lens, h, q_len, page, splits):
+    qn, qp, kv8, r2t, rpi, kl = _fp8_case(lens, h, q_len, page, seed=len(lens) + splits + 3)
+    qn, qp = qn * 3, qp * 0.5  # rows whose nope and rope parts differ in scale
+    qn[..., 7] = 0  # and exact zeros among them
+    if qn.shape[0] > 1:
+        qn[1], qp[1] = 0, 0  # an all-zero token: amax 0 (scale 0) in the kernel and the twin
+    q = e4m3_rows_round_trip(torch.cat([qn, qp], -1))  # the queries WE multiplies (fp32)
+    tn, tp = q[..., :DV], q[..., DV:]
+    ref, lse_ref = mla_decode_ref(tn, tp, kv8, r2t, rpi, kl, SM, k_scale=0.25, v_scale=0.7,
+                                  q_len=q_len, return_lse=True)
+    out, lse = mla_decode_paged(qn, qp, kv8, r2t, rpi, kl, SM, page_size=page, k_scale=0.25,
+                                v_scale=0.7, q_len=q_len, num_splits=splits,
+                                config=PAGED_VARIANTS["WE"], max_kv=max(lens), return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    # same queries, same cache values; what differs is the e4m3 MMA's own rounding (Hopper
+    # aligns an instruction's 32 products to the largest before it adds them: a few 1e-3 of
+    # a score's largest term), P in fp16 and the bf16 output
+    d = out.float() - ref.float()
+    err = d.abs().max() / ref.float().abs().max().clamp_min(1e-3)
+    rms = d.norm() / ref.float().norm().clamp_min(1e-3)
+    fin = torch.isfinite(lse_ref)
+    lse_err = (lse[fin] - lse_ref[fin].float()).abs().max()
+    # H200, thirteenth session: max 0.003-0.027, norm 0.002-0.007, lse 0.02-0.24 (these
+    # cases' logits reach ~40; a layout or scale bug moves all three by far more)
+    assert err.item() < 0.06 and rms.item() < 0.015, (err.item(), rms.item())
+    assert torch.equal(fin, torch.isfinite(lse))
+    assert lse_err.item() < 0.5, lse_err.item()
 
 
 def test_fp8_in_place_widening_schedule_never_reads_an_overwritten_byte():

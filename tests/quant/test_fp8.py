@@ -75,3 +75,65 @@ def test_scale_shape_mismatch_is_value_error():
         dequantize_fp8(x8, torch.ones(2, 1))
     torch.testing.assert_close(dequantize_fp8(x8, torch.full((3, 1), 0.5)), x, rtol=2**-4,
                                atol=1e-3)
+
+
+def test_rows_e4m3_scale_per_row_and_round_trip_bound():
+    from mla_spec.quant.fp8 import e4m3_rows_round_trip, quantize_rows_e4m3
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 3, 77, generator=g) * torch.tensor([1e-3, 1.0, 300.0])[None, :, None]
+    x[0, 0] = 0.0  # an all-zero row: scale 0, codes 0
+    x[1, 2, 5] = -2e4  # one outlier sets its row's scale
+    q8, scale = quantize_rows_e4m3(x)
+    assert q8.dtype == FP8_DTYPE and q8.shape == x.shape and scale.shape == x.shape[:2]
+    amax = x.abs().amax(-1)
+    assert torch.allclose(scale, amax / FP8_E4M3_MAX)
+    assert scale[0, 0] == 0 and (q8[0, 0].float() == 0).all()
+    assert q8[1, 2, 5].float() == -FP8_E4M3_MAX  # the row's largest magnitude maps to 448
+    back = e4m3_rows_round_trip(x)
+    bound = 2.0**-4 * x.abs() + 2.0**-10 * scale[..., None]
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+    # a per-row scale keeps the small rows' precision where one per tensor would flush them
+    per_tensor = dequantize_fp8(quantize_fp8(x, fp8_scale_for(x)), fp8_scale_for(x))
+    small = (slice(2, 5), 0)
+    assert (back[small] - x[small]).abs().max() < (per_tensor[small] - x[small]).abs().max()
+
+
+@pytest.mark.parametrize("m,n,d,seed", [(1, 1, 16, 0), (3, 37, 48, 1), (8, 200, 96, 2)])
+def test_query_e4m3_error_stays_within_its_bound(m, n, d, seed):
+    from mla_spec.quant.fp8 import e4m3_rows_round_trip, fp8_query_attention_error_bound
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(m, d, generator=g, dtype=torch.float64) * 2
+    kv = torch.randn(n, d, generator=g, dtype=torch.float64)
+    dv, sm = d - d // 8, d**-0.5
+
+    def attend(qq):
+        p = torch.softmax(qq @ kv.T * sm, -1)
+        return p @ kv[:, :dv]
+
+    err = float((attend(e4m3_rows_round_trip(q).double()) - attend(q)).abs().max())
+    bound = fp8_query_attention_error_bound(q, kv, dv, sm)
+    assert err <= bound  # a worst case: the rounding errors add up with one sign
+    assert fp8_query_attention_error_bound(q[:0], kv, dv, sm) == 0.0
+
+
+def test_query_e4m3_costs_about_what_the_cache_rounding_costs():
+    # DeepSeek's dims and softmax scale: rounding the queries to e4m3 per row moves an output
+    # about as much as rounding the cache to e4m3 does (which an FP8 cache already pays)
+    from mla_spec.quant.fp8 import e4m3_rows_round_trip
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(16, 576, generator=g, dtype=torch.float64)
+    kv = torch.randn(512, 576, generator=g, dtype=torch.float64)
+    kv8 = dequantize_fp8(quantize_fp8(kv)).double()
+
+    def attend(qq, kk):
+        return torch.softmax(qq @ kk.T * 192**-0.5, -1) @ kk[:, :512]
+
+    ref = attend(q, kv)
+    q8 = e4m3_rows_round_trip(q).double()
+    err_q, err_kv, err_both = (float((attend(a, b) - ref).norm() / ref.norm())
+                               for a, b in ((q8, kv), (q, kv8), (q8, kv8)))
+    # independent errors add in quadrature: both together ~ sqrt(2) x either alone
+    assert err_q < 1.5 * err_kv and err_both < 2.0 * err_kv, (err_q, err_kv, err_both)

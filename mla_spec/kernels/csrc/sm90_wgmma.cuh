@@ -16,16 +16,22 @@ constexpr int BLK = BN * 128;                     // one 64-dim block of a tile 
 constexpr int TILE = NCH * BLK;                   // 72 KB
 constexpr int OSTRIDE = DV + 4;                   // fp32 output staging row (bank spread)
 
-// the cache the wgmma kernels read: bf16, or e4m3 widened to fp16 in shared memory
-// (sm90_fp8.cuh)
-enum KvKind { KV_BF16 = 0, KV_FP8 = 1 };
+// the cache the wgmma kernels read: bf16, e4m3 widened to fp16 in shared memory
+// (sm90_fp8.cuh), or e4m3 multiplied as it lands (mla_wgmma_e4m3_sm90.cu: boxes of 128 dims,
+// 128-byte swizzled, the fifth half past the row's end and zero-filled by TMA)
+enum KvKind { KV_BF16 = 0, KV_FP8 = 1, KV_E4M3 = 2 };
 
 template <int KV>
 struct KvTraits {
   static constexpr bool f16 = KV == KV_FP8;                     // fp16 MMAs (else bf16)
-  static constexpr int tile_bytes = f16 ? TILE / 2 : TILE;     // TMA bytes per tile
-  static constexpr int land = f16 ? TILE / 2 : 0;              // where the TMA boxes land
+  static constexpr bool e4m3 = KV == KV_E4M3;
+  static constexpr int nbox = e4m3 ? 5 : NCH;                  // TMA boxes per tile
+  static constexpr int box_dims = e4m3 ? 128 : 64;
   static constexpr int box_bytes = f16 ? BLK / 2 : BLK;
+  static constexpr int tile_bytes = nbox * box_bytes;          // TMA bytes per tile
+  static constexpr int land = f16 ? TILE / 2 : 0;              // where the TMA boxes land
+  static constexpr int stage_bytes = e4m3 ? tile_bytes : TILE;
+  static constexpr int stages = e4m3 ? 4 : STAGES;
 };
 
 }  // namespace
@@ -127,11 +133,11 @@ __device__ __forceinline__ void cta_range(const MlaParams& p, int split, int b, 
 // prefetch, never a result, as the kernel reads it again after the wait and the tensor map
 // bounds every box; the Triton kernels' rule 4 in kernels/pdl.py); then the grid waits for its
 // predecessor. False when the row block is past the request's rows (the whole CTA exits).
-template <int BM, bool L2PF>
+template <int BM, bool L2PF, int NSTAGE = STAGES>
 __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w) {
   if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
+    for (int s = 0; s < NSTAGE; ++s) {
       mbar_init(&full[s], 1);
       mbar_init(&empty[s], NT / 32);
     }
@@ -196,34 +202,35 @@ struct QueryLoad {
 // a CTA's start shared by the wgmma kernels: barriers, the work range, the queries' loads
 // issued (stored by the consumers once the producer has split off); false when the row block
 // is past the request's rows (the whole CTA exits)
-template <int BM, bool L2PF>
+template <int BM, bool L2PF, int NSTAGE = STAGES>
 __device__ __forceinline__ bool cta_begin(const WgParams& wp, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w,
                                           QueryLoad<BM>& qload) {
-  if (!cta_start<BM, L2PF>(wp, split, mb, b, tid, full, empty, w)) return false;
+  if (!cta_start<BM, L2PF, NSTAGE>(wp, split, mb, b, tid, full, empty, w)) return false;
   if (tid < NT) qload.issue(wp.m, b, w.m0, w.n_rows, tid);  // beside the index loads
   cta_range<BM>(wp.m, split, b, w);
   __syncthreads();  // barriers initialized
   return true;
 }
 
-// producer warp, lane 0: a tile's nine [64 tok, 64 dim] TMA boxes into a stage as soon as the
-// consumer warps have released it (empty), completing on full (an e4m3 tile: into the stage's
-// upper half, see sm90_fp8.cuh)
+// producer warp, lane 0: a tile's TMA boxes (nine [64 tok, 64 dim], or five of 128 dims for
+// KV_E4M3) into a stage as soon as the consumer warps have released it (empty), completing on
+// full (a KV_FP8 tile: into the stage's upper half, see sm90_fp8.cuh)
 template <int KV>
 __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, unsigned char* kv_s,
                                         uint64_t* full, uint64_t* empty) {
   using T = KvTraits<KV>;
+  constexpr int NS = T::stages;
   const int* r2t_row = p.m.r2t + w.req * p.m.s_r2t + w.lo;
   for (int it = 0; it < w.ntiles; ++it) {
-    const int stage = it % STAGES;
+    const int stage = it % NS;
     const int slot0 = r2t_row[it * BN];
-    if (it >= STAGES) mbar_wait(&empty[stage], ((it / STAGES) - 1) & 1);
+    if (it >= NS) mbar_wait(&empty[stage], ((it / NS) - 1) & 1);
     mbar_expect_tx(&full[stage], T::tile_bytes);
 #pragma unroll
-    for (int c = 0; c < NCH; ++c)
-      tma_load_2d(kv_s + stage * TILE + T::land + c * T::box_bytes, &p.kv_map, c * 64, slot0,
-                  &full[stage]);
+    for (int c = 0; c < T::nbox; ++c)
+      tma_load_2d(kv_s + stage * T::stage_bytes + T::land + c * T::box_bytes, &p.kv_map,
+                  c * T::box_dims, slot0, &full[stage]);
   }
 }
 

@@ -1,0 +1,316 @@
+// Split-KV MLA decode over an FP8 (e4m3) paged latent cache, 32 query rows per CTA, with e4m3
+// tensor-core products for Q K and the V operand fed to wgmma from registers (sm_90a).
+//
+// Why: the swapped kernel (mla_wgmma_sm90.cu) widens every e4m3 tile to fp16 in shared memory
+// before multiplying it in fp16 (sm90_fp8.cuh): a 36 KB read and a 72 KB write per tile on top
+// of the MMAs' reads, and a barrier that stalls both warpgroups, so at large batch it was no
+// faster than its bf16 self (bs 128 ctx 8k: 341 vs 302 µs) although it reads half the bytes.
+// Here nothing is widened in shared memory:
+//   S^T[64 tok, 32] = K[64 tok, 576] . Q^T      e4m3 x e4m3 wgmma (m64n32k32), straight from
+//                                               the TMA tile; the queries quantized to e4m3
+//                                               per row (scale amax / 448) when the CTA starts
+//                                               (as TRT-LLM-gen quantizes them; the error this
+//                                               adds is bounded in mla_spec.quant.fp8)
+//   O^T[512, 32]  += V^T[512, 64 tok] . P^T      fp16 wgmma, A = V^T from registers: each
+//                                               thread loads its fragment's bytes (8 dims of a
+//                                               token per 8-byte load), pairs two tokens' bytes
+//                                               with one prmt and converts them exactly with
+//                                               cvt.f16x2.e4m3x2 (e4m3 takes only K-major
+//                                               operands, and V^T would be M-major)
+// The loads of V run while the tensor cores do Q K. The work split is mla_wgmma_sm90.cu's:
+// two consumer warpgroups each take half of Q K's depth (9 of 18 k32 steps) and add the halves
+// through shared memory, run the same softmax and own 256 output dims each; a producer warp
+// issues a tile's five TMA boxes (dims 128 c.., 128-byte swizzle; the last box's upper half is
+// past the 576-dim row and TMA fills it with zeros) into one of four 40 KB stages.
+//
+// Fragment geometry of P V. Thread (warp wq, lane g * 4 + t4) of warpgroup wg owns the 8 dims
+// D = 256 wg + 64 wq + 8 g .. D + 7: in m64 tile mt its fragment rows g / g + 8 are the dims
+// D + 2 mt / D + 2 mt + 1 (the order of an output's dims is the kernel's to choose; stage_o
+// below undoes it). Its k16 step kk holds tokens 16 kk + 2 t4 (+1) and + 8 (+9), in natural
+// order, so P^T is written exactly as mla_wgmma_sm90.cu writes it. In a 128-byte-swizzled
+// stage the 16 lanes of a half-warp read 4 tokens 2 apart x 32 bytes: 16 distinct banks.
+//
+// What it computes is mla_spec.kernels.mla_decode.mla_decode_ref with the queries replaced by
+// mla_spec.quant.fp8.quantize_rows_e4m3's round trip (tests/kernels/test_mla_decode_wgmma.py).
+#include "sm90_fp8.cuh"
+
+#include <cuda_fp8.h>
+
+namespace {
+
+using namespace sm90;
+
+constexpr int BM = 32, NA = BM / 2, NC = BM / 4;  // rows, S^T accumulators, rows per thread
+using T8 = KvTraits<KV_E4M3>;
+constexpr int NS = T8::stages, QBOX = BM * 128;   // stages; one 128-dim box of the queries
+
+// D[64, 32] += A . B, e4m3 x e4m3 (k32), both K-major from shared memory
+__device__ __forceinline__ void wgmma_e4m3_n32(float (&d)[16], uint64_t da, uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(da), "l"(db));
+}
+
+// D[64, 32] += A . B in fp16, A from registers (an m64k16 fragment), B K-major in shared memory
+__device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, "
+               "1, 1, 1, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// the CTA's queries (loaded by QueryLoad::issue) as e4m3 rows scaled by 448 / amax into q_s
+// ([5 boxes][BM rows][128 B], 128-byte swizzle; the last box's dims 576.. are never read),
+// the amax of every row into qmax (zeroed before the CTA's first barrier); the consumer threads only
+__device__ __forceinline__ void store_queries_e4m3(const QueryLoad<BM>& ql, unsigned char* q_s,
+                                                   float* qmax, int tid) {
+  constexpr int QCH = QueryLoad<BM>::QCH, QIT = QueryLoad<BM>::QIT;
+  const auto f = [](uint32_t w, int hi) { return __uint_as_float(hi ? w & 0xFFFF0000u : w << 16); };
+#pragma unroll
+  for (int i = 0; i < QIT; ++i) {
+    const int c = tid + i * NT;
+    if (c < QCH) {
+      const uint4 x = ql.v[i];
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      float m = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(f(w[e >> 1], e & 1)));
+      atomicMax(reinterpret_cast<int*>(qmax) + c / 72, __float_as_int(m));
+    }
+  }
+  named_barrier(1, NT);
+#pragma unroll
+  for (int i = 0; i < QIT; ++i) {
+    const int c = tid + i * NT, r = c / 72, k = c % 72;
+    if (c < QCH) {
+      const float amax = qmax[r], inv = amax > 0.f ? 448.f / amax : 0.f;
+      const uint4 x = ql.v[i];
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      uint32_t q8[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+            make_float2(f(w[2 * h], 0) * inv, f(w[2 * h], 1) * inv), __NV_SATFINITE, __NV_E4M3);
+        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+            make_float2(f(w[2 * h + 1], 0) * inv, f(w[2 * h + 1], 1) * inv), __NV_SATFINITE,
+            __NV_E4M3);
+        q8[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      }
+      *reinterpret_cast<uint2*>(q_s + (k >> 4) * QBOX + sw128(r, (k & 15) >> 1) + 8 * (k & 1)) =
+          make_uint2(q8[0], q8[1]);
+    }
+  }
+  fence_proxy_async();
+  named_barrier(1, NT);
+}
+
+// S^T partial over the k32 steps 2 j + w (j < 9) of warpgroup w: box j / 2, bytes 64 (j % 2)
+// + 32 w (as mla_wgmma_sm90.cu's qk_half, with 32-byte e4m3 steps), step j into chain j % NACC.
+// Three chains summed in fp32 ran 2-3% faster than one (bs 128 ctx 8k 276.9 vs 281.9 µs) and
+// were exactly as accurate: the e4m3 MMA's rounding is inside each instruction, not the chain.
+constexpr int NACC = 3;
+__device__ __forceinline__ void qk_e4m3(float (&s)[NACC][NA], uint64_t a_desc, uint64_t b_desc) {
+#pragma unroll
+  for (int j = 0; j < 9; ++j) {
+    const uint32_t a_off = (j >> 1) * BLK + (j & 1) * 64, b_off = (j >> 1) * QBOX + (j & 1) * 64;
+    wgmma_e4m3_n32(s[j % NACC], a_desc + (a_off >> 4), b_desc + (b_off >> 4));
+  }
+}
+
+// the thread's V bytes of k16 step kk (tokens 16 kk + 2 t4 + 8 p + e: v[p][e], 8 dims each);
+// tokens at or past nvalid (a freed slot may hold NaN, and P = 0 times NaN is NaN) read zero
+__device__ __forceinline__ void load_v(uint2 (&v)[2][2], uint32_t vrow, int kk, int t4,
+                                       int chunk0, int nvalid) {
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = 16 * kk + 8 * p + 2 * t4 + e;
+      uint2 x;
+      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
+                   : "=r"(x.x), "=r"(x.y)
+                   : "r"(vrow + tok * 128 + ((chunk0 ^ (tok & 7)) << 4)));
+      v[p][e] = tok < nvalid ? x : make_uint2(0, 0);
+    }
+}
+
+// v's bytes -> the A fragments of k16 step kk for the 4 m64 tiles: a[mt] = {dim D + 2 mt,
+// D + 2 mt + 1} x {tokens 2 t4 (+1), 2 t4 + 8 (+9)}, each register a token pair of one dim
+__device__ __forceinline__ void v_frags(const uint2 (&v)[2][2], uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t x0 = half ? v[p][0].y : v[p][0].x, x1 = half ? v[p][1].y : v[p][1].x;
+      // dims 4 half + 0..3 of the pair (tokens e = 0 in the low byte of each 16-bit lane)
+      e4m3x4_to_h2x2(prmt(x0, x1, 0x5140), a[2 * half][p * 2], a[2 * half][p * 2 + 1]);
+      e4m3x4_to_h2x2(prmt(x0, x1, 0x7362), a[2 * half + 1][p * 2], a[2 * half + 1][p * 2 + 1]);
+    }
+}
+
+__device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
+  const MlaParams& p = wp.m;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* kv_s = smem;                        // [NS][5][64 tok][128 B] e4m3
+  unsigned char* q_s = kv_s + NS * T8::stage_bytes;  // [5][BM][128 B] e4m3
+  unsigned char* p_s = q_s + 5 * QBOX;               // P^T as [BM][64 tok] fp16, swizzled
+  float* xbuf = reinterpret_cast<float*>(p_s + BM * 128);  // [2 wg][NA / 4][128 thr][4]
+  float* red = xbuf + 2 * NA * 128;                         // [8 warps][BM]
+  float* rowv = red + 8 * BM;                               // [BM] v_scale / l
+  float* qmax = rowv + BM;                                  // [BM] each query row's amax
+  uint64_t* full = reinterpret_cast<uint64_t*>(qmax + BM);  // [NS] tile landed
+  uint64_t* empty = full + NS;                              // [NS] 8 warps done
+
+  const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
+  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  if (tid < BM) qmax[tid] = 0.f;  // ordered before the atomics by cta_begin's __syncthreads
+  CtaWork w;
+  QueryLoad<BM> qload;
+  if (!cta_begin<BM, false, NS>(wp, split, mb, b, tid, full, empty, w, qload)) return;
+  if (tid >= NT) {  // the producer warp
+    if (lane == 0) produce<KV_E4M3>(wp, w, kv_s, full, empty);
+    return;
+  }
+  store_queries_e4m3(qload, q_s, qmax, tid);
+
+  int bound[NC];
+  float m_r[NC], l_r[NC];
+  const int min_bound = init_rows<NC>(p, w, 0, t4, bound, m_r, l_r);
+  // S^T column c's scale: its query row's (amax / 448), then the softmax's (read per tile from
+  // shared memory: registers are what this kernel is short of)
+  const float kq = p.qk_scale_log2 * (1.f / 448.f);
+  const float* qm = qmax + 2 * t4;
+  float o[4][NA];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int i = 0; i < NA; ++i) o[mt][i] = 0.f;
+  const uint32_t p_base = smem_u32(p_s);
+  const uint64_t q_desc = sw128_desc(smem_u32(q_s) + wg * 32, 16, 1024);
+  const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
+  // this thread's V bytes: box 2 wg + wq / 2, 16-byte chunk 4 (wq % 2) + g / 2, half g % 2
+  const int chunk0 = 4 * (wq & 1) + (g >> 1);
+  const uint32_t v_off = (2 * wg + (wq >> 1)) * BLK + 8 * (g & 1);
+  const int sm_m = lane >> 3, sm_r = lane & 7;
+  float4* xmine = reinterpret_cast<float4*>(xbuf) + wg * (NA / 4) * 128 + wt;
+  const float4* xother = reinterpret_cast<const float4*>(xbuf) + (1 - wg) * (NA / 4) * 128 + wt;
+
+  for (int it = 0; it < w.ntiles; ++it) {
+    const int stage = it % NS, t0 = w.lo + it * BN, nvalid = w.hi - t0;
+    const uint32_t kv_base = smem_u32(kv_s + stage * T8::stage_bytes);
+    mbar_wait(&full[stage], (it / NS) & 1);
+    float sc[NACC][NA];
+#pragma unroll
+    for (int c = 0; c < NACC; ++c)
+#pragma unroll
+      for (int i = 0; i < NA; ++i) sc[c][i] = 0.f;
+    wgmma_fence();
+    qk_e4m3(sc, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
+    wgmma_commit();
+    wgmma_wait0();
+    float s[NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) {
+      s[i] = sc[0][i];
+#pragma unroll
+      for (int c = 1; c < NACC; ++c) s[i] += sc[c][i];
+    }
+    // add the other warpgroup's half (a + b == b + a: both hold identical sums)
+#pragma unroll
+    for (int i = 0; i < NA / 4; ++i)
+      xmine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+    named_barrier(1, NT);
+#pragma unroll
+    for (int i = 0; i < NA / 4; ++i) {  // columns 8 i + 2 t4 (+1)
+      const float4 v = xother[i * 128];
+      const float2 c = *reinterpret_cast<const float2*>(qm + 8 * i);
+      s[4 * i] = (s[4 * i] + v.x) * (c.x * kq);
+      s[4 * i + 1] = (s[4 * i + 1] + v.y) * (c.y * kq);
+      s[4 * i + 2] = (s[4 * i + 2] + v.z) * (c.x * kq);
+      s[4 * i + 3] = (s[4 * i + 3] + v.w) * (c.y * kq);
+    }
+    tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, 1.f,
+                     red + (wg * 4 + wq) * BM, g, t4);
+    named_barrier(2 + wg, 128);
+    float alpha[NC];
+    const bool rescale = tile_softmax<NC>(s, m_r, l_r, alpha, red + wg * 4 * BM, BM, t4);
+    uint32_t pk[NA / 2];
+#pragma unroll
+    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<true>(s[i], s[i + 1]);
+    if ((wq >> 1) == wg) {  // P^T as mla_wgmma_sm90.cu writes it
+#pragma unroll
+      for (int jb = 0; jb < BM / 8; jb += 2) {
+        const int mjb = jb + (sm_m >> 1), mhf = sm_m & 1;
+        stsm_x4_t(p_base + sw128(8 * mjb + sm_r, 2 * wq + mhf), pk[2 * jb], pk[2 * jb + 1],
+                  pk[2 * jb + 2], pk[2 * jb + 3]);
+      }
+    }
+    if (__any_sync(0xffffffffu, rescale))
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
+    fence_proxy_async();
+    named_barrier(1, NT);  // P^T complete
+    uint2 v[BN / 16][2][2];  // (loaded during Q K, they cost the registers of a spill-free
+#pragma unroll               // kernel: 168 a thread at 9 warps; measured no faster)
+    for (int kk = 0; kk < BN / 16; ++kk) load_v(v[kk], kv_base + v_off, kk, t4, chunk0, nvalid);
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {  // step kk's fragments while step kk - 1 multiplies
+      uint32_t a[4][4];
+      v_frags(v[kk], a);
+      wgmma_fence();
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) wgmma_rs_n32(o[mt], a[mt], p_desc + kk * 2);
+    }
+    wgmma_commit();
+    wgmma_wait0();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[stage]);
+  }
+  griddep_launch();  // the combine may launch now (it waits for this grid to finish)
+
+  sum_over_g<NC>(l_r);
+  named_barrier(1, NT);  // the KV stages and red are free
+  if (wg == 0 && g == 0)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) red[wq * BM + frag_col(c, t4)] = l_r[c];
+  float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int i = 0; i < NA; ++i)
+      ost[frag_col(2 * (i >> 2) + (i & 1), t4) * OSTRIDE + 256 * wg + 64 * wq + 8 * g + 2 * mt +
+          ((i >> 1) & 1)] = o[mt][i];
+  named_barrier(1, NT);
+  if (wg == 0 && wq == 0 && g == 0)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int col = frag_col(c, t4);
+      finish_row(p, w, split, b, col,
+                 red[col] + red[BM + col] + red[2 * BM + col] + red[3 * BM + col], m_r[c], rowv);
+    }
+  named_barrier(1, NT);
+  store_rows<BM>(p, w, split, b, ost, rowv, tid);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(NT + 32, 1)
+    mla_wgmma_e4m3_m32(const __grid_constant__ WgParams p) {
+  mla_wgmma_e4m3(p);
+}
