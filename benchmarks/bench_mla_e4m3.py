@@ -1,4 +1,5 @@
-"""``WE`` (e4m3 Q K MMAs, V fed to wgmma from registers) against ``W`` on the same FP8 cache,
+"""``WE`` / ``WE2`` (e4m3 Q K MMAs, V fed to wgmma from registers; ``WE2``'s warpgroups take
+turns on whole tiles) against ``W`` on the same FP8 cache,
 and FlashInfer's MLA on a bf16 and on an FP8 cache, at the 32-row shapes (DECODE at TP 4).
 
     python benchmarks/bench_mla_e4m3.py [--shapes 32x1:8192:128,32x1:4096:32,...]
@@ -72,7 +73,8 @@ def shape_rows(h, q, ctx, bs, dev):
     shape = f"{h}x{q} ctx {ctx} bs {bs}"
     rows = []
     for name, cfg, kern in (("default " + cfg_w.tag, cfg_w, False),
-                            ("WE", PAGED_VARIANTS["WE"], True)):
+                            ("WE", PAGED_VARIANTS["WE"], True),
+                            ("WE2", PAGED_VARIANTS["WE2"], True)):
         def call(rpi, cfg=cfg):
             return lambda: mla_decode_paged(qn, qp, flat, r2t, rpi, kv_lens, SM_SCALE,
                                             page_size=PAGE, q_len=q, num_splits=sp, config=cfg,

@@ -65,6 +65,10 @@ class PagedConfig:
     #: widened in shared memory (``csrc/mla_wgmma_e4m3_sm90.cu``; the error it adds:
     #: ``quant.fp8.fp8_query_attention_error_bound``)
     e4m3_mma: bool = False
+    #: with ``e4m3_mma``: the two consumer warpgroups take turns, each multiplying whole tiles
+    #: with its own softmax state (``csrc/mla_wgmma_e4m3pp_sm90.cu``), instead of splitting
+    #: every tile between them
+    pingpong: bool = False
 
     def __post_init__(self) -> None:
         if self.swap and (self.vsplit > 1 or self.fused):
@@ -85,6 +89,8 @@ class PagedConfig:
                                   and not self.rows_m):
             raise ValueError("e4m3_mma is an option of the 32-row wgmma kernel without "
                              "prefetch (an e4m3 cache only)")
+        if self.pingpong and not self.e4m3_mma:
+            raise ValueError("pingpong is an option of the e4m3_mma kernel")
 
     @property
     def tag(self) -> str:
@@ -93,7 +99,8 @@ class PagedConfig:
                 f"{f'v{self.vsplit}' if self.vsplit > 1 else ''}{'x' if self.fused else ''}"
                 f"{'S' if self.swap else ''}{'K' if self.cuda else ''}"
                 f"{'W' if self.wgmma else ''}{'p' if self.prefetch else ''}"
-                f"{'R' if self.rows_m else ''}{'E' if self.e4m3_mma else ''}")
+                f"{'R' if self.rows_m else ''}{'E' if self.e4m3_mma else ''}"
+                f"{'2' if self.pingpong else ''}")
 
     @property
     def sibling_kernel(self) -> bool:
@@ -153,6 +160,8 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {
     "WR": PagedConfig(64, 64, 8, 2, cuda=True, wgmma=True, rows_m=True),
     # an e4m3 cache multiplied as it lands: e4m3 Q K, V from registers (the queries go e4m3)
     "WE": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True, e4m3_mma=True),
+    # the same with the two consumer warpgroups taking turns on whole tiles
+    "WE2": PagedConfig(32, 64, 8, 2, cuda=True, wgmma=True, e4m3_mma=True, pingpong=True),
 }
 
 # Per-shape winners: (kv class, rows class, batch class) -> "NAME" or "NAME/spN" (``spN`` pins

@@ -13,7 +13,9 @@ per request run more row blocks, each streaming the KV. Splits merge through
 the MMA's M side instead of N, P V with P from registers. ``e4m3_mma`` (variant ``WE``,
 ``csrc/mla_wgmma_e4m3_sm90.cu``, an e4m3 cache, 32 rows): Q K in e4m3 MMAs straight from the
 tile with the queries quantized to e4m3 per row (``quant.fp8.quantize_rows_e4m3``), V fed to
-``wgmma`` from registers; nothing is widened in shared memory.
+``wgmma`` from registers; nothing is widened in shared memory. ``pingpong`` (``WE2``,
+``csrc/mla_wgmma_e4m3pp_sm90.cu``): the same with the two consumer warpgroups taking turns on
+whole tiles.
 
 Why it exists: see the ``.cu`` files' headers. Its torch twin is ``mla_decode_ref``
 (``tests/kernels/test_mla_decode_cuda.py`` runs every ``cuda`` variant against it on the GPU).
@@ -52,29 +54,36 @@ WGMMA_FP8_BLOCK_M = (32, 16, 64)
 #: (fp8 H 128 ctx 32k 45.8 -> 44.3, 4k 21.4 -> 19.9); at 32 rows the combine of bf16 partials
 #: was slower (bs 32 ctx 4k 54.4 -> 63.3 µs; docs/bench_mla.md v9)
 PART_BF16_BLOCK_M = frozenset({64})
-# keys: (rows per CTA, prefetch, e4m3 cache, rows on M: WR, e4m3 MMAs: WE)
-_KERNELS = {(bm, pf, False, False, False): CudaKernel(_SOURCES[bm][0],
+# keys: (rows per CTA, prefetch, e4m3 cache, rows on M: WR, e4m3 MMAs: WE, ping-pong: WE2)
+_KERNELS = {(bm, pf, False, False, False, False): CudaKernel(_SOURCES[bm][0],
                                                       f"mla_wgmma_m{bm}{'p' if pf else ''}",
                                                       arch="sm_90a") for bm, pf in WGMMA_KERNELS}
-_KERNELS.update({(bm, False, True, False, False): CudaKernel(_SOURCES[bm][0],
+_KERNELS.update({(bm, False, True, False, False, False): CudaKernel(_SOURCES[bm][0],
                                                              f"mla_wgmma_m{bm}_f8", arch="sm_90a")
                  for bm in WGMMA_FP8_BLOCK_M})
 #: the 64-row kernel with the query rows on the MMA's M side (bf16 or e4m3 cache, no prefetch)
 _ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
-_KERNELS.update({(64, False, f8, True, False): CudaKernel(
+_KERNELS.update({(64, False, f8, True, False, False): CudaKernel(
     _ROWS_SOURCE, f"mla_wgmma_rows64{'_f8' if f8 else ''}", arch="sm_90a") for f8 in (False, True)})
-#: the 32-row kernel with e4m3 Q K MMAs and V from registers (an e4m3 cache only; 288 threads)
-_E4M3_SOURCE = "mla_wgmma_e4m3_sm90.cu"
-_KERNELS[(32, False, True, False, True)] = CudaKernel(_E4M3_SOURCE, "mla_wgmma_e4m3_m32",
-                                                      arch="sm_90a")
+#: the 32-row kernels with e4m3 Q K MMAs and V from registers (an e4m3 cache only): 288
+#: threads, or 384 taking turns (a producer warpgroup)
+_E4M3_SOURCE, _E4M3PP_SOURCE = "mla_wgmma_e4m3_sm90.cu", "mla_wgmma_e4m3pp_sm90.cu"
+_KERNELS[(32, False, True, False, True, False)] = CudaKernel(_E4M3_SOURCE, "mla_wgmma_e4m3_m32",
+                                                             arch="sm_90a")
+_KERNELS[(32, False, True, False, True, True)] = CudaKernel(_E4M3PP_SOURCE,
+                                                            "mla_wgmma_e4m3pp_m32", arch="sm_90a")
 #: its stages (40 KB each: five 128-dim boxes of 64 tokens' bytes)
 _E4M3_STAGES, _E4M3_TILE = 4, 5 * _BN * 128
 
 
-def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False) -> int:
+def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False,
+               pingpong: bool = False) -> int:
     """Dynamic shared memory of one CTA (as laid out in the ``.cu`` files): 1 KB of alignment
     slack, the KV stages, the queries, P^T (P with ``rows_m``), then the S^T exchange (16 / 32
     rows) or the per-row rescale factors (64), the reductions, the stage barriers."""
+    if pingpong:  # four 40 KB stages, e4m3 queries, two P^T, maxima and sums of both groups
+        return (1024 + _E4M3_STAGES * _E4M3_TILE + 5 * block_m * 128 + 2 * block_m * 128
+                + (8 * block_m + 4 * block_m) * 4 + 16 * _E4M3_STAGES)
     if e4m3_mma:  # four 40 KB stages, e4m3 queries in five 128-byte boxes, the row amaxes
         return (1024 + _E4M3_STAGES * _E4M3_TILE + 5 * block_m * 128 + block_m * 128
                 + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4
@@ -116,16 +125,16 @@ def _tensor_map(kv_flat: torch.Tensor, e4m3_mma: bool = False) -> bytes:
 
 
 def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False,
-                e4m3_mma: bool = False):
-    return (block_m, prefetch, kv_dtype == FP8_DTYPE, rows_m, e4m3_mma)
+                e4m3_mma: bool = False, pingpong: bool = False):
+    return (block_m, prefetch, kv_dtype == FP8_DTYPE, rows_m, e4m3_mma, pingpong)
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
                         page_size: int, block_m: int, q_len: int | None,
                         prefetch: bool = False, rows_m: bool = False,
-                        e4m3_mma: bool = False) -> str | None:
+                        e4m3_mma: bool = False, pingpong: bool = False) -> str | None:
     """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
-    if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma) not in _KERNELS:
+    if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong) not in _KERNELS:
         return f"(block_m, prefetch, rows_m, e4m3_mma) {(block_m, prefetch, rows_m, e4m3_mma)}" \
                f" is not compiled for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one " \
                f"of {WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
@@ -140,7 +149,8 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
                      num_splits: int, block_m: int, prefetch: bool = False,
-                     rows_m: bool = False, e4m3_mma: bool = False) -> None:
+                     rows_m: bool = False, e4m3_mma: bool = False,
+                     pingpong: bool = False) -> None:
     """Run the split kernel (and the combine when ``num_splits > 1``) into ``out`` / ``lse``
     (see :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
@@ -152,8 +162,8 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                                      num_splits, part_bf16=block_m in PART_BF16_BLOCK_M)
     p = _WgParams(m)
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat, e4m3_mma), 128)
-    _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma)](
-        (num_splits, m_blocks, req_pool_indices.numel()), _SOURCES[block_m][1],
-        wgmma_smem(block_m, rows_m, e4m3_mma), p, q_nope.device, pdl=pdl_on(q_nope))
+    _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong)](
+        (num_splits, m_blocks, req_pool_indices.numel()), 384 if pingpong else _SOURCES[block_m][1],
+        wgmma_smem(block_m, rows_m, e4m3_mma, pingpong), p, q_nope.device, pdl=pdl_on(q_nope))
     if num_splits > 1:
         combine_splits(part, part_lse, out, lse)

@@ -119,7 +119,7 @@ def test_matches_twin_on_gpu(name, h, q_len, lens, page, splits, idx):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,fp8", [("K", False), ("W", False), ("W", True), ("WR", False),
-                                      ("WR", True), ("WE", True)])
+                                      ("WR", True), ("WE", True), ("WE2", True)])
 def test_cuda_graph_replay_reads_new_data(name, fp8):
     from mla_spec.quant.fp8 import e4m3_rows_round_trip, quantize_fp8
 

@@ -25,9 +25,9 @@ from mla_spec.quant.fp8 import FP8_DTYPE, e4m3_rows_round_trip
 
 SM = 0.1352338
 DV, DPE = 512, 64
-SRC, SRC64, SRC_ROWS, SRC_E4M3, HDR = (CSRC / n for n in (
+SRC, SRC64, SRC_ROWS, SRC_E4M3, SRC_E4M3PP, HDR = (CSRC / n for n in (
     "mla_wgmma_sm90.cu", "mla_wgmma64_sm90.cu", "mla_wgmma_rows_sm90.cu",
-    "mla_wgmma_e4m3_sm90.cu", "sm90_wgmma.cuh"))
+    "mla_wgmma_e4m3_sm90.cu", "mla_wgmma_e4m3pp_sm90.cu", "sm90_wgmma.cuh"))
 
 
 def test_params_layout_matches_source():
@@ -58,7 +58,7 @@ def test_instantiations_match_source():
             assert (cfg.block_m, cfg.prefetch) in mw.WGMMA_KERNELS, name
             kvd = FP8_DTYPE if cfg.e4m3_mma else torch.bfloat16
             assert mw._kernel_key(cfg.block_m, cfg.prefetch, kvd, cfg.rows_m,
-                                  cfg.e4m3_mma) in mw._KERNELS, name
+                                  cfg.e4m3_mma, cfg.pingpong) in mw._KERNELS, name
     for bm in mw.WGMMA_BLOCK_M:
         assert mw.wgmma_smem(bm) <= 227 * 1024
     assert mw.wgmma_smem(64, rows_m=True) <= 227 * 1024
@@ -78,6 +78,8 @@ def test_cpu_is_refused_with_a_reason():
         PAGED_VARIANTS["W"].__class__(32, 64, 8, 2, cuda=True, wgmma=True, rows_m=True)
     with pytest.raises(ValueError, match="32-row wgmma"):
         PAGED_VARIANTS["W"].__class__(64, 64, 8, 2, cuda=True, wgmma=True, e4m3_mma=True)
+    with pytest.raises(ValueError, match="pingpong"):
+        PAGED_VARIANTS["W"].__class__(32, 64, 8, 2, cuda=True, wgmma=True, pingpong=True)
     # WE multiplies e4m3 bytes: a bf16 cache is refused, by the table and by the launcher
     assert not cuda_cache_ok(PAGED_VARIANTS["WE"], torch.bfloat16)
     assert cuda_cache_ok(PAGED_VARIANTS["WE"], FP8_DTYPE)
@@ -88,7 +90,7 @@ def test_cpu_is_refused_with_a_reason():
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_source_compiles_for_sm90a(tmp_path, monkeypatch):
     monkeypatch.setenv("MLA_SPEC_CACHE", str(tmp_path))
-    for src in (SRC, SRC64, SRC_ROWS, SRC_E4M3):
+    for src in (SRC, SRC64, SRC_ROWS, SRC_E4M3, SRC_E4M3PP):
         cubin = compile_cubin(src, "sm_90a")
         assert cubin[:4] == b"\x7fELF"
         for kern in mw._KERNELS.values():
@@ -240,7 +242,8 @@ def test_fp8_cache_matches_twin(name, lens, h, q_len, page, splits):
     ([32768], 32, 1, 64, 128),
     ([8191, 77], 32, 1, 64, 1),
 ])
-def test_e4m3_mma_kernel_matches_its_twin(lens, h, q_len, page, splits):
+@pytest.mark.parametrize("name", ["WE", "WE2"])
+def test_e4m3_mma_kernel_matches_its_twin(name, lens, h, q_len, page, splits):
     qn, qp, kv8, r2t, rpi, kl = _fp8_case(lens, h, q_len, page, seed=len(lens) + splits + 3)
     qn, qp = qn * 3, qp * 0.5  # rows whose nope and rope parts differ in scale
     qn[..., 7] = 0  # and exact zeros among them
@@ -252,7 +255,7 @@ def test_e4m3_mma_kernel_matches_its_twin(lens, h, q_len, page, splits):
                                   q_len=q_len, return_lse=True)
     out, lse = mla_decode_paged(qn, qp, kv8, r2t, rpi, kl, SM, page_size=page, k_scale=0.25,
                                 v_scale=0.7, q_len=q_len, num_splits=splits,
-                                config=PAGED_VARIANTS["WE"], max_kv=max(lens), return_lse=True)
+                                config=PAGED_VARIANTS[name], max_kv=max(lens), return_lse=True)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     # same queries, same cache values; what differs is the e4m3 MMA's own rounding (Hopper

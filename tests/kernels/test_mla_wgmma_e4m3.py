@@ -1,23 +1,38 @@
-"""CPU models of the index arithmetic of ``csrc/mla_wgmma_e4m3_sm90.cu`` (variant ``WE``).
+"""CPU models of the index arithmetic of ``csrc/mla_wgmma_e4m3_sm90.cu`` (variant ``WE``) and
+``csrc/mla_wgmma_e4m3pp_sm90.cu`` (``WE2``), whose shared parts live in ``csrc/sm90_e4m3.cuh``.
 
 The kernel feeds ``wgmma`` its V^T operand from registers that each thread builds from the
-e4m3 tile's bytes: an 8-byte load per token, one ``prmt`` per token pair, ``cvt.f16x2.e4m3x2``.
+e4m3 tile's bytes: an 8-byte (``WE``) or 16-byte (``WE2``) load per token, one ``prmt`` per
+token pair and two dims, ``cvt.f16x2.e4m3x2``.
 These tests replay that arithmetic lane by lane, with symbolic bytes ``(token, dim)``, and
 check it against what ``wgmma`` expects of an m64k16 A fragment, that the output staging puts
-every accumulator at the dim its fragment row stands for, and that the loads of a half-warp hit
-16 distinct 8-byte bank pairs in the 128-byte-swizzled stage. The GPU twin tests are in
-``test_mla_decode_wgmma.py``.
+every accumulator at the dim its fragment row stands for, and that the loads of a phase (16
+lanes of 8 bytes, 8 lanes of 16) hit distinct banks in the 128-byte-swizzled stage. The GPU
+twin tests are in ``test_mla_decode_wgmma.py``.
 """
 
 from __future__ import annotations
 
 import re
 
+import pytest
+
 from mla_spec.kernels import mla_decode_wgmma as mw
 from mla_spec.kernels.cuda_driver import CSRC
 from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS
 
-SRC, HDR = CSRC / "mla_wgmma_e4m3_sm90.cu", CSRC / "sm90_wgmma.cuh"
+SRC, SRC_PP, SHARED, HDR = (CSRC / n for n in ("mla_wgmma_e4m3_sm90.cu",
+                                                "mla_wgmma_e4m3pp_sm90.cu", "sm90_e4m3.cuh",
+                                                "sm90_wgmma.cuh"))
+# per kernel: (words a thread loads per token, its first dim, box, 16-byte chunk, byte in it,
+# accumulator rows -> dim)
+KERNELS = {
+    "WE": dict(nw=2, box=lambda wg, wq, g: 2 * wg + (wq >> 1),
+               chunk=lambda wg, wq, g: 4 * (wq & 1) + (g >> 1), byte=lambda g: 8 * (g & 1),
+               dim=lambda wg, wq, g, mt, h: 256 * wg + 64 * wq + 8 * g + 2 * mt + h, tiles=4),
+    "WE2": dict(nw=4, box=lambda wg, wq, g: wq, chunk=lambda wg, wq, g: g, byte=lambda g: 0,
+                dim=lambda wg, wq, g, mt, h: 128 * wq + 16 * g + 2 * mt + h, tiles=8),
+}
 
 
 def _lanes():
@@ -34,93 +49,118 @@ def _prmt(a, b, sel):
     return [src[(sel >> (4 * i)) & 7] for i in range(4)]
 
 
-def _load_v(wg, wq, g, t4, kk):
-    """The kernel's load_v: v[p][e] = 8 symbolic bytes (token, dim) and the byte address."""
-    box, chunk0, half = 2 * wg + (wq >> 1), 4 * (wq & 1) + (g >> 1), g & 1
+def _load_v(k, wg, wq, g, t4, kk):
+    """The kernels' load_v: v[p][e] = 4 nw symbolic bytes (token, dim), and the byte address."""
+    kd = KERNELS[k]
+    box, chunk0, byte = kd["box"](wg, wq, g), kd["chunk"](wg, wq, g), kd["byte"](g)
     v, addr = {}, {}
     for p in range(2):
         for e in range(2):
             tok = 16 * kk + 8 * p + 2 * t4 + e
-            a = box * 8192 + tok * 128 + ((chunk0 ^ (tok & 7)) << 4) + 8 * half
+            a = box * 8192 + tok * 128 + ((chunk0 ^ (tok & 7)) << 4) + byte
             # what the 128-byte swizzle put there: dims of the box, chunk un-XORed
             col = ((((a % 128) >> 4) ^ (tok & 7)) << 4) + (a % 16)
-            v[p, e] = [(tok, box * 128 + col + i) for i in range(8)]
+            v[p, e] = [(tok, box * 128 + col + i) for i in range(4 * kd["nw"])]
             addr[p, e] = a
     return v, addr
 
 
-def _v_frags(v):
-    """The kernel's v_frags: a[mt][reg] = (low half, high half) symbolic fp16 values."""
-    a = [[None] * 4 for _ in range(4)]
+def _v_frags(k, v):
+    """The kernels' v_frags: a[mt][reg] = (low half, high half) symbolic fp16 values."""
+    nw = KERNELS[k]["nw"]
+    a = [[None] * 4 for _ in range(2 * nw)]
     for p in range(2):
-        for half in range(2):
-            x0, x1 = v[p, 0][4 * half:4 * half + 4], v[p, 1][4 * half:4 * half + 4]
-            for sel, mt in ((0x5140, 2 * half), (0x7362, 2 * half + 1)):
+        for wd in range(nw):
+            x0, x1 = v[p, 0][4 * wd:4 * wd + 4], v[p, 1][4 * wd:4 * wd + 4]
+            for sel, mt in ((0x5140, 2 * wd), (0x7362, 2 * wd + 1)):
                 b = _prmt(x0, x1, sel)
                 a[mt][2 * p] = (b[0], b[1])      # cvt: bytes 0, 1 -> the low fp16 pair
                 a[mt][2 * p + 1] = (b[2], b[3])  # bytes 2, 3 -> the high one
     return a
 
 
-def _stage_dim(wg, wq, g, mt, i):
-    """The output staging's dim of accumulator i of m64 tile mt (the kernel's ost index)."""
-    return 256 * wg + 64 * wq + 8 * g + 2 * mt + ((i >> 1) & 1)
+def _groups(k):
+    """The threads that share the output dims: both warpgroups for WE, each one for WE2."""
+    return [0, 1] if k == "WE" else [0]
 
 
-def test_v_fragments_are_the_a_operand_wgmma_expects():
+@pytest.mark.parametrize("k", list(KERNELS))
+def test_v_fragments_are_the_a_operand_wgmma_expects(k):
     # m64k16 A fragment: register r of lane (g, t4) in warp wq holds row 16 wq + g + 8 (r & 1),
     # columns k = 2 t4 + 8 (r >> 1) (+1 in the high half). Row R of m64 tile mt must be the dim
     # that the staging gives the accumulators of row R, and column k the tile's token 16 kk + k
     # (P^T is written in natural token order).
+    kd = KERNELS[k]
     seen = set()
-    for wg, wq, g, t4 in _lanes():
-        for kk in range(4):
-            v, _ = _load_v(wg, wq, g, t4, kk)
-            a = _v_frags(v)
-            for mt in range(4):
-                for r in range(4):
-                    h, k = r & 1, 2 * t4 + 8 * (r >> 1)
-                    dim = _stage_dim(wg, wq, g, mt, 2 * h)  # accumulator i with (i >> 1) & 1 = h
-                    assert a[mt][r] == ((16 * kk + k, dim), (16 * kk + k + 1, dim))
-                    seen.update(a[mt][r])
+    for wg in _groups(k):
+        for wq in range(4):
+            for g in range(8):
+                for t4 in range(4):
+                    for kk in range(4):
+                        a = _v_frags(k, _load_v(k, wg, wq, g, t4, kk)[0])
+                        for mt in range(kd["tiles"]):
+                            for r in range(4):
+                                h, col = r & 1, 2 * t4 + 8 * (r >> 1)
+                                dim = kd["dim"](wg, wq, g, mt, h)
+                                assert a[mt][r] == ((16 * kk + col, dim),
+                                                    (16 * kk + col + 1, dim))
+                                seen.update(a[mt][r])
     assert seen == {(t, d) for t in range(64) for d in range(512)}
 
 
-def test_output_staging_is_a_bijection_onto_rows_and_dims():
+@pytest.mark.parametrize("k", list(KERNELS))
+def test_output_staging_is_a_bijection_onto_rows_and_dims(k):
+    kd = KERNELS[k]
     cells = set()
-    for wg, wq, g, t4 in _lanes():
-        for mt in range(4):
-            for i in range(16):
-                col = 8 * (i >> 2) + 2 * t4 + (i & 1)
-                cells.add((col, _stage_dim(wg, wq, g, mt, i)))
+    for wg in _groups(k):
+        for wq in range(4):
+            for g in range(8):
+                for t4 in range(4):
+                    for mt in range(kd["tiles"]):
+                        for i in range(16):
+                            col = 8 * (i >> 2) + 2 * t4 + (i & 1)
+                            cells.add((col, kd["dim"](wg, wq, g, mt, (i >> 1) & 1)))
     assert cells == {(c, d) for c in range(32) for d in range(512)}
+    src = (SRC if k == "WE" else SRC_PP).read_text()
+    staged = ("256 * wg + 64 * wq + 8 * g + 2 * mt" if k == "WE" else
+              "128 * wq + 16 * g + 2 * mt + ((i >> 1) & 1)")
+    assert staged in src
 
 
-def test_v_loads_of_a_half_warp_are_free_of_bank_conflicts():
-    for wg in range(2):
+@pytest.mark.parametrize("k", list(KERNELS))
+def test_v_loads_of_a_phase_are_free_of_bank_conflicts(k):
+    lanes = 16 if KERNELS[k]["nw"] == 2 else 8  # lanes served per shared-memory wavefront
+    for wg in _groups(k):
         for wq in range(4):
             for kk in range(4):
                 for p in range(2):
                     for e in range(2):
-                        for hw in range(2):  # 8-byte loads: two phases of 16 lanes
-                            banks = []
-                            for lane in range(16 * hw, 16 * hw + 16):
-                                _, addr = _load_v(wg, wq, lane >> 2, lane & 3, kk)
-                                banks.append((addr[p, e] % 128) // 8)
-                            assert len(set(banks)) == 16, (wg, wq, kk, p, e, hw)
+                        for ph in range(32 // lanes):
+                            banks = []  # each lane covers nw consecutive 4-byte banks
+                            for lane in range(lanes * ph, lanes * (ph + 1)):
+                                _, addr = _load_v(k, wg, wq, lane >> 2, lane & 3, kk)
+                                first = (addr[p, e] % 128) // 4
+                                banks += range(first, first + KERNELS[k]["nw"])
+                            assert len(set(banks)) == len(banks) == 32, (k, wg, wq, kk, p, e)
 
 
 def test_queries_land_where_the_qk_steps_read_them():
     # chunk k (dims 8 k..) of a row goes to box k >> 4 at byte 8 (k & 15): the unswizzled
     # position of dims 8 k.. in a 128-dim box (sw128 applies the same XOR the TMA tiles have)
-    src = SRC.read_text()
+    src = SHARED.read_text()
     assert "(k >> 4) * QBOX + sw128(r, (k & 15) >> 1) + 8 * (k & 1)" in src
     for k in range(72):
         box, byte = k >> 4, 16 * ((k & 15) >> 1) + 8 * (k & 1)
         assert box * 128 + byte == 8 * k
-    # step 2 j + w of warpgroup w reads box j >> 1, bytes 64 (j & 1) + 32 w: all 18 k32 steps
-    steps = {((j >> 1) * 128 + 64 * (j & 1) + 32 * w) for j in range(9) for w in range(2)}
-    assert steps == set(range(0, 576, 32))
+    # qk_e4m3: step st = STRIDE j reads box st >> 2, bytes 32 (st & 3) past the descriptors;
+    # WE's warpgroup w starts 32 w bytes in with STRIDE 2 and 9 steps, WE2 takes all 18
+    def dims(nstep, stride, first):
+        return {(st >> 2) * 128 + 32 * (st & 3) + 32 * first
+                for st in (stride * j for j in range(nstep))}
+    assert dims(9, 2, 0) | dims(9, 2, 1) == set(range(0, 576, 32))
+    assert dims(18, 1, 0) == set(range(0, 576, 32))
+    assert "qk_e4m3<9, 2>(sc, sw128_desc(kv_base + wg * 32" in SRC.read_text()
+    assert "qk_e4m3<18, 1>(s, sw128_desc(kv_base, 16, 1024), q_desc)" in SRC_PP.read_text()
 
 
 def test_host_constants_match_the_source():
@@ -129,6 +169,10 @@ def test_host_constants_match_the_source():
     assert int(re.search(r"nbox = e4m3 \? (\d+)", hdr).group(1)) * 64 * 128 == mw._E4M3_TILE
     assert re.search(r"__launch_bounds__\(NT \+ 32, 1\)\s+mla_wgmma_e4m3_m32\(", SRC.read_text())
     assert mw._SOURCES[32][1] == 288
+    assert re.search(r"__launch_bounds__\(NT \+ 128, 1\)\s+mla_wgmma_e4m3pp_m32\(",
+                     SRC_PP.read_text())
     assert mw.wgmma_smem(32, e4m3_mma=True) <= 227 * 1024
+    assert mw.wgmma_smem(32, e4m3_mma=True, pingpong=True) <= 227 * 1024
     cfg = PAGED_VARIANTS["WE"]
     assert cfg.e4m3_mma and cfg.block_m == 32 and cfg.tag.endswith("E")
+    assert PAGED_VARIANTS["WE2"].pingpong and PAGED_VARIANTS["WE2"].tag.endswith("E2")

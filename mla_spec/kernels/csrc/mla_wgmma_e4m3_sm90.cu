@@ -32,133 +32,14 @@
 //
 // What it computes is mla_spec.kernels.mla_decode.mla_decode_ref with the queries replaced by
 // mla_spec.quant.fp8.quantize_rows_e4m3's round trip (tests/kernels/test_mla_decode_wgmma.py).
-#include "sm90_fp8.cuh"
-
-#include <cuda_fp8.h>
+#include "sm90_e4m3.cuh"
 
 namespace {
 
-using namespace sm90;
-
 constexpr int BM = 32, NA = BM / 2, NC = BM / 4;  // rows, S^T accumulators, rows per thread
-using T8 = KvTraits<KV_E4M3>;
-constexpr int NS = T8::stages, QBOX = BM * 128;   // stages; one 128-dim box of the queries
-
-// D[64, 32] += A . B, e4m3 x e4m3 (k32), both K-major from shared memory
-__device__ __forceinline__ void wgmma_e4m3_n32(float (&d)[16], uint64_t da, uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1;\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "l"(da), "l"(db));
-}
-
-// D[64, 32] += A . B in fp16, A from registers (an m64k16 fragment), B K-major in shared memory
-__device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, "
-               "1, 1, 1, 0;\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// the CTA's queries (loaded by QueryLoad::issue) as e4m3 rows scaled by 448 / amax into q_s
-// ([5 boxes][BM rows][128 B], 128-byte swizzle; the last box's dims 576.. are never read),
-// the amax of every row into qmax (zeroed before the CTA's first barrier); the consumer threads only
-__device__ __forceinline__ void store_queries_e4m3(const QueryLoad<BM>& ql, unsigned char* q_s,
-                                                   float* qmax, int tid) {
-  constexpr int QCH = QueryLoad<BM>::QCH, QIT = QueryLoad<BM>::QIT;
-  const auto f = [](uint32_t w, int hi) { return __uint_as_float(hi ? w & 0xFFFF0000u : w << 16); };
-#pragma unroll
-  for (int i = 0; i < QIT; ++i) {
-    const int c = tid + i * NT;
-    if (c < QCH) {
-      const uint4 x = ql.v[i];
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-      float m = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(f(w[e >> 1], e & 1)));
-      atomicMax(reinterpret_cast<int*>(qmax) + c / 72, __float_as_int(m));
-    }
-  }
-  named_barrier(1, NT);
-#pragma unroll
-  for (int i = 0; i < QIT; ++i) {
-    const int c = tid + i * NT, r = c / 72, k = c % 72;
-    if (c < QCH) {
-      const float amax = qmax[r], inv = amax > 0.f ? 448.f / amax : 0.f;
-      const uint4 x = ql.v[i];
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-      uint32_t q8[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-            make_float2(f(w[2 * h], 0) * inv, f(w[2 * h], 1) * inv), __NV_SATFINITE, __NV_E4M3);
-        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-            make_float2(f(w[2 * h + 1], 0) * inv, f(w[2 * h + 1], 1) * inv), __NV_SATFINITE,
-            __NV_E4M3);
-        q8[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-      }
-      *reinterpret_cast<uint2*>(q_s + (k >> 4) * QBOX + sw128(r, (k & 15) >> 1) + 8 * (k & 1)) =
-          make_uint2(q8[0], q8[1]);
-    }
-  }
-  fence_proxy_async();
-  named_barrier(1, NT);
-}
-
-// S^T partial over the k32 steps 2 j + w (j < 9) of warpgroup w: box j / 2, bytes 64 (j % 2)
-// + 32 w (as mla_wgmma_sm90.cu's qk_half, with 32-byte e4m3 steps), step j into chain j % NACC.
-// Three chains summed in fp32 ran 2-3% faster than one (bs 128 ctx 8k 276.9 vs 281.9 µs) and
-// were exactly as accurate: the e4m3 MMA's rounding is inside each instruction, not the chain.
+// Q K in three accumulator chains summed in fp32: 2-3% faster than one (bs 128 ctx 8k 276.9 vs
+// 281.9 µs) and exactly as accurate (the e4m3 MMA rounds inside each instruction)
 constexpr int NACC = 3;
-__device__ __forceinline__ void qk_e4m3(float (&s)[NACC][NA], uint64_t a_desc, uint64_t b_desc) {
-#pragma unroll
-  for (int j = 0; j < 9; ++j) {
-    const uint32_t a_off = (j >> 1) * BLK + (j & 1) * 64, b_off = (j >> 1) * QBOX + (j & 1) * 64;
-    wgmma_e4m3_n32(s[j % NACC], a_desc + (a_off >> 4), b_desc + (b_off >> 4));
-  }
-}
-
-// the thread's V bytes of k16 step kk (tokens 16 kk + 2 t4 + 8 p + e: v[p][e], 8 dims each);
-// tokens at or past nvalid (a freed slot may hold NaN, and P = 0 times NaN is NaN) read zero
-__device__ __forceinline__ void load_v(uint2 (&v)[2][2], uint32_t vrow, int kk, int t4,
-                                       int chunk0, int nvalid) {
-#pragma unroll
-  for (int p = 0; p < 2; ++p)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int tok = 16 * kk + 8 * p + 2 * t4 + e;
-      uint2 x;
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n"
-                   : "=r"(x.x), "=r"(x.y)
-                   : "r"(vrow + tok * 128 + ((chunk0 ^ (tok & 7)) << 4)));
-      v[p][e] = tok < nvalid ? x : make_uint2(0, 0);
-    }
-}
-
-// v's bytes -> the A fragments of k16 step kk for the 4 m64 tiles: a[mt] = {dim D + 2 mt,
-// D + 2 mt + 1} x {tokens 2 t4 (+1), 2 t4 + 8 (+9)}, each register a token pair of one dim
-__device__ __forceinline__ void v_frags(const uint2 (&v)[2][2], uint32_t (&a)[4][4]) {
-#pragma unroll
-  for (int p = 0; p < 2; ++p)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t x0 = half ? v[p][0].y : v[p][0].x, x1 = half ? v[p][1].y : v[p][1].x;
-      // dims 4 half + 0..3 of the pair (tokens e = 0 in the low byte of each 16-bit lane)
-      e4m3x4_to_h2x2(prmt(x0, x1, 0x5140), a[2 * half][p * 2], a[2 * half][p * 2 + 1]);
-      e4m3x4_to_h2x2(prmt(x0, x1, 0x7362), a[2 * half + 1][p * 2], a[2 * half + 1][p * 2 + 1]);
-    }
-}
 
 __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
   const MlaParams& p = wp.m;
@@ -219,7 +100,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
 #pragma unroll
       for (int i = 0; i < NA; ++i) sc[c][i] = 0.f;
     wgmma_fence();
-    qk_e4m3(sc, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
+    qk_e4m3<9, 2>(sc, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
     wgmma_commit();
     wgmma_wait0();
     float s[NA];
@@ -266,7 +147,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
         for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
     fence_proxy_async();
     named_barrier(1, NT);  // P^T complete
-    uint2 v[BN / 16][2][2];  // (loaded during Q K, they cost the registers of a spill-free
+    uint32_t v[BN / 16][2][2][2];  // (loaded during Q K, they cost the registers of a spill-free
 #pragma unroll               // kernel: 168 a thread at 9 warps; measured no faster)
     for (int kk = 0; kk < BN / 16; ++kk) load_v(v[kk], kv_base + v_off, kk, t4, chunk0, nvalid);
 #pragma unroll

@@ -1,0 +1,193 @@
+// The e4m3 kernel of mla_wgmma_e4m3_sm90.cu with its two consumer warpgroups taking turns:
+// warpgroup c multiplies the tiles it = c, c + 2, ... whole (all 18 e4m3 Q K steps, all 512
+// dims of P V), with its own running max, sum and O, and the two merge once at the end.
+//
+// Why: in mla_wgmma_e4m3_sm90.cu both warpgroups work on the same tile in lockstep (half of Q
+// K's depth each, added through shared memory, then the same softmax), so a tile's steps run
+// one after another: Q K, the exchange, the softmax, P^T, P V. Its tile took ~2.2 µs at large
+// batch against ~1.2 µs to read the tile's bytes. Here no barrier joins the two warpgroups
+// inside the loop: while one runs its softmax or builds V fragments, the tensor cores can do
+// the other's MMAs (FA3's ping-pong, without its explicit turns).
+//
+// Per warpgroup and tile: S^T[64 tok, 32] in 18 m64n32k32 e4m3 steps, the softmax over its 4
+// warps (a reduction through shared memory and a 128-thread barrier), P^T into its own buffer,
+// O^T[512, 32] += V^T . P^T in 4 k16 steps of 8 m64 tiles with A from registers. Thread (warp
+// wq, lane g * 4 + t4) owns the 16 dims D = 128 wq + 16 g .. D + 15 (box wq, 16-byte chunk g:
+// one 16-byte load per token; a quarter-warp reads 4 tokens 2 apart x 32 bytes, 8 distinct
+// chunks of the swizzle); m64 tile mt's rows g / g + 8 are the dims D + 2 mt / + 1. O holds
+// 128 registers a thread, so the warpgroups get 232 with setmaxnreg and a producer warpgroup
+// (one thread issues the TMA boxes) keeps 40.
+//
+// The result is mla_wgmma_e4m3_sm90.cu's: the queries quantized to e4m3 per row, the same twin
+// (tests/kernels/test_mla_decode_wgmma.py); a row's two partial results merge as split-KV
+// partials do.
+#include "sm90_e4m3.cuh"
+
+namespace {
+
+constexpr int BM = 32, NA = BM / 2, NC = BM / 4;
+constexpr int B_PAIR = 1, B_WG = 2;  // named barriers: both consumer warpgroups / one (2 + c)
+
+__device__ __forceinline__ void mbar_arrive_n(uint64_t* bar, uint32_t n) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(n)
+               : "memory");
+}
+
+__device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
+  const MlaParams& p = wp.m;
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* kv_s = smem;                        // [NS][5][64 tok][128 B] e4m3
+  unsigned char* q_s = kv_s + NS * T8::stage_bytes;  // [5][BM][128 B] e4m3
+  unsigned char* p_s = q_s + 5 * QBOX;               // [2 wg] P^T [BM][64 tok] fp16, swizzled
+  float* red = reinterpret_cast<float*>(p_s + 2 * BM * 128);  // [2 wg][4 warps][BM]
+  float* mx = red + 8 * BM;                                   // [2 wg][BM] running maxima
+  float* rowv = mx + 2 * BM;                                  // [BM] v_scale / l
+  float* qmax = rowv + BM;                                    // [BM] each query row's amax
+  uint64_t* full = reinterpret_cast<uint64_t*>(qmax + BM);    // [NS] tile landed
+  uint64_t* empty = full + NS;                                // [NS] its warpgroup done
+
+  const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
+  const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  if (tid < BM) qmax[tid] = 0.f;
+  CtaWork w;
+  QueryLoad<BM> qload;
+  if (!cta_begin<BM, false, NS>(wp, split, mb, b, tid, full, empty, w, qload)) return;
+  if (tid >= NT) {  // the producer warpgroup
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (tid == NT) produce<KV_E4M3>(wp, w, kv_s, full, empty);
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+  store_queries_e4m3(qload, q_s, qmax, tid);
+
+  int bound[NC];
+  float m_r[NC], l_r[NC];
+  const int min_bound = init_rows<NC>(p, w, 0, t4, bound, m_r, l_r);
+  const float kq = p.qk_scale_log2 * (1.f / 448.f);
+  const float* qm = qmax + 2 * t4;
+  float o[8][NA];
+#pragma unroll
+  for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+    for (int i = 0; i < NA; ++i) o[mt][i] = 0.f;
+  const uint32_t p_base = smem_u32(p_s + wg * BM * 128);
+  const uint64_t q_desc = sw128_desc(smem_u32(q_s), 16, 1024);
+  const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
+  const int sm_m = lane >> 3, sm_r = lane & 7;
+  float* red_wg = red + wg * 4 * BM;
+
+  for (int it = wg; it < w.ntiles; it += 2) {
+    const int stage = it % NS, t0 = w.lo + it * BN, nvalid = w.hi - t0;
+    const uint32_t kv_base = smem_u32(kv_s + stage * T8::stage_bytes);
+    mbar_wait(&full[stage], (it / NS) & 1);
+    float s[1][NA];
+#pragma unroll
+    for (int i = 0; i < NA; ++i) s[0][i] = 0.f;
+    wgmma_fence();
+    qk_e4m3<18, 1>(s, sw128_desc(kv_base, 16, 1024), q_desc);
+    wgmma_commit();
+    uint32_t v[2][2][4];  // k16 step 0's V bytes while the tensor cores multiply Q K
+    load_v<4>(v, kv_base + wq * BLK, 0, t4, g, nvalid);
+    wgmma_wait0();
+#pragma unroll
+    for (int i = 0; i < NA / 4; ++i) {  // columns 8 i + 2 t4 (+1): the query rows' scales
+      const float2 c = *reinterpret_cast<const float2*>(qm + 8 * i);
+      s[0][4 * i] *= c.x * kq;
+      s[0][4 * i + 1] *= c.y * kq;
+      s[0][4 * i + 2] *= c.x * kq;
+      s[0][4 * i + 3] *= c.y * kq;
+    }
+    tile_col_max<NC>(s[0], bound, t0 + BN > min_bound, t0 + wq * 16 + g, 1.f,
+                     red_wg + wq * BM, g, t4);
+    named_barrier(B_WG + wg, 128);
+    float alpha[NC];
+    const bool rescale = tile_softmax<NC>(s[0], m_r, l_r, alpha, red_wg, BM, t4);
+    uint32_t pk[NA / 2];
+#pragma unroll
+    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<true>(s[0][i], s[0][i + 1]);
+#pragma unroll
+    for (int jb = 0; jb < BM / 8; jb += 2) {  // each warp its 16 tokens of P^T
+      const int mjb = jb + (sm_m >> 1), mhf = sm_m & 1;
+      stsm_x4_t(p_base + sw128(8 * mjb + sm_r, 2 * wq + mhf), pk[2 * jb], pk[2 * jb + 1],
+                pk[2 * jb + 2], pk[2 * jb + 3]);
+    }
+    if (__any_sync(0xffffffffu, rescale))
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+        for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
+    fence_proxy_async();
+    named_barrier(B_WG + wg, 128);  // the warpgroup's P^T complete, its maxima read
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[8][4];
+      v_frags<4>(v, a);
+      if (kk + 1 < BN / 16) load_v<4>(v, kv_base + wq * BLK, kk + 1, t4, g, nvalid);
+      wgmma_fence();
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt) wgmma_rs_n32(o[mt], a[mt], p_desc + kk * 2);
+      wgmma_commit();
+      wgmma_wait0();  // a's registers are the MMAs' until they finish
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive_n(&empty[stage], 2);  // 4 warps stand for the 8 it counts
+  }
+  griddep_launch();
+
+  // merge the warpgroups' partial rows: both rescale to the larger max, warpgroup 0 stages O,
+  // warpgroup 1 adds its own, the sums of both go into finish_row
+  sum_over_g<NC>(l_r);
+  if (g == 0)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      red_wg[wq * BM + frag_col(c, t4)] = l_r[c];
+      if (wq == 0) mx[wg * BM + frag_col(c, t4)] = m_r[c];
+    }
+  named_barrier(B_PAIR, NT);  // the KV stages are free, every max and sum written
+  float f[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int col = frag_col(c, t4);
+    const float m = fmaxf(mx[col], mx[BM + col]);
+    f[c] = m == -INFINITY ? 0.f : exp2f(m_r[c] - m);
+  }
+  float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    if (pass == wg)
+#pragma unroll
+      for (int mt = 0; mt < 8; ++mt)
+#pragma unroll
+        for (int i = 0; i < NA; ++i) {
+          const int c = 2 * (i >> 2) + (i & 1);
+          float* dst = ost + frag_col(c, t4) * OSTRIDE + 128 * wq + 16 * g + 2 * mt + ((i >> 1) & 1);
+          *dst = (pass ? *dst : 0.f) + o[mt][i] * f[c];
+        }
+    named_barrier(B_PAIR, NT);
+  }
+  if (wg == 0 && wq == 0 && g == 0)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const int col = frag_col(c, t4);
+      const float m = fmaxf(mx[col], mx[BM + col]);
+      float l = 0.f;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const float* r = red + k * 4 * BM + col;
+        const float fk = m == -INFINITY ? 0.f : exp2f(mx[k * BM + col] - m);
+        l += fk * (r[0] + r[BM] + r[2 * BM] + r[3 * BM]);
+      }
+      finish_row(p, w, split, b, col, l, m, rowv);
+    }
+  named_barrier(B_PAIR, NT);
+  store_rows<BM>(p, w, split, b, ost, rowv, tid);
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_e4m3pp_m32(const __grid_constant__ WgParams p) {
+  mla_wgmma_e4m3pp(p);
+}

@@ -1,0 +1,143 @@
+// What the wgmma MLA kernels that multiply an e4m3 cache as it lands share
+// (mla_wgmma_e4m3_sm90.cu, mla_wgmma_e4m3pp_sm90.cu): the e4m3 Q K and register-A P V wgmma
+// wrappers, the queries' per-row e4m3 quantization into shared memory, and the V fragments built
+// from the tile's bytes (the geometry is in mla_wgmma_e4m3_sm90.cu's header).
+#pragma once
+#include <cuda_fp8.h>
+
+#include "sm90_fp8.cuh"
+
+namespace {
+
+using namespace sm90;
+
+using T8 = KvTraits<KV_E4M3>;
+constexpr int NS = T8::stages;  // stages of 40 KB (five 128-dim boxes of 64 tokens' bytes)
+constexpr int QBOX = 32 * 128;  // one 128-dim box of 32 rows' e4m3 queries
+
+// D[64, 32] += A . B, e4m3 x e4m3 (k32), both K-major from shared memory
+__device__ __forceinline__ void wgmma_e4m3_n32(float (&d)[16], uint64_t da, uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "l"(da), "l"(db));
+}
+
+// D[64, 32] += A . B in fp16, A from registers (an m64k16 fragment), B K-major in shared memory
+__device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, "
+               "1, 1, 1, 0;\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// the CTA's queries (loaded by QueryLoad::issue) as e4m3 rows scaled by 448 / amax into q_s
+// ([5 boxes][32 rows][128 B], 128-byte swizzle; the last box's dims 576.. are never read),
+// the amax of every row into qmax (zeroed before the CTA's first barrier); the consumer threads only
+__device__ __forceinline__ void store_queries_e4m3(const QueryLoad<32>& ql, unsigned char* q_s,
+                                                   float* qmax, int tid) {
+  constexpr int QCH = QueryLoad<32>::QCH, QIT = QueryLoad<32>::QIT;
+  const auto f = [](uint32_t w, int hi) { return __uint_as_float(hi ? w & 0xFFFF0000u : w << 16); };
+#pragma unroll
+  for (int i = 0; i < QIT; ++i) {
+    const int c = tid + i * NT;
+    if (c < QCH) {
+      const uint4 x = ql.v[i];
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      float m = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(f(w[e >> 1], e & 1)));
+      atomicMax(reinterpret_cast<int*>(qmax) + c / 72, __float_as_int(m));
+    }
+  }
+  named_barrier(1, NT);
+#pragma unroll
+  for (int i = 0; i < QIT; ++i) {
+    const int c = tid + i * NT, r = c / 72, k = c % 72;
+    if (c < QCH) {
+      const float amax = qmax[r], inv = amax > 0.f ? 448.f / amax : 0.f;
+      const uint4 x = ql.v[i];
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+      uint32_t q8[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+            make_float2(f(w[2 * h], 0) * inv, f(w[2 * h], 1) * inv), __NV_SATFINITE, __NV_E4M3);
+        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+            make_float2(f(w[2 * h + 1], 0) * inv, f(w[2 * h + 1], 1) * inv), __NV_SATFINITE,
+            __NV_E4M3);
+        q8[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+      }
+      *reinterpret_cast<uint2*>(q_s + (k >> 4) * QBOX + sw128(r, (k & 15) >> 1) + 8 * (k & 1)) =
+          make_uint2(q8[0], q8[1]);
+    }
+  }
+  fence_proxy_async();
+  named_barrier(1, NT);
+}
+
+// S^T over NSTEP k32 steps STRIDE apart (step st: box st / 4, bytes 32 (st % 4) past a_desc /
+// b_desc, which point at the first), step j into accumulator chain j % NACC (summed by the
+// caller in fp32): the 32-row kernel's warpgroup w takes steps 2 j + w, the ping-pong one all 18
+template <int NSTEP, int STRIDE, int NACC>
+__device__ __forceinline__ void qk_e4m3(float (&s)[NACC][16], uint64_t a_desc, uint64_t b_desc) {
+#pragma unroll
+  for (int j = 0; j < NSTEP; ++j) {
+    const int st = STRIDE * j;
+    const uint32_t a_off = (st >> 2) * BLK + (st & 3) * 32, b_off = (st >> 2) * QBOX + (st & 3) * 32;
+    wgmma_e4m3_n32(s[j % NACC], a_desc + (a_off >> 4), b_desc + (b_off >> 4));
+  }
+}
+
+// the thread's V bytes of k16 step kk: NW words (4 NW dims, 16-byte chunk c0 of a 128-dim
+// box's row, from byte `half` 8 of it when NW = 2) of the tokens 16 kk + 2 t4 + 8 p + e in
+// v[p][e]; tokens at or past nvalid (a freed slot may hold NaN, and P = 0 times NaN is NaN)
+// read zero. vrow: the box's base plus the byte within the chunk.
+template <int NW>
+__device__ __forceinline__ void load_v(uint32_t (&v)[2][2][NW], uint32_t vrow, int kk, int t4,
+                                       int c0, int nvalid) {
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = 16 * kk + 8 * p + 2 * t4 + e;
+      const uint32_t addr = vrow + tok * 128 + ((c0 ^ (tok & 7)) << 4);
+      uint32_t (&x)[NW] = v[p][e];
+      if constexpr (NW == 2)
+        asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(x[0]), "=r"(x[1]) : "r"(addr));
+      else
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(addr));
+      if (tok >= nvalid)
+#pragma unroll
+        for (int i = 0; i < NW; ++i) x[i] = 0;
+    }
+}
+
+// v's bytes -> the A fragments of k16 step kk for 2 NW m64 tiles: a[mt] = {dim D + 2 mt,
+// D + 2 mt + 1} x {tokens 2 t4 (+1), 2 t4 + 8 (+9)} (D: the thread's first dim), each register
+// a token pair of one dim, paired by one prmt per two dims and converted exactly
+template <int NW>
+__device__ __forceinline__ void v_frags(const uint32_t (&v)[2][2][NW], uint32_t (&a)[2 * NW][4]) {
+#pragma unroll
+  for (int p = 0; p < 2; ++p)
+#pragma unroll
+    for (int wd = 0; wd < NW; ++wd) {  // word wd: dims 4 wd .. 4 wd + 3 of both tokens
+      const uint32_t x0 = v[p][0][wd], x1 = v[p][1][wd];
+      e4m3x4_to_h2x2(prmt(x0, x1, 0x5140), a[2 * wd][2 * p], a[2 * wd][2 * p + 1]);
+      e4m3x4_to_h2x2(prmt(x0, x1, 0x7362), a[2 * wd + 1][2 * p], a[2 * wd + 1][2 * p + 1]);
+    }
+}
+
+}  // namespace
