@@ -42,19 +42,24 @@ _KERNELS = ("auto", "paged", "generic")
 class TritonMLABackend(MLABackend):
     """Triton split-KV MLA. Options: ``kernel`` ("auto" | "paged" | "generic"), ``num_splits``
     (None = heuristic), ``fp8_dot`` (generic kernel only: 0 / 1), ``config`` (an
-    ``MLAKernelConfig`` for the generic kernel or a ``PagedConfig`` for the paged one)."""
+    ``MLAKernelConfig`` for the generic kernel or a ``PagedConfig`` for the paged one),
+    ``e4m3_queries`` (default True: on an FP8 cache the defaults may pick the kernels that
+    round the queries to e4m3 per row for e4m3 MMAs, as TRT-LLM-gen does; False keeps them in
+    fp16)."""
 
     name = "triton"
 
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
                  num_splits: int | None = None, fp8_dot: int = 0,
-                 config: MLAKernelConfig | PagedConfig | None = None, kernel: str = "auto"):
+                 config: MLAKernelConfig | PagedConfig | None = None, kernel: str = "auto",
+                 e4m3_queries: bool = True):
         super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
         if kernel not in _KERNELS:
             raise ValueError(f"kernel {kernel!r}: choose one of {', '.join(_KERNELS)}")
         if isinstance(config, PagedConfig) and kernel == "generic":
             raise ValueError("a PagedConfig needs kernel='paged' or 'auto'")
         self.num_splits, self.fp8_dot, self.config = num_splits, fp8_dot, config
+        self.e4m3_queries = e4m3_queries
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 4)
         pool = kv_pool
@@ -90,7 +95,8 @@ class TritonMLABackend(MLABackend):
         if self.paged:
             cfg, pinned = ((self.config, None) if self.config is not None else
                            paged_choice(rows_cfg, pool.dtype, self.device, pool.page_size,
-                                        plan.bs, plan.max_kv, fixed=not plan.extra["ragged"]))
+                                        plan.bs, plan.max_kv, fixed=not plan.extra["ragged"],
+                                        e4m3_queries=self.e4m3_queries))
             m_blocks = -(-rows // cfg.block_m)
             splits = self.num_splits or pinned or splits_for(
                 cfg, plan.bs, m_blocks, plan.max_kv, rows,

@@ -206,8 +206,14 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
     # docs/bench_mla.md v9, graph µs, FlashInfer's fp8 in the same run): bs 128 ctx 8k W 353
     # vs CF 703 (886.7); bs 64 ctx 32k W/sp2 695 vs 1363 (1826); 128 rows bs 128 ctx 8k W64
     # 855-858 vs 1364-1369 (1742-1779)
-    ("fp8", "r32", "b48"): "W|CF",
-    ("fp8", "r32", "big"): "W|CF",
+    # thirteenth session: WE2, the queries rounded to e4m3 per row (as TRT-LLM-gen's FP8 path
+    # does) for e4m3 Q K MMAs, V fed to wgmma from registers, the warpgroups taking turns on
+    # whole tiles (docs/bench_mla.md v11; graph µs, FlashInfer's bf16 in the same run): bs 128
+    # ctx 8k 189.3 vs W 335.1 (FlashInfer bf16 288.0, fp8 876.4); bs 64 ctx 32k 420.0 vs
+    # 661.6 (654.0); bs 32 ctx 4k 41.5 vs 54.0 (49.7). paged_choice(e4m3_queries=False) keeps
+    # the queries in fp16 (W).
+    ("fp8", "r32", "b48"): "WE2|W|CF",
+    ("fp8", "r32", "big"): "WE2|W|CF",
     # twelfth session: WR on an e4m3 cache (both warpgroups widen a tile together; v10): bs
     # 128 ctx 8k H 128 653.9 vs W64 846.3 (FlashInfer fp8 1760.6); H 32 q 4 bs 32 ctx 4k
     # WR/sp2 96.8 vs 125.0 (251.9); bs 64 ctx 32k 1278.2 vs 1611.1 (3586.5)
@@ -289,35 +295,39 @@ def cuda_cache_ok(cfg: PagedConfig, kv_dtype: torch.dtype) -> bool:
 
 
 def _runs_here(cfg: PagedConfig, kv_dtype: torch.dtype, device: torch.device,
-               fixed: bool) -> bool:
+               fixed: bool, e4m3_queries: bool = True) -> bool:
     """Whether a table entry's variant runs on ``device`` for this call: the Triton ones
     always; a CUDA one (``K*`` / ``W*``) with fixed rows, a cache it takes
     (:func:`cuda_cache_ok`), nvcc and sm_90+ (``cuda_kernels_available``), ``wgmma`` on
-    exactly sm_90."""
+    exactly sm_90; an ``e4m3_mma`` one only when the caller lets the queries go e4m3."""
     if not cfg.cuda:
         return True
     return (fixed and cuda_cache_ok(cfg, kv_dtype) and cuda_kernels_available(device) is None
-            and (not cfg.wgmma or cuda_capability(device) == (9, 0)))
+            and (not cfg.wgmma or cuda_capability(device) == (9, 0))
+            and (e4m3_queries or not cfg.e4m3_mma))
 
 
-def _first_runnable(entry: str, kv_dtype, device, fixed) -> tuple[PagedConfig, int | None] | None:
+def _first_runnable(entry: str, kv_dtype, device, fixed,
+                    e4m3_queries=True) -> tuple[PagedConfig, int | None] | None:
     for alt in entry.split("|"):
         cfg, pin = parse_choice(alt)
-        if _runs_here(cfg, kv_dtype, device, fixed):
+        if _runs_here(cfg, kv_dtype, device, fixed, e4m3_queries):
             return cfg, pin
     return None
 
 
 def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_size: int = 64,
-                 bs: int = 1, max_kv: int | None = None,
-                 fixed: bool = True) -> tuple[PagedConfig, int | None]:
+                 bs: int = 1, max_kv: int | None = None, fixed: bool = True,
+                 e4m3_queries: bool = True) -> tuple[PagedConfig, int | None]:
     """(config, pinned splits or None) of a shape: on CUDA when the page size is a multiple of
     64, ``PAGED_CONTEXT_DEFAULTS`` (when ``max_kv``, the longest KV, is given) then
     ``PAGED_DEFAULTS``; fixed fallbacks otherwise (tiny tiles under the interpreter). Under a
     CUDA graph the capture's ``max_kv`` decides for every replay. A table entry may list
     alternatives, ``"W|S32w4"``: the first that runs here wins (:func:`_runs_here`: the CUDA
     kernels need fixed rows, a bf16 cache, nvcc, sm_90); a context entry none of whose
-    alternatives runs gives way to the class entry."""
+    alternatives runs gives way to the class entry. ``e4m3_queries=False`` passes over the
+    kernels that round the queries to e4m3 for e4m3 MMAs (``WE*``, an FP8 cache only: the
+    error they add is in ``quant.fp8.fp8_query_attention_error_bound``)."""
     if device.type != "cuda":
         return PagedConfig(16, min(8, page_size), 4, 1), None
     if page_size % 64:
@@ -325,11 +335,11 @@ def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_si
     key = shape_class(rows, kv_dtype, bs)
     if max_kv is not None:
         by_ctx = PAGED_CONTEXT_DEFAULTS.get((*key, context_class(max_kv)))
-        got = by_ctx and _first_runnable(by_ctx, kv_dtype, device, fixed)
+        got = by_ctx and _first_runnable(by_ctx, kv_dtype, device, fixed, e4m3_queries)
         if got:
             return got
     entry = PAGED_DEFAULTS[key]
-    got = _first_runnable(entry, kv_dtype, device, fixed)
+    got = _first_runnable(entry, kv_dtype, device, fixed, e4m3_queries)
     if got is None:
         raise ValueError(f"PAGED_DEFAULTS[{key}] = {entry!r} lists no variant that runs here; "
                          "end it with a Triton variant")

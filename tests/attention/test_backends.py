@@ -236,3 +236,25 @@ def test_ragged_draft_extend_tile_choice_is_stable(monkeypatch):
     assert seen == [9, 9, 9]  # num_draft_tokens 3 x 3 heads
     assert min(splits) >= 2  # the split binary even for short contexts
     assert shapes == [True, True, True]  # ragged (RAGGED binary) even when all lengths agree
+
+
+def test_triton_backend_passes_the_e4m3_queries_choice_on(monkeypatch):
+    # on an FP8 cache the defaults may round the queries to e4m3 (WE2); the backend option
+    # e4m3_queries=False reaches paged_choice, which then passes those kernels over
+    import mla_spec.attention.triton_mla as tm
+    from mla_spec.kernels.mla_decode_paged import PagedConfig
+
+    seen = []
+
+    def record(*a, **k):
+        seen.append(k.get("e4m3_queries"))
+        return PagedConfig(16, 8, 4, 1), None
+
+    monkeypatch.setattr(tm, "paged_choice", record)
+    sc = make_scene(ForwardMode.DECODE, [5, 9], [1, 1], num_heads=3, page_size=8,
+                    kv_dtype=FP8_DTYPE, q_dtype=torch.bfloat16, **DIMS)
+    for flag in (True, False):
+        be = create_backend("triton", num_heads=3, softmax_scale=SM, kv_pool=sc.pool,
+                            req_to_token=sc.req_pool, e4m3_queries=flag)
+        be.plan(sc.batch)
+    assert seen == [True, False]

@@ -151,4 +151,5 @@ def test_cuda_graph_replay_reads_new_data(name, fp8):
             q_ref = (q[..., :512], q[..., 512:])
         ref = mla_decode_ref(*q_ref, kv, r2t, rpi, kv_lens.int(), SM, q_len=1)
         err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
-        assert err.item() < 1e-2
+        # e4m3 MMAs round inside each instruction (test_e4m3_mma_kernel_matches_its_twin)
+        assert err.item() < (0.06 if cfg.e4m3_mma else 1e-2)
