@@ -153,7 +153,8 @@ def _variant_row(call, rpis, vcfg, vsp, ref, out):
     try:
         call(rpis[0], vcfg, vsp)()
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
-        if not err < 1e-2:
+        # the e4m3 MMAs round inside each instruction (test_e4m3_mma_kernel_matches_its_twin)
+        if not err < (0.06 if vcfg.e4m3_mma else 1e-2):
             print(f"   {tag} WRONG: rel err {err:.3g}", flush=True)
             return None
         full, split = _full_and_split([call(r, vcfg, vsp) for r in rpis])

@@ -293,7 +293,9 @@ def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
     # more than 128 rows (H 128 q 4): WR for bf16 and e4m3
     assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 32, 4096) == (V["WR"], None)
     assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 32768) == (V["WR"], 16)
-    assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 4096) == (V["C"], None)
+    assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 4096) == (V["WR"], 16)
+    assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 1, 4096) == (V["WR"], 16)
+    assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 1024) == (V["C"], None)
     assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 32, 4096) == (V["WR"], None)
     assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 32, 4096) == (V["WR"], None)
     # an e4m3 cache: the wgmma kernels on sm_90 (not the mma.sync K*), Triton elsewhere
