@@ -213,6 +213,7 @@ def _fp8_case(lens, h, q_len, page, seed):
     ([700, 2049], 128, 1, 64, 7),
     ([1, 4, 1500], 32, 4, 64, 5),
     ([32768], 32, 1, 64, 128),
+    ([4096], 128, 4, 64, 16),  # 512 rows: 64-row kernels past 2 row blocks write fp32 partials
 ])
 def test_fp8_cache_matches_twin(name, lens, h, q_len, page, splits):
     cfg = PAGED_VARIANTS[name]
