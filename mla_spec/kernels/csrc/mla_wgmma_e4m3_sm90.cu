@@ -17,21 +17,25 @@
 //                                               with one prmt and converts them exactly with
 //                                               cvt.f16x2.e4m3x2 (e4m3 takes only K-major
 //                                               operands, and V^T would be M-major)
-// The loads of V run while the tensor cores do Q K. The work split is mla_wgmma_sm90.cu's:
-// two consumer warpgroups each take half of Q K's depth (9 of 18 k32 steps) and add the halves
-// through shared memory, run the same softmax and own 256 output dims each; a producer warp
-// issues a tile's five TMA boxes (dims 128 c.., 128-byte swizzle; the last box's upper half is
-// past the 576-dim row and TMA fills it with zeros) into one of four 40 KB stages.
+// The work split is mla_wgmma_sm90.cu's: two consumer warpgroups each take half of Q K's depth
+// (9 of 18 k32 steps) and add the halves through shared memory, run the same softmax and own
+// 256 output dims each; a producer warp issues a tile's five TMA boxes (dims 128 c.., 128-byte
+// swizzle; the last box's upper half is past the 576-dim row and TMA fills it with zeros) into
+// one of four 40 KB stages. That lockstep leaves a tile one serial chain (~2.2 µs at large
+// batch for ~1.2 µs of bytes): mla_wgmma_e4m3pp_sm90.cu (WE2, the default) lets the two
+// warpgroups take turns on whole tiles instead, 1.3-1.8x faster (docs/bench_mla.md v11).
 //
 // Fragment geometry of P V. Thread (warp wq, lane g * 4 + t4) of warpgroup wg owns the 8 dims
 // D = 256 wg + 64 wq + 8 g .. D + 7: in m64 tile mt its fragment rows g / g + 8 are the dims
-// D + 2 mt / D + 2 mt + 1 (the order of an output's dims is the kernel's to choose; stage_o
-// below undoes it). Its k16 step kk holds tokens 16 kk + 2 t4 (+1) and + 8 (+9), in natural
+// D + 2 mt / D + 2 mt + 1 (the order of an output's dims is the kernel's to choose; the
+// output staging below undoes it). Its k16 step kk holds tokens 16 kk + 2 t4 (+1) and + 8 (+9), in natural
 // order, so P^T is written exactly as mla_wgmma_sm90.cu writes it. In a 128-byte-swizzled
 // stage the 16 lanes of a half-warp read 4 tokens 2 apart x 32 bytes: 16 distinct banks.
 //
 // What it computes is mla_spec.kernels.mla_decode.mla_decode_ref with the queries replaced by
-// mla_spec.quant.fp8.quantize_rows_e4m3's round trip (tests/kernels/test_mla_decode_wgmma.py).
+// mla_spec.quant.fp8.quantize_rows_e4m3's round trip (tests/kernels/test_mla_decode_wgmma.py),
+// up to the e4m3 MMA's own rounding inside each instruction (H200: max 0.3-4.5% of the
+// output's largest value, 0.2-0.8% in norm).
 #include "sm90_e4m3.cuh"
 
 namespace {
