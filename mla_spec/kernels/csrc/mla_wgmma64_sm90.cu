@@ -78,7 +78,6 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
   const uint32_t p_base = smem_u32(p_s);
   const uint64_t q_desc = sw128_desc(smem_u32(q_s) + rbase * 128, 16, 1024);
   const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
-  const int sm_m = lane >> 3, sm_r = lane & 7;  // stmatrix: matrix and row of this lane
   const float scale = p.qk_scale_log2;
 
   for (int it = 0; it < w.ntiles; ++it) {
@@ -102,12 +101,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
 #pragma unroll
     for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<T::f16>(s[i], s[i + 1]);
     // P^T rows of this warpgroup, this warp's 16 tokens (blocks: 8 tokens x 8 rows)
-#pragma unroll
-    for (int jb = 0; jb < RW / 8; jb += 2) {
-      const int mjb = jb + (sm_m >> 1), mhf = sm_m & 1;
-      stsm_x4_t(p_base + sw128(rbase + 8 * mjb + sm_r, 2 * wq + mhf), pk[2 * jb], pk[2 * jb + 1],
-                pk[2 * jb + 2], pk[2 * jb + 3]);
-    }
+    store_pt<RW>(p_base, pk, rbase, wq, lane);
     if (wq == 0 && g == 0)
 #pragma unroll
       for (int c = 0; c < NC; ++c) alpha_s[rbase + frag_col(c, t4)] = alpha[c];

@@ -90,7 +90,6 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
   // this thread's V bytes: box 2 wg + wq / 2, 16-byte chunk 4 (wq % 2) + g / 2, half g % 2
   const int chunk0 = 4 * (wq & 1) + (g >> 1);
   const uint32_t v_off = (2 * wg + (wq >> 1)) * BLK + 8 * (g & 1);
-  const int sm_m = lane >> 3, sm_r = lane & 7;
   float4* xmine = reinterpret_cast<float4*>(xbuf) + wg * (NA / 4) * 128 + wt;
   const float4* xother = reinterpret_cast<const float4*>(xbuf) + (1 - wg) * (NA / 4) * 128 + wt;
 
@@ -120,14 +119,14 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
       xmine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
     named_barrier(1, NT);
 #pragma unroll
-    for (int i = 0; i < NA / 4; ++i) {  // columns 8 i + 2 t4 (+1)
+    for (int i = 0; i < NA / 4; ++i) {
       const float4 v = xother[i * 128];
-      const float2 c = *reinterpret_cast<const float2*>(qm + 8 * i);
-      s[4 * i] = (s[4 * i] + v.x) * (c.x * kq);
-      s[4 * i + 1] = (s[4 * i + 1] + v.y) * (c.y * kq);
-      s[4 * i + 2] = (s[4 * i + 2] + v.z) * (c.x * kq);
-      s[4 * i + 3] = (s[4 * i + 3] + v.w) * (c.y * kq);
+      s[4 * i] += v.x;
+      s[4 * i + 1] += v.y;
+      s[4 * i + 2] += v.z;
+      s[4 * i + 3] += v.w;
     }
+    scale_cols(s, qm, kq);
     tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, 1.f,
                      red + (wg * 4 + wq) * BM, g, t4);
     named_barrier(2 + wg, 128);
@@ -136,19 +135,8 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
     uint32_t pk[NA / 2];
 #pragma unroll
     for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<true>(s[i], s[i + 1]);
-    if ((wq >> 1) == wg) {  // P^T as mla_wgmma_sm90.cu writes it
-#pragma unroll
-      for (int jb = 0; jb < BM / 8; jb += 2) {
-        const int mjb = jb + (sm_m >> 1), mhf = sm_m & 1;
-        stsm_x4_t(p_base + sw128(8 * mjb + sm_r, 2 * wq + mhf), pk[2 * jb], pk[2 * jb + 1],
-                  pk[2 * jb + 2], pk[2 * jb + 3]);
-      }
-    }
-    if (__any_sync(0xffffffffu, rescale))
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
+    if ((wq >> 1) == wg) store_pt<BM>(p_base, pk, 0, wq, lane);  // as mla_wgmma_sm90.cu
+    rescale_cols(o, alpha, rescale);
     fence_proxy_async();
     named_barrier(1, NT);  // P^T complete
     uint32_t v[BN / 16][2][2][2];  // (loaded during Q K, they cost the registers of a spill-free
@@ -182,13 +170,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
       ost[frag_col(2 * (i >> 2) + (i & 1), t4) * OSTRIDE + 256 * wg + 64 * wq + 8 * g + 2 * mt +
           ((i >> 1) & 1)] = o[mt][i];
   named_barrier(1, NT);
-  if (wg == 0 && wq == 0 && g == 0)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int col = frag_col(c, t4);
-      finish_row(p, w, split, b, col,
-                 red[col] + red[BM + col] + red[2 * BM + col] + red[3 * BM + col], m_r[c], rowv);
-    }
+  if (wg == 0 && wq == 0 && g == 0) finish_rows<BM>(p, w, split, b, red, m_r, rowv, t4);
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
 }

@@ -75,7 +75,6 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const uint32_t p_base = smem_u32(p_s + wg * BM * 128);
   const uint64_t q_desc = sw128_desc(smem_u32(q_s), 16, 1024);
   const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
-  const int sm_m = lane >> 3, sm_r = lane & 7;
   float* red_wg = red + wg * 4 * BM;
 
   for (int it = wg; it < w.ntiles; it += 2) {
@@ -91,14 +90,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
     uint32_t v[2][2][4];  // k16 step 0's V bytes while the tensor cores multiply Q K
     load_v<4>(v, kv_base + wq * BLK, 0, t4, g, nvalid);
     wgmma_wait0();
-#pragma unroll
-    for (int i = 0; i < NA / 4; ++i) {  // columns 8 i + 2 t4 (+1): the query rows' scales
-      const float2 c = *reinterpret_cast<const float2*>(qm + 8 * i);
-      s[0][4 * i] *= c.x * kq;
-      s[0][4 * i + 1] *= c.y * kq;
-      s[0][4 * i + 2] *= c.x * kq;
-      s[0][4 * i + 3] *= c.y * kq;
-    }
+    scale_cols(s[0], qm, kq);
     tile_col_max<NC>(s[0], bound, t0 + BN > min_bound, t0 + wq * 16 + g, 1.f,
                      red_wg + wq * BM, g, t4);
     named_barrier(B_WG + wg, 128);
@@ -107,17 +99,8 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
     uint32_t pk[NA / 2];
 #pragma unroll
     for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<true>(s[0][i], s[0][i + 1]);
-#pragma unroll
-    for (int jb = 0; jb < BM / 8; jb += 2) {  // each warp its 16 tokens of P^T
-      const int mjb = jb + (sm_m >> 1), mhf = sm_m & 1;
-      stsm_x4_t(p_base + sw128(8 * mjb + sm_r, 2 * wq + mhf), pk[2 * jb], pk[2 * jb + 1],
-                pk[2 * jb + 2], pk[2 * jb + 3]);
-    }
-    if (__any_sync(0xffffffffu, rescale))
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-        for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
+    store_pt<BM>(p_base, pk, 0, wq, lane);  // each warp its 16 tokens
+    rescale_cols(o, alpha, rescale);
     fence_proxy_async();
     named_barrier(B_WG + wg, 128);  // the warpgroup's P^T complete, its maxima read
 #pragma unroll

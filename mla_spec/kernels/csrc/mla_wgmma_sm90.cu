@@ -85,8 +85,6 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const uint32_t p_base = smem_u32(p_s);
   const uint64_t q_desc = sw128_desc(smem_u32(q_s) + wg * 32, 16, 1024);
   const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
-  // stmatrix row addresses of this lane: matrix lane / 8 = (token half hf, query-row block jb)
-  const int sm_m = lane >> 3, sm_r = lane & 7;
   const float scale = p.qk_scale_log2;
   float4* xmine = reinterpret_cast<float4*>(xbuf) + wg * (NA / 4) * 128 + wt;
   const float4* xother = reinterpret_cast<const float4*>(xbuf) + (1 - wg) * (NA / 4) * 128 + wt;
@@ -127,20 +125,8 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
     uint32_t pk[NA / 2];
 #pragma unroll
     for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<T::f16>(s[i], s[i + 1]);
-    if ((wq >> 1) == wg) {
-      // pk[2 jb + hf]: block (tokens 16 wq + 8 hf.., query rows 8 jb..); x4 covers two jb
-#pragma unroll
-      for (int jb = 0; jb < BM / 8; jb += 2) {
-        const int mjb = jb + (sm_m >> 1), mhf = sm_m & 1;
-        stsm_x4_t(p_base + sw128(8 * mjb + sm_r, 2 * wq + mhf), pk[2 * jb], pk[2 * jb + 1],
-                  pk[2 * jb + 2], pk[2 * jb + 3]);
-      }
-    }
-    if (__any_sync(0xffffffffu, rescale))  // the running max moved for some row
-#pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-        for (int i = 0; i < NA; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
+    if ((wq >> 1) == wg) store_pt<BM>(p_base, pk, 0, wq, lane);
+    rescale_cols(o, alpha, rescale);
     fence_proxy_async();
     named_barrier(1, NT);  // P^T complete
     pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage], [&] {
@@ -158,13 +144,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
   stage_o<NA>(ost, o, wg, wq, g, t4);
   named_barrier(1, NT);
-  if (wg == 0 && wq == 0 && g == 0)  // lanes 0-3 of warp 0 hold every row between them
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int col = frag_col(c, t4);
-      finish_row(p, w, split, b, col,
-                 red[col] + red[BM + col] + red[2 * BM + col] + red[3 * BM + col], m_r[c], rowv);
-    }
+  if (wg == 0 && wq == 0 && g == 0) finish_rows<BM>(p, w, split, b, red, m_r, rowv, t4);
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
 }

@@ -87,6 +87,20 @@ __device__ __forceinline__ void store_queries_e4m3(const QueryLoad<32>& ql, unsi
   named_barrier(1, NT);
 }
 
+// S^T column c (query row 8 (c / 2) + 2 t4 + c % 2, accumulators 4 (c / 2) + c % 2 and + 2)
+// times its row's amax / 448 and the softmax's scale: kq = qk_scale_log2 / 448, qm = qmax +
+// 2 t4 (read per tile from shared memory: registers are what these kernels are short of)
+__device__ __forceinline__ void scale_cols(float (&s)[16], const float* qm, float kq) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 c = *reinterpret_cast<const float2*>(qm + 8 * i);
+    s[4 * i] *= c.x * kq;
+    s[4 * i + 1] *= c.y * kq;
+    s[4 * i + 2] *= c.x * kq;
+    s[4 * i + 3] *= c.y * kq;
+  }
+}
+
 // S^T over NSTEP k32 steps STRIDE apart (step st: box st / 4, bytes 32 (st % 4) past a_desc /
 // b_desc, which point at the first), step j into accumulator chain j % NACC (summed by the
 // caller in fp32): the 32-row kernel's warpgroup w takes steps 2 j + w, the ping-pong one all 18

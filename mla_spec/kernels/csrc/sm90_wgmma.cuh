@@ -372,6 +372,47 @@ __device__ __forceinline__ bool tile_softmax(float (&s)[2 * NC], float (&m_r)[NC
   return moved;
 }
 
+// this warp's 16 tokens of P^T (fp16 / bf16 pairs pk from S^T-layout fragments: pk[2 jb + hf]
+// is block (tokens 16 wq + 8 hf.., query rows 8 jb..)) into the swizzled [rows][64 tok] layout
+// from row rbase, one x4 stmatrix .trans per two 8-row blocks
+template <int ROWS>
+__device__ __forceinline__ void store_pt(uint32_t p_base, const uint32_t (&pk)[ROWS / 4],
+                                         int rbase, int wq, int lane) {
+  const int sm_m = lane >> 3, sm_r = lane & 7;
+#pragma unroll
+  for (int jb = 0; jb < ROWS / 8; jb += 2) {
+    const int mjb = jb + (sm_m >> 1), mhf = sm_m & 1;
+    stsm_x4_t(p_base + sw128(rbase + 8 * mjb + sm_r, 2 * wq + mhf), pk[2 * jb], pk[2 * jb + 1],
+              pk[2 * jb + 2], pk[2 * jb + 3]);
+  }
+}
+
+// O^T's accumulators (m64 tiles x N query-row columns) times their columns' alpha, skipped
+// when no row's running max moved in the warp
+template <int NM, int NO>
+__device__ __forceinline__ void rescale_cols(float (&o)[NM][NO], const float (&alpha)[NO / 2],
+                                             bool moved) {
+  if (__any_sync(0xffffffffu, moved))
+#pragma unroll
+    for (int mt = 0; mt < NM; ++mt)
+#pragma unroll
+      for (int i = 0; i < NO; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
+}
+
+// the CTA's rows finished from the four warps' softmax sums in red ([4][BM]) by the lanes that
+// hold every row between them (lanes 0-3 of one warp: columns col(c, t4))
+template <int BM, int NC>
+__device__ __forceinline__ void finish_rows(const MlaParams& p, const CtaWork& w, int split,
+                                            int b, const float* red, const float (&m_r)[NC],
+                                            float* rowv, int t4) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int col = frag_col(c, t4);
+    finish_row(p, w, split, b, col,
+               red[col] + red[BM + col] + red[2 * BM + col] + red[3 * BM + col], m_r[c], rowv);
+  }
+}
+
 // l over the 8 lanes g of the warp (its 16 tokens per tile)
 template <int NC>
 __device__ __forceinline__ void sum_over_g(float (&l)[NC]) {
