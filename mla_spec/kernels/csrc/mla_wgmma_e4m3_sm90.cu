@@ -113,19 +113,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
 #pragma unroll
       for (int c = 1; c < NACC; ++c) s[i] += sc[c][i];
     }
-    // add the other warpgroup's half (a + b == b + a: both hold identical sums)
-#pragma unroll
-    for (int i = 0; i < NA / 4; ++i)
-      xmine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
-    named_barrier(1, NT);
-#pragma unroll
-    for (int i = 0; i < NA / 4; ++i) {
-      const float4 v = xother[i * 128];
-      s[4 * i] += v.x;
-      s[4 * i + 1] += v.y;
-      s[4 * i + 2] += v.z;
-      s[4 * i + 3] += v.w;
-    }
+    add_other_half(s, xmine, xother);
     scale_cols(s, qm, kq);
     tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, 1.f,
                      red + (wg * 4 + wq) * BM, g, t4);

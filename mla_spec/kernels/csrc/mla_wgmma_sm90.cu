@@ -100,19 +100,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
     qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
     wgmma_commit();
     wgmma_wait0();
-    // add the other warpgroup's half (a + b == b + a: both hold identical sums)
-#pragma unroll
-    for (int i = 0; i < NA / 4; ++i)
-      xmine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
-    named_barrier(1, NT);
-#pragma unroll
-    for (int i = 0; i < NA / 4; ++i) {
-      const float4 v = xother[i * 128];
-      s[4 * i] += v.x;
-      s[4 * i + 1] += v.y;
-      s[4 * i + 2] += v.z;
-      s[4 * i + 3] += v.w;
-    }
+    add_other_half(s, xmine, xother);
 
     // scale, causal / split mask, each query row's max over the tile's 64 tokens
     tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, scale,

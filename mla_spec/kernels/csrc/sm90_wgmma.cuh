@@ -372,6 +372,26 @@ __device__ __forceinline__ bool tile_softmax(float (&s)[2 * NC], float (&m_r)[NC
   return moved;
 }
 
+// S^T's partial sums of the two warpgroups (each half of Q K's depth) added through shared
+// memory (xmine / xother: this thread's float4 slots of [2 wg][NA / 4][128 threads]); a + b ==
+// b + a, so both warpgroups then hold identical sums
+template <int NA>
+__device__ __forceinline__ void add_other_half(float (&s)[NA], float4* xmine,
+                                               const float4* xother) {
+#pragma unroll
+  for (int i = 0; i < NA / 4; ++i)
+    xmine[i * 128] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+  named_barrier(1, NT);
+#pragma unroll
+  for (int i = 0; i < NA / 4; ++i) {
+    const float4 v = xother[i * 128];
+    s[4 * i] += v.x;
+    s[4 * i + 1] += v.y;
+    s[4 * i + 2] += v.z;
+    s[4 * i + 3] += v.w;
+  }
+}
+
 // this warp's 16 tokens of P^T (fp16 / bf16 pairs pk from S^T-layout fragments: pk[2 jb + hf]
 // is block (tokens 16 wq + 8 hf.., query rows 8 jb..)) into the swizzled [rows][64 tok] layout
 // from row rbase, one x4 stmatrix .trans per two 8-row blocks
