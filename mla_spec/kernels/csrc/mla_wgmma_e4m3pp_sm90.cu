@@ -28,11 +28,6 @@ namespace {
 constexpr int BM = 32, NA = BM / 2, NC = BM / 4;
 constexpr int B_PAIR = 1, B_WG = 2;  // named barriers: both consumer warpgroups / one (2 + c)
 
-__device__ __forceinline__ void mbar_arrive_n(uint64_t* bar, uint32_t n) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(n)
-               : "memory");
-}
-
 __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const MlaParams& p = wp.m;
   extern __shared__ unsigned char smem_raw[];

@@ -55,12 +55,6 @@ __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   return d;
 }
 
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 // e4m3 block scale byte (bits 0-7 of `byte`) -> bf16x2 (s * 2^118, s * 2^118)
 __device__ __forceinline__ uint32_t scale_pair(uint32_t byte) {
   const uint32_t s = ((byte & 0xFFu) * 0x10001u) << 4;  // s * 2^-120 in both halves
@@ -237,8 +231,8 @@ __device__ __forceinline__ void body(const Nvfp4GemmParams& p, uint32_t ring) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const uint4 v = a.v[j][q];  // x[e .. e+7] as (e, e+1) .. (e+6, e+7)
-          const uint32_t b0 = prmt(v.x, v.z, 0x5410), b1 = prmt(v.x, v.z, 0x7632);
-          const uint32_t b2 = prmt(v.y, v.w, 0x5410), b3 = prmt(v.y, v.w, 0x7632);
+          const uint32_t b0 = sm90::prmt(v.x, v.z, 0x5410), b1 = sm90::prmt(v.x, v.z, 0x7632);
+          const uint32_t b2 = sm90::prmt(v.y, v.w, 0x5410), b3 = sm90::prmt(v.y, v.w, 0x7632);
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             mma_bf16(acc[r][j], pa[r][0], pb[r][0], pa[r][1], pb[r][1], b0, b1);

@@ -17,29 +17,18 @@ constexpr int QBOX = 32 * 128;  // one 128-dim box of 32 rows' e4m3 queries
 
 // D[64, 32] += A . B, e4m3 x e4m3 (k32), both K-major from shared memory
 __device__ __forceinline__ void wgmma_e4m3_n32(float (&d)[16], uint64_t da, uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
-               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, 1, 1, 1;\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 " SM90_D16
+               ", %16, %17, 1, 1, 1;\n"
+               : SM90_ACC16(d)
                : "l"(da), "l"(db));
 }
 
 // D[64, 32] += A . B in fp16, A from registers (an m64k16 fragment), B K-major in shared memory
 __device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const uint32_t (&a)[4], uint64_t db) {
-  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
-               "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, {%16,%17,%18,%19}, %20, "
-               "1, 1, 1, 0;\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                 "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                 "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " SM90_D16
+               ", {%16,%17,%18,%19}, %20, 1, 1, 1, 0;\n"
+               : SM90_ACC16(d)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
 }
 
 // the CTA's queries (loaded by QueryLoad::issue) as e4m3 rows scaled by 448 / amax into q_s

@@ -49,6 +49,14 @@ struct Wgmma;
 #define NREG2_32 "34"
 #define NREG3_32 "35"
 
+// the 16 accumulators of an m64n32 product as asm operands %0-%15 (also the e4m3 and
+// register-A wrappers of sm90_e4m3.cuh)
+#define SM90_D16 "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}"
+#define SM90_ACC16(d)                                                                        \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),       \
+      "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), \
+      "+f"(d[14]), "+f"(d[15])
+
 // the 32 accumulators of an m64n64 product as asm operands %0-%31 (also the register-A
 // wrapper of mla_wgmma_rows_sm90.cu)
 #define SM90_D32                                                                             \
@@ -74,11 +82,7 @@ struct Wgmma<16, TA, F16, TB> {
 template <int TA, bool F16, int TB>
 struct Wgmma<32, TA, F16, TB> {
   __device__ __forceinline__ static void run(float (&d)[16], uint64_t da, uint64_t db) {
-#define W32_(T)                                                                              \
-  SM90_WGMMA(32, T, "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}", 16,          \
-             "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),         \
-             "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),       \
-             "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]))
+#define W32_(T) SM90_WGMMA(32, T, SM90_D16, 16, SM90_ACC16(d))
     if constexpr (F16) W32_("f16"); else W32_("bf16");
 #undef W32_
   }
