@@ -122,9 +122,26 @@ def test_output_staging_is_a_bijection_onto_rows_and_dims(k):
                             cells.add((col, kd["dim"](wg, wq, g, mt, (i >> 1) & 1)))
     assert cells == {(c, d) for c in range(32) for d in range(512)}
     src = (SRC if k == "WE" else SRC_PP).read_text()
-    staged = ("256 * wg + 64 * wq + 8 * g + 2 * mt" if k == "WE" else
-              "128 * wq + 16 * g + 2 * mt + ((i >> 1) & 1)")
-    assert staged in src
+    if k == "WE":
+        assert "256 * wg + 64 * wq + 8 * g + 2 * mt" in src
+        return
+    # WE2 writes each thread's rows straight from its accumulators: o_quad(o, c, q) is dims
+    # 4q .. 4q + 3 of the 16 at d0 = 128 wq + 16 g of S^T column c's row (store_row16)
+    for wq in range(4):
+        for g in range(8):
+            for t4 in range(4):
+                for c in range(8):
+                    i0 = 4 * (c >> 1) + (c & 1)
+                    row = 8 * (c >> 1) + 2 * t4 + (c & 1)  # frag_col(c, t4)
+                    for q in range(4):
+                        d0 = 128 * wq + 16 * g + 4 * q
+                        quad = [(2 * q, i0), (2 * q, i0 + 2), (2 * q + 1, i0), (2 * q + 1, i0 + 2)]
+                        for j, (mt, i) in enumerate(quad):
+                            assert 8 * (i >> 2) + 2 * t4 + (i & 1) == row
+                            assert kd["dim"](0, wq, g, mt, (i >> 1) & 1) == d0 + j
+    assert ("make_float4(o[2 * q][i0] * k, o[2 * q][i0 + 2] * k, o[2 * q + 1][i0] * k," in src
+            and "const int i0 = 4 * (c >> 1) + (c & 1);" in src
+            and "store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);" in src)
 
 
 @pytest.mark.parametrize("k", list(KERNELS))

@@ -147,9 +147,13 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
 
   sum_over_g<NC>(l_r);
   named_barrier(1, NT);  // the KV stages and red are free
+  float* mrow = qmax;  // [BM] the rows' running maxima (free after the loop)
   if (wg == 0 && g == 0)
 #pragma unroll
-    for (int c = 0; c < NC; ++c) red[wq * BM + frag_col(c, t4)] = l_r[c];
+    for (int c = 0; c < NC; ++c) {
+      red[wq * BM + frag_col(c, t4)] = l_r[c];
+      if (wq == 0) mrow[frag_col(c, t4)] = m_r[c];
+    }
   float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)
@@ -158,7 +162,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
       ost[frag_col(2 * (i >> 2) + (i & 1), t4) * OSTRIDE + 256 * wg + 64 * wq + 8 * g + 2 * mt +
           ((i >> 1) & 1)] = o[mt][i];
   named_barrier(1, NT);
-  if (wg == 0 && wq == 0 && g == 0) finish_rows<BM>(p, w, split, b, red, m_r, rowv, t4);
+  finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
 }

@@ -28,6 +28,14 @@ namespace {
 constexpr int BM = 32, NA = BM / 2, NC = BM / 4;
 constexpr int B_PAIR = 1, B_WG = 2;  // named barriers: both consumer warpgroups / one (2 + c)
 
+// dims 4q .. 4q + 3 of the thread's 16 (D + 2 mt + j: m64 tiles 2q and 2q + 1) of S^T column c's
+// row, times k
+__device__ __forceinline__ float4 o_quad(const float (&o)[8][NA], int c, int q, float k) {
+  const int i0 = 4 * (c >> 1) + (c & 1);
+  return make_float4(o[2 * q][i0] * k, o[2 * q][i0 + 2] * k, o[2 * q + 1][i0] * k,
+                     o[2 * q + 1][i0 + 2] * k);
+}
+
 __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const MlaParams& p = wp.m;
   extern __shared__ unsigned char smem_raw[];
@@ -114,8 +122,12 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   }
   griddep_launch();
 
-  // merge the warpgroups' partial rows: both rescale to the larger max, warpgroup 0 stages O,
-  // warpgroup 1 adds its own, the sums of both go into finish_row
+  // merge the warpgroups' partial rows: one thread per row works out its common max, softmax
+  // sum and each group's share factor, both stage their normalized O shares in thread-private float4 slots
+  // (conflict-free), and each thread adds and stores 4 rows x its 16 dims. This runs once per
+  // CTA from a cold instruction cache; the earlier merge (fp32 rows through shared memory, a
+  // finish by 4 lanes looping over 8 rows, then a strided store loop) cost ~11 µs a CTA
+  // (docs/bench_mla.md v12).
   sum_over_g<NC>(l_r);
   if (g == 0)
 #pragma unroll
@@ -124,43 +136,47 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
       if (wq == 0) mx[wg * BM + frag_col(c, t4)] = m_r[c];
     }
   named_barrier(B_PAIR, NT);  // the KV stages are free, every max and sum written
-  float f[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const int col = frag_col(c, t4);
-    const float m = fmaxf(mx[col], mx[BM + col]);
-    f[c] = m == -INFINITY ? 0.f : exp2f(m_r[c] - m);
+  float* gs = rowv;  // [2 wg][BM] each group's share factor over the row's sum (rowv, qmax)
+  if (tid < BM) {      // one row a thread: the common max, the sum, the factors, the lse
+    const float m0 = mx[tid], m1 = mx[BM + tid], m = fmaxf(m0, m1);
+    const float f0 = m == -INFINITY ? 0.f : exp2f(m0 - m);
+    const float f1 = m == -INFINITY ? 0.f : exp2f(m1 - m);
+    const float* r = red + tid;
+    const float l = f0 * (r[0] + r[BM] + r[2 * BM] + r[3 * BM]) +
+                    f1 * (r[4 * BM] + r[5 * BM] + r[6 * BM] + r[7 * BM]);
+    const float inv = l > 0.f ? __fdividef(p.v_scale, l) : 0.f;  // l >= 1 when a row saw KV
+    gs[tid] = f0 * inv;
+    gs[BM + tid] = f1 * inv;
+    if (w.m0 + tid < w.n_rows)
+      write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + w.m0 + tid, l > 0.f, m, l);
   }
-  float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
-#pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    if (pass == wg)
-#pragma unroll
-      for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-        for (int i = 0; i < NA; ++i) {
-          const int c = 2 * (i >> 2) + (i & 1);
-          float* dst = ost + frag_col(c, t4) * OSTRIDE + 128 * wq + 16 * g + 2 * mt + ((i >> 1) & 1);
-          *dst = (pass ? *dst : 0.f) + o[mt][i] * f[c];
-        }
-    named_barrier(B_PAIR, NT);
-  }
-  if (wg == 0 && wq == 0 && g == 0)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const int col = frag_col(c, t4);
-      const float m = fmaxf(mx[col], mx[BM + col]);
-      float l = 0.f;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const float* r = red + k * 4 * BM + col;
-        const float fk = m == -INFINITY ? 0.f : exp2f(mx[k * BM + col] - m);
-        l += fk * (r[0] + r[BM] + r[2 * BM] + r[3 * BM]);
-      }
-      finish_row(p, w, split, b, col, l, m, rowv);
-    }
   named_barrier(B_PAIR, NT);
-  store_rows<BM>(p, w, split, b, ost, rowv, tid);
+  float gsc[NC];  // this warpgroup's O times gsc: its normalized share of the row
+#pragma unroll
+  for (int c = 0; c < NC; ++c) gsc[c] = gs[wg * BM + frag_col(c, t4)];
+  // both warpgroups stage their shares ([2 wg][8 rows c][4 quads][128 threads] float4, 128 KB
+  // of the free KV stages); then warpgroup w adds the two shares of rows c = 4 w .. 4 w + 3 of
+  // the same thread slot and stores them (O is dead by then: no registers are short)
+  float4* stage_o4 = reinterpret_cast<float4*>(kv_s) + wt;
+#pragma unroll
+  for (int c = 0; c < NC; ++c)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) stage_o4[((wg * NC + c) * 4 + q) * 128] = o_quad(o, c, q, gsc[c]);
+  named_barrier(B_PAIR, NT);
+#pragma unroll
+  for (int cc = 0; cc < NC / 2; ++cc) {
+    const int c = wg * (NC / 2) + cc;
+    float v[16];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 x = stage_o4[(c * 4 + q) * 128], y = stage_o4[((NC + c) * 4 + q) * 128];
+      v[4 * q] = x.x + y.x;
+      v[4 * q + 1] = x.y + y.y;
+      v[4 * q + 2] = x.z + y.z;
+      v[4 * q + 3] = x.w + y.w;
+    }
+    store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);
+  }
 }
 
 }  // namespace

@@ -55,7 +55,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   unsigned char* p_s = q_s + NCH * BM * 128;    // P^T as [BM][64 tok] bf16, swizzled
   float* xbuf = reinterpret_cast<float*>(p_s + BM * 128);  // [2 wg][NA / 4][128 thr][4]
   float* red = xbuf + 2 * NA * 128;                         // [8 warps][BM]
-  float* rowv = red + 8 * BM;                               // [BM] v_scale / l
+  float* rowv = red + 8 * BM;                               // [2][BM] v_scale / l, maxima
   uint64_t* full = reinterpret_cast<uint64_t*>(rowv + 2 * BM);  // [STAGES] tile landed
   uint64_t* empty = full + STAGES;                              // [STAGES] 8 warps done
 
@@ -126,13 +126,17 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   // l over the tile rows (lanes g) and warps of warpgroup 0, then v_scale / l and lse per row
   sum_over_g<NC>(l_r);
   named_barrier(1, NT);  // the KV stages and red are free
+  float* mrow = rowv + BM;  // [BM] the rows' running maxima (free after the loop)
   if (wg == 0 && g == 0)
 #pragma unroll
-    for (int c = 0; c < NC; ++c) red[wq * BM + frag_col(c, t4)] = l_r[c];
+    for (int c = 0; c < NC; ++c) {
+      red[wq * BM + frag_col(c, t4)] = l_r[c];
+      if (wq == 0) mrow[frag_col(c, t4)] = m_r[c];
+    }
   float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
   stage_o<NA>(ost, o, wg, wq, g, t4);
   named_barrier(1, NT);
-  if (wg == 0 && wq == 0 && g == 0) finish_rows<BM>(p, w, split, b, red, m_r, rowv, t4);
+  finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
 }

@@ -257,10 +257,41 @@ __device__ __forceinline__ void write_row_lse(const MlaParams& p, int split, lon
 // the output scale v_scale / l (0 for a row that saw no KV) into rowv[r], and its lse
 __device__ __forceinline__ void finish_row(const MlaParams& p, const CtaWork& w, int split, int b,
                                            int r, float l, float m2, float* rowv) {
-  rowv[r] = l > 0.f ? p.v_scale / l : 0.f;
+  rowv[r] = l > 0.f ? __fdividef(p.v_scale, l) : 0.f;  // no slow path: l >= 1 here
   const int row = w.m0 + r;
   if (row < w.n_rows)
     write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, l > 0.f, m2, l);
+}
+
+// one thread's 16 consecutive output dims d0 .. d0 + 15 of the CTA's row r, normalized, straight
+// from registers: the bf16 result (8-byte stores: out rows are 8-byte aligned), or the split's
+// partials (fp32, or bf16 with part_bf16; 16-byte stores into the launcher's buffers)
+__device__ __forceinline__ void store_row16(const MlaParams& p, const CtaWork& w, int split, int b,
+                                            int r, int d0, const float (&v)[16]) {
+  const int row = w.m0 + r;
+  if (row >= w.n_rows) return;
+  const long long grow = static_cast<long long>(b) * w.n_rows + row;  // tok * H + h
+  if (p.split && !p.part_bf16) {
+    float4* dst = reinterpret_cast<float4*>(p.part + split * p.s_ps + grow * DV + d0);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      dst[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+    return;
+  }
+  uint32_t h[8];
+#pragma unroll
+  for (int k = 0; k < 8; ++k) h[k] = pack_bf16(v[2 * k], v[2 * k + 1]);
+  if (p.split) {
+    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.part) +
+                                          split * p.s_ps + grow * DV + d0);
+    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
+    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
+    return;
+  }
+  const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, hh = row % p.H;
+  uint2* dst = reinterpret_cast<uint2*>(p.out + tok * p.s_o_t + hh * p.s_o_h + d0);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) dst[k] = make_uint2(h[2 * k], h[2 * k + 1]);
 }
 
 // the CTA's output rows from the fp32 staging [BM][OSTRIDE] scaled by rowv (v_scale / l):
@@ -269,9 +300,13 @@ __device__ __forceinline__ void finish_row(const MlaParams& p, const CtaWork& w,
 template <int BM>
 __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w, int split, int b,
                                            const float* ost, const float* rowv, int tid) {
-  const int q_rows = min(BM, w.n_rows - w.m0);
-  for (int c = tid; c < q_rows * (DV / 4); c += NT) {
-    const int r = c / (DV / 4), d = (c % (DV / 4)) * 4, row = w.m0 + r;
+  static_assert(NT % (DV / 4) == 0, "a thread keeps its 4 dims on every row it stores");
+  const int q_rows = min(BM, w.n_rows - w.m0), d = (tid % (DV / 4)) * 4;
+  // unrolled: a lone iteration is a chain of shared load, multiply and store (~2.5 µs for 16
+  // rows a thread, docs/bench_mla.md v12)
+#pragma unroll 4
+  for (int r = tid / (DV / 4); r < q_rows; r += NT / (DV / 4)) {
+    const int row = w.m0 + r;
     const float inv = rowv[r];
     const float4 v = *reinterpret_cast<const float4*>(ost + r * OSTRIDE + d);
     const long long grow = static_cast<long long>(b) * w.n_rows + row;  // tok * H + h
@@ -419,18 +454,16 @@ __device__ __forceinline__ void rescale_cols(float (&o)[NM][NO], const float (&a
       for (int i = 0; i < NO; ++i) o[mt][i] *= alpha[2 * (i >> 2) + (i & 1)];
 }
 
-// the CTA's rows finished from the four warps' softmax sums in red ([4][BM]) by the lanes that
-// hold every row between them (lanes 0-3 of one warp: columns col(c, t4))
-template <int BM, int NC>
+// the CTA's rows finished, one a thread (tid < BM): the four warps' softmax sums in red
+// ([4][BM]) and the running maxima in mrow ([BM]). Four lanes looping over 8 rows each took
+// ~2 µs a CTA, ~6 from a cold instruction cache (docs/bench_mla.md v12)
+template <int BM>
 __device__ __forceinline__ void finish_rows(const MlaParams& p, const CtaWork& w, int split,
-                                            int b, const float* red, const float (&m_r)[NC],
-                                            float* rowv, int t4) {
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const int col = frag_col(c, t4);
-    finish_row(p, w, split, b, col,
-               red[col] + red[BM + col] + red[2 * BM + col] + red[3 * BM + col], m_r[c], rowv);
-  }
+                                            int b, const float* red, const float* mrow,
+                                            float* rowv, int tid) {
+  if (tid < BM)
+    finish_row(p, w, split, b, tid, red[tid] + red[BM + tid] + red[2 * BM + tid] + red[3 * BM + tid],
+               mrow[tid], rowv);
 }
 
 // l over the 8 lanes g of the warp (its 16 tokens per tile)
