@@ -1,16 +1,17 @@
 """Split count x split-partial dtype for one wgmma variant, interleaved repeats.
 
-    python benchmarks/sweep_split_partials.py [--variant WE2] [--shapes 32x1:4096:32,...]
-        [--splits 3,4,5,6,8] [--reps 3]
+    python benchmarks/sweep_split_partials.py [--variant WE2] [--kv fp8|bf16]
+        [--shapes 32x1:4096:32,...] [--splits 3,4,5,6,8] [--reps 3]
 
-Why: the 64-row kernels write their split partials in bf16 (half the bytes the split kernel
-writes and the combine reads), the 32-row ones in fp32 (``mla_decode_wgmma.PART_BF16_BLOCK_M``),
-after bf16 partials measured slower at 32 rows in the tenth session for reasons not known. This
+Why: a wgmma kernel writes its split partials in fp32 or bf16 (half the bytes the split kernel
+writes and the combine reads; ``mla_decode_wgmma.PART_BF16``), and which one wins moved with the
+combine's program shapes (bf16 was slower at 32 rows until the fourteenth session). This
 times every (splits, partial dtype) pair of a shape per call in a replayed CUDA graph
 (``bench_mla.graph_time``: KV copies rotated past the L2), the pairs interleaved ``--reps``
 times so that clock drift during the run hits all of them alike, and checks each against the
 reference (for the e4m3 kernels with the queries rounded as they round them). The dtype is
-switched by patching ``PART_BF16_BLOCK_M`` for the run. FP8 cache; GPU only; a table last.
+switched by patching ``PART_BF16`` for the run. GPU only;
+a table last.
 """
 
 from __future__ import annotations
@@ -33,23 +34,24 @@ from mla_spec.kernels.mla_decode_tiles import PAGED_VARIANTS  # noqa: E402
 from mla_spec.quant.fp8 import FP8_DTYPE, e4m3_rows_round_trip  # noqa: E402
 
 
-def sweep(variant: str, h: int, q: int, ctx: int, bs: int, splits, reps: int, dev):
+def sweep(variant: str, h: int, q: int, ctx: int, bs: int, splits, reps: int, dev,
+          kvd=FP8_DTYPE):
     """{(splits, bf16 partials): ([µs per run], max error over the reference's max)}."""
     cfg = PAGED_VARIANTS[variant]
-    pool, r2t, rpis, kv_lens, qn, qp, _ = build(h, q, bs, ctx, FP8_DTYPE, dev, 4)
+    pool, r2t, rpis, kv_lens, qn, qp, _ = build(h, q, bs, ctx, kvd, dev, 4)
     flat = pool.kv_buffer[0].view(-1, DV + DPE)
     out = torch.empty_like(qn)
     qt = e4m3_rows_round_trip(torch.cat([qn, qp], -1)) if cfg.e4m3_mma else None
     tn, tp = (qt[..., :DV], qt[..., DV:]) if qt is not None else (qn, qp)
     ref = mla_decode_ref(tn, tp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
-    block_m = mw.PART_BF16_BLOCK_M
+    kept = mw.PART_BF16
+    key = (cfg.block_m, cfg.e4m3_mma)
     res: dict[tuple[int, bool], tuple[list[float], float]] = {}
     try:
         for _ in range(reps):
             for sp in splits:
                 for bf16 in (False, True):
-                    mw.PART_BF16_BLOCK_M = block_m | {cfg.block_m} if bf16 else \
-                        block_m - {cfg.block_m}
+                    mw.PART_BF16 = kept | {key} if bf16 else kept - {key}
                     calls = [lambda r=r, sp=sp: mla_decode_paged(
                         qn, qp, flat, r2t, r, kv_lens, SM_SCALE, page_size=PAGE, q_len=q,
                         num_splits=sp, config=cfg, max_kv=ctx, out=out, num_sms=132)
@@ -60,7 +62,7 @@ def sweep(variant: str, h: int, q: int, ctx: int, bs: int, splits, reps: int, de
                     times, worst = res.get((sp, bf16), ([], 0.0))
                     res[(sp, bf16)] = (times + [graph_time(calls)], max(worst, err))
     finally:
-        mw.PART_BF16_BLOCK_M = block_m
+        mw.PART_BF16 = kept
     del pool
     torch.cuda.empty_cache()
     return res
@@ -69,6 +71,7 @@ def sweep(variant: str, h: int, q: int, ctx: int, bs: int, splits, reps: int, de
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--variant", default="WE2")
+    ap.add_argument("--kv", default="fp8", choices=("fp8", "bf16"))
     ap.add_argument("--shapes", default="32x1:4096:32,32x1:2048:64", help="HxQ:ctx:bs,...")
     ap.add_argument("--splits", default="3,4,5,6,8")
     ap.add_argument("--reps", type=int, default=3)
@@ -82,11 +85,12 @@ def main(argv=None) -> None:
     for item in args.shapes.split(","):
         hq, ctx, bs = item.split(":")
         h, q = (int(v) for v in hq.split("x"))
+        kvd = FP8_DTYPE if args.kv == "fp8" else torch.bfloat16
         for (sp, bf16), (times, err) in sweep(args.variant, h, q, int(ctx), int(bs), splits,
-                                              args.reps, dev).items():
+                                              args.reps, dev, kvd).items():
             lines.append(f"| {item} | {sp} | {'bf16' if bf16 else 'fp32'} | "
                          f"{' / '.join(f'{t:.2f}' for t in times)} | {err:.4f} |")
-    print(f"\n{args.variant} on an FP8 cache, µs per call in a replayed CUDA graph")
+    print(f"\n{args.variant} on a {args.kv} cache, µs per call in a replayed CUDA graph")
     print("\n".join(lines))
 
 

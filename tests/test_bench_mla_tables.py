@@ -63,3 +63,23 @@ def test_cta_phase_stamps_find_their_anchors_and_compile():
                                   os.path.join(tmp, "s.cubin"), path], capture_output=True,
                                  text=True)
             assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_sweep_combine_launch_matches_the_twin_at_every_program_shape():
+    """benchmarks/sweep_combine.py launches the combine kernel with a given program shape (on
+    the CPU through the Triton interpreter): each must give the twin's result, empty split
+    included, for fp32 and bf16 partials."""
+    from mla_spec.kernels.mla_decode_combine import combine_splits_ref
+
+    sc = _load("sweep_combine")
+    g = torch.Generator().manual_seed(3)
+    for dt in (torch.float32, torch.bfloat16):
+        part = torch.randn(3, 4, 512, generator=g).to(dt)
+        plse = torch.randn(3, 4, generator=g) * 4
+        plse[1, 2] = float("-inf")
+        want = torch.empty(1, 4, 512)
+        combine_splits_ref(part, plse, want)
+        for block_d, warps in ((128, 2), (512, 4)):
+            out = torch.empty_like(want)
+            sc.launch(part, plse, out, block_d, warps)
+            assert torch.allclose(out, want, atol=1e-5), (dt, block_d, warps)

@@ -29,7 +29,11 @@ __all__ = ["combine_splits", "combine_splits_ref"]
 # (batch 1) take 64 columns per program and 1-2 warps (32 splits x 32 rows 2.16 -> 1.75 µs);
 # many rows take whole rows (2 splits x 2048 rows: 16-split blocks of 128 columns 25.2 µs,
 # [2, 512] blocks 3.05 µs; 4 x 1024: 13.7 -> 2.87). 16-blocks at 128 splits made 16 dependent
-# load rounds, ~10 µs at batch 1 (eighth session).
+# load rounds, ~10 µs at batch 1 (eighth session). Fourteenth session (sweep_combine.py, every
+# (columns, warps) at 2-16 splits x 512-8192 rows): whole rows everywhere from 256 rows, on 4
+# warps for fp32 partials (16 x 512: 7.08 -> 5.39 µs) and 2 for bf16 ones, which the old
+# shapes had made slower than fp32 (16 x 512: 12.62 -> 4.85; 4 x 1024: 6.88 -> 2.92; 8 x 1024:
+# 8.28 -> 4.49).
 @triton.jit
 def _weighted(ls, part, m_use):
     """One block of splits: ``(sum_s w_s, sum_s w_s o_s)`` with ``w_s = 2 ** (lse_s - m_use)``
@@ -107,8 +111,8 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         block_d, warps = dv, 4
     elif s > 128:
         block_d, warps = min(dv, 128), 4
-    elif rows >= 256:  # ~32 fp32 per thread, whole rows where that allows
-        block_d, warps = min(dv, max(64, 4096 // s_block)), 2 if s_block == 2 else 4
+    elif rows >= 256:  # whole rows; bf16 partials on 2 warps (benchmarks/sweep_combine.py)
+        block_d, warps = dv, 2 if part.dtype == torch.bfloat16 else 4
     else:
         block_d, warps = min(dv, 64), 2 if s_block >= 128 else 1
     _combine_kernel[(rows, triton.cdiv(dv, block_d))](

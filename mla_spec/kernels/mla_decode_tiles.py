@@ -261,9 +261,9 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # vs C/sp16 148.1 (FlashInfer 73.9-74.6); at 4k C stays (31.8-32.3 vs WR/sp16 41.9, W64/sp8
     # 39.2-39.6; fp8 CF 37.4 vs W64 44.9)
     ("bf16", "big", "b1", "long"): "WR/sp16|C",
-    # thirteenth session (v11), 512 rows at batch 1 ctx 4k once WR's partials there are fp32
-    # (mla_decode_wgmma.PART_BF16_MAX_BLOCKS): bf16 WR/sp16 28.8 vs C 32.0 (FlashInfer 25.4),
-    # fp8 30.3 vs C 37.3 (FlashInfer fp8 52.9)
+    # thirteenth session (v11), 512 rows at batch 1 ctx 4k: bf16 WR/sp16 28.8 vs C 32.0
+    # (FlashInfer 25.4), fp8 30.3 vs C 37.3 (FlashInfer fp8 52.9); fourteenth (v12), with bf16
+    # partials and the combine's new shapes: bf16 24.0, fp8 25.9 (mla_decode_wgmma.PART_BF16)
     ("bf16", "big", "b1", "c8k"): "WR/sp16|C",
     ("fp8", "big", "b1", "c8k"): "WR/sp16|C",
 }

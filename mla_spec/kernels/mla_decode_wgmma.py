@@ -49,14 +49,13 @@ WGMMA_BLOCK_M = tuple(_SOURCES)
 WGMMA_KERNELS = ((32, False), (16, False), (64, False), (32, True), (64, True))
 #: rows per CTA compiled for an e4m3 cache (suffix ``_f8``; no prefetch)
 WGMMA_FP8_BLOCK_M = (32, 16, 64)
-#: rows per CTA whose kernels write their split partials in bf16 (half the bytes written and
-#: combined; one more rounding of the bf16 result's inputs): at 64 rows batch 1 gains ~1.5 µs
-#: (fp8 H 128 ctx 32k 45.8 -> 44.3, 4k 21.4 -> 19.9); at 32 rows the combine of bf16 partials
-#: was slower (bs 32 ctx 4k 54.4 -> 63.3 µs; docs/bench_mla.md v9), and so it was past
-#: PART_BF16_MAX_BLOCKS row blocks per request (512 rows, batch 1, ctx 4k, WR/sp16: fp8 43.6 ->
-#: 30.3 µs with fp32 partials, bf16 42.1 -> 28.8; v11)
-PART_BF16_BLOCK_M = frozenset({64})
-PART_BF16_MAX_BLOCKS = 2
+#: (rows per CTA, e4m3 MMAs) of the kernels that write their split partials in bf16 (half the
+#: bytes written and combined; one more rounding of the bf16 result's inputs). Fourteenth
+#: session, once the combine took whole rows on 2 warps for bf16 (mla_decode_combine;
+#: benchmarks/sweep_split_partials.py, docs/bench_mla.md v12): WE2 bs 32 ctx 4k 37.5 -> 34.1 µs;
+#: W bs 32 ctx 4k 50.5-51.0 -> 48.0-48.1, batch 1 ctx 32k 22.3 -> 21.0; WR 512 rows batch 1
+#: ctx 4k fp8 27.7 -> 25.9, bf16 26.3 -> 24.0. (The 16-row W16, no default, keeps fp32.)
+PART_BF16 = frozenset({(64, False), (32, True), (32, False)})
 # keys: (rows per CTA, prefetch, e4m3 cache, rows on M: WR, e4m3 MMAs: WE, ping-pong: WE2)
 _KERNELS = {(bm, pf, False, False, False, False): CudaKernel(_SOURCES[bm][0],
                                                       f"mla_wgmma_m{bm}{'p' if pf else ''}",
@@ -162,8 +161,7 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                          "rows")
     m, part, part_lse = split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices,
                                      kv_lens, out, lse, qk_scale_log2, v_scale, q_len,
-                                     num_splits, part_bf16=block_m in PART_BF16_BLOCK_M
-                                     and m_blocks <= PART_BF16_MAX_BLOCKS)
+                                     num_splits, part_bf16=(block_m, e4m3_mma) in PART_BF16)
     p = _WgParams(m)
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat, e4m3_mma), 128)
     _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong)](

@@ -172,7 +172,8 @@ def test_split_params_fill_the_struct_the_kernels_read():
                                 torch.ones(2, dtype=torch.int32), out, None, 1.0, 1.0, 1, 3,
                                 part_bf16=True)
     assert part2.dtype == torch.bfloat16 and (p2.part_bf16, p.part_bf16) == (1, 0)
-    assert 64 in mw.PART_BF16_BLOCK_M and mw.PART_BF16_MAX_BLOCKS == 2
+    assert (64, False) in mw.PART_BF16 and (32, True) in mw.PART_BF16  # WR / W64, WE2
+    assert (32, False) in mw.PART_BF16 and (16, False) not in mw.PART_BF16  # W; W16 keeps fp32
 
 
 def test_fp8_kernels_are_refused_where_not_built():
