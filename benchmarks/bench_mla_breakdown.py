@@ -92,7 +92,9 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
     res = {"shape": shape, "variant": f"{cfg.tag}/sp{sp}", "MB": kv_bytes / 1e6}
     res["full"], res["split"] = _full_and_split([call(r) for r in rpis])
     if sp > 1:
-        pdt = torch.bfloat16 if cfg.part_bf16 else torch.float32
+        bf16 = ((cfg.block_m, cfg.e4m3_mma) in mla_decode_wgmma.PART_BF16 if cfg.wgmma
+                else cfg.part_bf16)  # the dtype the split kernel writes
+        pdt = torch.bfloat16 if bf16 else torch.float32
         parts = [(torch.randn(sp, bs * q * h, DV, device=dev).to(pdt),
                   torch.randn(sp, bs * q * h, device=dev)) for _ in range(4)]
         res["combine"] = graph_time([lambda p=p: combine_splits(p[0], p[1], out) for p in parts])
