@@ -148,12 +148,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
   sum_over_g<NC>(l_r);
   named_barrier(1, NT);  // the KV stages and red are free
   float* mrow = qmax;  // [BM] the rows' running maxima (free after the loop)
-  if (wg == 0 && g == 0)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      red[wq * BM + frag_col(c, t4)] = l_r[c];
-      if (wq == 0) mrow[frag_col(c, t4)] = m_r[c];
-    }
+  if (wg == 0 && g == 0) put_row_sums<BM>(red, mrow, l_r, m_r, wq, t4);
   float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
 #pragma unroll
   for (int mt = 0; mt < 4; ++mt)

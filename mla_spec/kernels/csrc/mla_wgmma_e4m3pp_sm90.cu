@@ -123,18 +123,13 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   griddep_launch();
 
   // merge the warpgroups' partial rows: one thread per row works out its common max, softmax
-  // sum and each group's share factor, both stage their normalized O shares in thread-private float4 slots
-  // (conflict-free), and each thread adds and stores 4 rows x its 16 dims. This runs once per
-  // CTA from a cold instruction cache; the earlier merge (fp32 rows through shared memory, a
-  // finish by 4 lanes looping over 8 rows, then a strided store loop) cost ~11 µs a CTA
-  // (docs/bench_mla.md v12).
+  // sum and each group's share factor, both stage their normalized O shares in thread-private
+  // float4 slots (conflict-free), and each thread adds and stores 4 rows x its 16 dims. This
+  // runs once per CTA from a cold instruction cache; the earlier merge (fp32 rows through
+  // shared memory, a finish by 4 lanes looping over 8 rows, then a strided store loop) cost
+  // ~11 µs a CTA (docs/bench_mla.md v12).
   sum_over_g<NC>(l_r);
-  if (g == 0)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      red_wg[wq * BM + frag_col(c, t4)] = l_r[c];
-      if (wq == 0) mx[wg * BM + frag_col(c, t4)] = m_r[c];
-    }
+  if (g == 0) put_row_sums<BM>(red_wg, mx + wg * BM, l_r, m_r, wq, t4);
   named_barrier(B_PAIR, NT);  // the KV stages are free, every max and sum written
   float* gs = rowv;  // [2 wg][BM] each group's share factor over the row's sum (rowv, qmax)
   if (tid < BM) {      // one row a thread: the common max, the sum, the factors, the lse

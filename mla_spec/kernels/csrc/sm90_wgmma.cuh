@@ -466,6 +466,18 @@ __device__ __forceinline__ void finish_rows(const MlaParams& p, const CtaWork& w
                mrow[tid], rowv);
 }
 
+// this warp's softmax sums into red ([4 warps][BM]: row col(c, t4) at wq * BM) and, by warp 0,
+// the running maxima into mrow ([BM]); called by the lanes g = 0 once sum_over_g has run
+template <int BM, int NC>
+__device__ __forceinline__ void put_row_sums(float* red, float* mrow, const float (&l_r)[NC],
+                                             const float (&m_r)[NC], int wq, int t4) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    red[wq * BM + frag_col(c, t4)] = l_r[c];
+    if (wq == 0) mrow[frag_col(c, t4)] = m_r[c];
+  }
+}
+
 // l over the 8 lanes g of the warp (its 16 tokens per tile)
 template <int NC>
 __device__ __forceinline__ void sum_over_g(float (&l)[NC]) {
