@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_spec.kernels.arrival import arrival_counters
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
     attn_pdl_kwargs,
@@ -59,17 +60,10 @@ __all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
 
 mla_decode_vsplit_ref = mla_decode_ref  # the torch twin: the same function
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
 def split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """A zero-initialized int32 buffer of >= ``n`` counters for the fused combine (cached per
-    device; the kernel leaves it zeroed). Grows only outside CUDA-graph capture."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    """A zero-initialized int32 buffer of >= ``n`` counters for the fused combine (the kernel
+    leaves it zeroed; :func:`mla_spec.kernels.arrival.arrival_counters`)."""
+    return arrival_counters(n, device)
 
 
 @triton.jit

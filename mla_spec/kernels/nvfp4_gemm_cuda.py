@@ -22,6 +22,7 @@ import os
 import torch
 
 from mla_spec.device import sm_count
+from mla_spec.kernels.arrival import arrival_counters
 from mla_spec.kernels.cuda_driver import CudaKernel, cuda_kernels_available
 from mla_spec.kernels.nvfp4_configs import (
     PINNED_CUDA,
@@ -68,11 +69,6 @@ _KERNELS = {(nt, w, st, xpf, r): CudaKernel("nvfp4_mma_sm90.cu",
                                             f"nvfp4_mma_n{nt}_w{w}_s{st}_x{int(xpf)}_r{r}",
                                             arch="sm_90a")
             for nt, w, st, xpf, r in CUDA_MMA_BUILT}
-# (device index, stream) -> int32 arrival counters, zero between calls (each call's last CTA
-# per tile resets its own); per stream so that concurrent calls never share one
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
 def _key(m: int, cfg: CudaMmaConfig) -> tuple[int, int, int, bool, int]:
     return (1 if m <= 8 else 2, cfg.num_warps, cfg.num_stages, cfg.x_prefetch, cfg.row_tiles)
 
@@ -145,15 +141,6 @@ def cuda_auto_config(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     return cfg
 
 
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def launch_nvfp4_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                       weight_scale_2: torch.Tensor, out: torch.Tensor,
                       cfg: CudaMmaConfig) -> torch.Tensor:
@@ -167,7 +154,7 @@ def launch_nvfp4_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch
     part = counters = None
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = _counters(x.device, tiles)
+        counters = arrival_counters(tiles, x.device)
     p = _Params(weight.data_ptr(), weight_scale.data_ptr(), weight_scale_2.data_ptr(),
                 x.data_ptr(), out.data_ptr(), part.data_ptr() if part is not None else 0,
                 counters.data_ptr() if counters is not None else 0, weight.stride(0),
