@@ -30,6 +30,7 @@ __all__ = ["CudaKernel", "cuda_kernels_available", "compile_cubin", "nvcc_path",
 
 CSRC = Path(__file__).with_name("csrc")
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 
 
@@ -202,16 +203,25 @@ class CudaKernel:
         return got[0]
 
     def __call__(self, grid, block: int, smem: int, params: ctypes.Structure,
-                 device: torch.device, pdl: bool = False) -> None:
+                 device: torch.device, pdl: bool = False, cluster: int = 1) -> None:
+        """``cluster > 1``: thread-block clusters of ``(cluster, 1, 1)`` CTAs (``grid[0]`` a
+        multiple of it; the CTAs of a cluster are scheduled together, sm_90 and newer)."""
         fn = self._function(device, smem)
         cfg = _LaunchConfig(*grid, block, 1, 1, smem,
                             torch.cuda.current_stream(device).cuda_stream, None, 0)
-        attr = _LaunchAttr()
+        attrs = (_LaunchAttr * 2)()
+        n = 0
         if pdl:
-            attr.id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value[0] = 1  # programmaticStreamSerializationAllowed
-            cfg.attrs = ctypes.pointer(attr)
-            cfg.numAttrs = 1
+            attrs[n].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attrs[n].value[0] = 1  # programmaticStreamSerializationAllowed
+            n += 1
+        if cluster > 1:
+            attrs[n].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attrs[n].value[0], attrs[n].value[1], attrs[n].value[2] = cluster, 1, 1
+            n += 1
+        if n:
+            cfg.attrs = ctypes.cast(attrs, ctypes.POINTER(_LaunchAttr))
+            cfg.numAttrs = n
         arg = ctypes.c_void_p(ctypes.addressof(params))
         _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, ctypes.byref(arg), None),
                f"launching {self.name}")

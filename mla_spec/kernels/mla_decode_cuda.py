@@ -105,13 +105,14 @@ def cuda_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.
 
 def split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                  qk_scale_log2: float, v_scale: float, q_len: int, num_splits: int,
-                 part_bf16: bool = False):
+                 part_bf16: bool = False, partials: bool = True):
     """The kernel parameters (``_Params``, the ``MlaParams`` of ``csrc/mla_params.cuh``) of a
     call, and the split partials it writes (``part [S, N*H, Dv]`` fp32, or bf16 with
-    ``part_bf16``; ``part_lse [S, N*H]`` fp32; ``out`` itself twice when there is one split)."""
+    ``part_bf16``; ``part_lse [S, N*H]`` fp32; ``out`` itself twice when there is one split,
+    or when the kernel merges its splits without them: ``partials=False``)."""
     n, h, dv = q_nope.shape
     split = num_splits > 1
-    if split:
+    if split and partials:
         part = torch.empty((num_splits, n * h, dv), device=q_nope.device,
                            dtype=torch.bfloat16 if part_bf16 else torch.float32)
         part_lse = torch.empty((num_splits, n * h), dtype=torch.float32, device=q_nope.device)
@@ -124,7 +125,7 @@ def split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
                 lse.data_ptr() if lse is not None else out.data_ptr(),
                 q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
                 r2t.stride(0), out.stride(0), out.stride(1),
-                n * h * dv if split else 0, n * h if split else 0,
+                n * h * dv if split and partials else 0, n * h if split and partials else 0,
                 h, q_len, num_splits, int(req_pool_indices.dtype == torch.int64),
                 int(kv_lens.dtype == torch.int64), int(split), int(lse is not None),
                 int(split and part_bf16), qk_scale_log2, v_scale)

@@ -34,8 +34,8 @@ from mla_spec.kernels.mla_decode_cuda import _Params, call_supported, split_para
 from mla_spec.kernels.pdl import pdl_on
 from mla_spec.quant.fp8 import FP8_DTYPE
 
-__all__ = ["WGMMA_BLOCK_M", "WGMMA_FP8_BLOCK_M", "WGMMA_KERNELS", "launch_wgmma_mla",
-           "wgmma_mla_supported", "wgmma_smem"]
+__all__ = ["WGMMA_BLOCK_M", "WGMMA_FP8_BLOCK_M", "WGMMA_KERNELS", "clusters_splits",
+           "launch_wgmma_mla", "wgmma_mla_supported", "wgmma_smem"]
 
 _BN, _STAGES = 64, 2
 #: rows per CTA -> (source, threads): 32 / 16 rows split the QK depth between the two consumer
@@ -67,6 +67,14 @@ _KERNELS.update({(bm, False, True, False, False, False): CudaKernel(_SOURCES[bm]
 _ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
 _KERNELS.update({(64, False, f8, True, False, False): CudaKernel(
     _ROWS_SOURCE, f"mla_wgmma_rows64{'_f8' if f8 else ''}", arch="sm_90a") for f8 in (False, True)})
+#: WR with the two splits of a (request, row block) as one thread-block cluster that merges
+#: them in distributed shared memory (``CLUSTER`` in the source): no split partials, no combine
+#: kernel. Keys as ``_KERNELS``'; taken at exactly 2 splits (:func:`clusters_splits`)
+_CLUSTER_KERNELS = {(64, False, f8, True, False, False): CudaKernel(
+    _ROWS_SOURCE, f"mla_wgmma_rows64{'_f8' if f8 else ''}_cl", arch="sm_90a")
+    for f8 in (False, True)}
+#: False: every split count runs the combine kernel (benchmarks compare the two)
+CLUSTER_MERGE = True
 #: the 32-row kernels with e4m3 Q K MMAs and V from registers (an e4m3 cache only): 288
 #: threads, or 384 taking turns (a producer warpgroup)
 _E4M3_SOURCE, _E4M3PP_SOURCE = "mla_wgmma_e4m3_sm90.cu", "mla_wgmma_e4m3pp_sm90.cu"
@@ -153,19 +161,30 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                      num_splits: int, block_m: int, prefetch: bool = False,
                      rows_m: bool = False, e4m3_mma: bool = False,
                      pingpong: bool = False) -> None:
-    """Run the split kernel (and the combine when ``num_splits > 1``) into ``out`` / ``lse``
-    (see :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
+    """Run the split kernel (and the combine when ``num_splits > 1``, unless its splits merge
+    in a cluster: :func:`clusters_splits`) into ``out`` / ``lse`` (see
+    :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
             out.stride(1) % 4 or out.data_ptr() % 8:
         raise ValueError("the wgmma kernel writes a bf16 out with contiguous, 8-byte aligned "
                          "rows")
+    key = _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong)
+    cluster = clusters_splits(key, num_splits)
     m, part, part_lse = split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices,
                                      kv_lens, out, lse, qk_scale_log2, v_scale, q_len,
-                                     num_splits, part_bf16=(block_m, e4m3_mma) in PART_BF16)
+                                     num_splits, part_bf16=(block_m, e4m3_mma) in PART_BF16,
+                                     partials=not cluster)
     p = _WgParams(m)
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat, e4m3_mma), 128)
-    _KERNELS[_kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong)](
+    (_CLUSTER_KERNELS if cluster else _KERNELS)[key](
         (num_splits, m_blocks, req_pool_indices.numel()), 384 if pingpong else _SOURCES[block_m][1],
-        wgmma_smem(block_m, rows_m, e4m3_mma, pingpong), p, q_nope.device, pdl=pdl_on(q_nope))
-    if num_splits > 1:
+        wgmma_smem(block_m, rows_m, e4m3_mma, pingpong), p, q_nope.device, pdl=pdl_on(q_nope),
+        cluster=num_splits if cluster else 1)
+    if num_splits > 1 and not cluster:
         combine_splits(part, part_lse, out, lse)
+
+
+def clusters_splits(key, num_splits: int) -> bool:
+    """True when kernel ``key`` (of ``_KERNELS``) runs its ``num_splits`` splits as clusters
+    that merge them itself (``WR`` at 2 splits)."""
+    return CLUSTER_MERGE and num_splits == 2 and key in _CLUSTER_KERNELS

@@ -338,3 +338,48 @@ def test_fp8_in_place_widening_schedule_never_reads_an_overwritten_byte():
                 o = c * blk + sw128(r, k)
                 got[c, r, 8 * k:8 * k + 8] = stage[o:o + 16].view(torch.float16)
     assert torch.equal(got, src.view(FP8_DTYPE).to(torch.float16))
+
+
+def test_cluster_merge_is_taken_where_it_can_be():
+    wr, wr_f8 = (64, False, False, True, False, False), (64, False, True, True, False, False)
+    assert mw.clusters_splits(wr, 2) and mw.clusters_splits(wr_f8, 2)
+    assert not mw.clusters_splits(wr, 1) and not mw.clusters_splits(wr, 3)  # the combine kernel
+    assert not mw.clusters_splits((32, False, False, False, False, False), 2)  # W: not built
+    src = SRC_ROWS.read_text()
+    for kern in mw._CLUSTER_KERNELS.values():
+        assert kern.src == SRC_ROWS and f"{kern.name}(const" in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kvd", ["bf16", "fp8"])
+@pytest.mark.parametrize("lens,h,q_len", [
+    ([0, 1, 63, 64, 65, 1000, 4096], 128, 1),  # empty requests, an empty split, 2 row blocks
+    ([1, 4, 1500, 777], 32, 4),  # 2 row blocks a request, one-token requests
+    ([3001, 5], 16, 3),  # one row block of 48 rows: 16 padding rows
+])
+def test_wr_cluster_merge_matches_the_combine_kernel(lens, h, q_len, kvd, monkeypatch):
+    """WR's 2 splits merged inside their cluster: the combine kernel's result (fp32 rows here
+    against its bf16 partials) and lse, zeros for empty requests, the same bits again."""
+    if kvd == "fp8":
+        qn, qp, kv, r2t, rpi, kl = _fp8_case(lens, h, q_len, 64, seed=q_len + 5)
+    else:
+        qn, qp, kv, r2t, rpi, kl = _long_case(lens, h, 64, seed=q_len + 5, nan_tail=True)
+        if q_len > 1:
+            g = torch.Generator().manual_seed(q_len)
+            qn = torch.randn(len(lens) * q_len, h, DV, generator=g).to(torch.bfloat16).cuda()
+            qp = torch.randn(len(lens) * q_len, h, DPE, generator=g).to(torch.bfloat16).cuda()
+    kw = dict(page_size=64, q_len=q_len, num_splits=2, config=PAGED_VARIANTS["WR"],
+              max_kv=max(lens), return_lse=True, v_scale=0.7)
+    o, ls = mla_decode_paged(qn, qp, kv, r2t, rpi, kl, SM, **kw)
+    o2, _ = mla_decode_paged(qn, qp, kv, r2t, rpi, kl, SM, **kw)
+    monkeypatch.setattr(mw, "CLUSTER_MERGE", False)
+    out, lse = mla_decode_paged(qn, qp, kv, r2t, rpi, kl, SM, **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(o, o2) and torch.isfinite(o).all()
+    err = (o.float() - out.float()).abs().max() / out.float().abs().max().clamp_min(1e-3)
+    assert err.item() < 8e-3, err.item()
+    fin = torch.isfinite(lse)
+    assert torch.equal(fin, torch.isfinite(ls))
+    torch.testing.assert_close(ls[fin], lse[fin], rtol=1e-5, atol=1e-5)
+    empty = (kl == 0).repeat_interleave(q_len)
+    assert (o[empty] == 0).all() and not fin[empty].any()

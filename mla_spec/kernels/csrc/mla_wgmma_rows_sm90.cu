@@ -60,7 +60,15 @@ __device__ __forceinline__ void zero_v_half(unsigned char* stage_s, int nvalid, 
   named_barrier(4 + wg, 128);
 }
 
-template <int KV>
+// CLUSTER: the two splits of a (request, row block) run as one thread-block cluster (the
+// launcher's cluster dims (2, 1, 1): rank = split) and merge through distributed shared memory
+// instead of the split partials and the combine kernel (2 x 4096 bf16 rows at H 128 bs 32:
+// ~5.7 µs a call, docs/bench_mla.md v12). Each CTA stages O in fp32 as always and puts its rows'
+// v_scale / l and log2-sum-exp beside it; after a cluster barrier, CTA k weighs and adds both
+// CTAs' rows 32 k .. 32 k + 31 (the peer's read from its shared memory) and writes the result;
+// a second barrier keeps both CTAs' shared memory alive until both have read it. Clusters of 2
+// CTAs of this size: 66 at once on an H200, all 132 SMs.
+template <int KV, bool CLUSTER>
 __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const MlaParams& p = wp.m;
   constexpr bool F16 = KvTraits<KV>::f16;
@@ -285,23 +293,69 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     for (int i = 0; i < 32; ++i)
       ost[(r0 + 8 * ((i >> 1) & 1)) * OSTRIDE + 256 * wg + 64 * nb + 8 * (i >> 2) + 2 * t4 +
           (i & 1)] = o[nb][i];
+  float* rlse = reinterpret_cast<float*>(q_s);  // CLUSTER: [64] the rows' log2-sum-exp
   if (wg == 0 && t4 == 0) {
-    finish_row(p, w, split, b, r0, l_r[0], m_r[0], rowv);
-    finish_row(p, w, split, b, r0 + 8, l_r[1], m_r[1], rowv);
+    if (CLUSTER) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        rowv[r0 + 8 * h] = l_r[h] > 0.f ? __fdividef(p.v_scale, l_r[h]) : 0.f;
+        rlse[r0 + 8 * h] = l_r[h] > 0.f ? m_r[h] + log2f(l_r[h]) : -INFINITY;
+      }
+    } else {
+      finish_row(p, w, split, b, r0, l_r[0], m_r[0], rowv);
+      finish_row(p, w, split, b, r0 + 8, l_r[1], m_r[1], rowv);
+    }
   }
-  named_barrier(1, NT);
-  store_rows<BM>(p, w, split, b, ost, rowv, tid);
+  if (!CLUSTER) {
+    named_barrier(1, NT);
+    store_rows<BM>(p, w, split, b, ost, rowv, tid);
+    return;
+  }
+  cluster_sync();  // both CTAs' rows, factors and lse are in
+  const uint32_t peer = cluster_rank() ^ 1;
+  const int d = (tid % (DV / 4)) * 4, r_end = min(BM / 2, w.n_rows - w.m0 - (BM / 2) * (peer ^ 1));
+#pragma unroll 4
+  for (int i = tid / (DV / 4); i < r_end; i += NT / (DV / 4)) {
+    const int r = (BM / 2) * (peer ^ 1) + i, row = w.m0 + r;
+    const float l0 = rlse[r], l1 = peer_ld_f(peer_addr(rlse + r, peer));
+    const float4 x = *reinterpret_cast<const float4*>(ost + r * OSTRIDE + d);
+    const float4 y = peer_ld_f4(peer_addr(ost + r * OSTRIDE + d, peer));
+    const float v1 = peer_ld_f(peer_addr(rowv + r, peer));
+    const float m = fmaxf(l0, l1), mu = m == -INFINITY ? 0.f : m;
+    const float e0 = exp2f(l0 - mu), e1 = exp2f(l1 - mu), den = e0 + e1;
+    const float inv = den > 0.f ? __fdividef(1.f, den) : 0.f;
+    const float w0 = e0 * inv * rowv[r], w1 = e1 * inv * v1;
+    const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, hh = row % p.H;
+    *reinterpret_cast<uint2*>(p.out + tok * p.s_o_t + hh * p.s_o_h + d) =
+        make_uint2(pack_bf16(w0 * x.x + w1 * y.x, w0 * x.y + w1 * y.y),
+                   pack_bf16(w0 * x.z + w1 * y.z, w0 * x.w + w1 * y.w));
+    if (p.write_lse && d == 0)
+      p.lse[static_cast<long long>(b) * w.n_rows + row] =
+          den > 0.f ? (mu + log2f(den)) * 0.6931471805599453f : -INFINITY;
+  }
+  cluster_sync();  // nobody leaves while the other CTA may still read its shared memory
 }
 
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(NT + 128, 1)
     mla_wgmma_rows64(const __grid_constant__ WgParams p) {
-  mla_wgmma_rows<KV_BF16>(p);
+  mla_wgmma_rows<KV_BF16, false>(p);
 }
 
 // an e4m3 cache, widened to fp16 in shared memory (sm90_fp8.cuh); fp16 MMAs
 extern "C" __global__ void __launch_bounds__(NT + 128, 1)
     mla_wgmma_rows64_f8(const __grid_constant__ WgParams p) {
-  mla_wgmma_rows<KV_FP8>(p);
+  mla_wgmma_rows<KV_FP8, false>(p);
+}
+
+// 2 splits as clusters of (2, 1, 1) CTAs merging in distributed shared memory (CLUSTER above)
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_rows64_cl(const __grid_constant__ WgParams p) {
+  mla_wgmma_rows<KV_BF16, true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_rows64_f8_cl(const __grid_constant__ WgParams p) {
+  mla_wgmma_rows<KV_FP8, true>(p);
 }
