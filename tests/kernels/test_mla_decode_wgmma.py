@@ -62,8 +62,10 @@ def test_instantiations_match_source():
     for bm in mw.WGMMA_BLOCK_M:
         assert mw.wgmma_smem(bm) <= 227 * 1024
     assert mw.wgmma_smem(64, rows_m=True) <= 227 * 1024
-    assert re.search(r"void __launch_bounds__\(NT \+ 128, 1\)\s+mla_wgmma_rows64\(",
-                     SRC_ROWS.read_text())
+    rows_src = SRC_ROWS.read_text()
+    assert "void __launch_bounds__(NT + 128, 1)" in rows_src
+    for f8 in ("", "_f8"):
+        assert f"MLA_WGMMA_ROWS(mla_wgmma_rows64{f8}, " in rows_src
 
 
 def test_cpu_is_refused_with_a_reason():
@@ -347,7 +349,7 @@ def test_cluster_merge_is_taken_where_it_can_be():
     assert not mw.clusters_splits((32, False, False, False, False, False), 2)  # W: not built
     src = SRC_ROWS.read_text()
     for kern in mw._CLUSTER_KERNELS.values():
-        assert kern.src == SRC_ROWS and f"{kern.name}(const" in src
+        assert kern.src == SRC_ROWS and f"MLA_WGMMA_ROWS({kern.name}, " in src
 
 
 @pytest.mark.gpu
