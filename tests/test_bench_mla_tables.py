@@ -40,7 +40,7 @@ def test_breakdown_shapes_and_table():
 
 
 def test_cta_phase_stamps_find_their_anchors_and_compile():
-    """bench_cta_phases inserts timer reads at fixed places of the WE2 kernel: every anchor must
+    """bench_cta_phases inserts timer reads at fixed places of WE2 and WR: every anchor must
     still be there (a kernel edit that moves one fails here, not on the GPU), each phase is
     stamped once, and with nvcc the stamped copy compiles."""
     import os
@@ -48,21 +48,26 @@ def test_cta_phase_stamps_find_their_anchors_and_compile():
     import tempfile
 
     bp = _load("bench_cta_phases")
-    src = bp.stamped_source()
-    stamps = ["st_[0] = st0_", "st_[1] = ", "st_[2] = ", "st_[3] = ", "st_[4] = ",
-              "st_[5 + it] = ", "st_[7 + wg] = ", "st_[9] = ", "st_[10] = ", "st_[11] = "]
-    assert all(src.count(s) == 1 for s in stamps)  # 12 phases: 5 + it and 7 + wg are two each
-    assert len(bp.PHASES) == 12
+    stamps = {  # 12 WE2 phases (5 + it and 7 + wg are two each), 10 WR ones (6 + wg two)
+        "WE2": ["st_[0] = st0_", "st_[1] = ", "st_[2] = ", "st_[3] = ", "st_[4] = ",
+                "st_[5 + it] = ", "st_[7 + wg] = ", "st_[9] = ", "st_[10] = ", "st_[11] = "],
+        "WR": ["st_[0] = st0_", "st_[1] = ", "st_[2] = ", "st_[3] = ", "st_[4] = ",
+               "st_[5] = ", "st_[6 + wg] = ", "st_[8] = ", "st_[9] = "],
+    }
+    assert [len(bp.SPECS[k]["phases"]) for k in ("WE2", "WR")] == [12, 10]
     nvcc = os.environ.get("MLA_SPEC_NVCC")
-    if nvcc:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "s.cu")
-            with open(path, "w") as f:
-                f.write(src)
-            res = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-std=c++17", "-o",
-                                  os.path.join(tmp, "s.cubin"), path], capture_output=True,
-                                 text=True)
-            assert res.returncode == 0, res.stderr[-2000:]
+    for kernel, marks in stamps.items():
+        src = bp.stamped_source(kernel)
+        assert all(src.count(s) == 1 for s in marks), kernel
+        if nvcc:
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "s.cu")
+                with open(path, "w") as f:
+                    f.write(src)
+                res = subprocess.run([nvcc, "-arch=sm_90a", "-cubin", "-std=c++17", "-o",
+                                      os.path.join(tmp, "s.cubin"), path], capture_output=True,
+                                     text=True)
+                assert res.returncode == 0, res.stderr[-2000:]
 
 
 def test_sweep_combine_launch_matches_the_twin_at_every_program_shape():

@@ -312,26 +312,37 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     return;
   }
   cluster_sync();  // both CTAs' rows, factors and lse are in
-  const uint32_t peer = cluster_rank() ^ 1;
-  const int d = (tid % (DV / 4)) * 4, r_end = min(BM / 2, w.n_rows - w.m0 - (BM / 2) * (peer ^ 1));
+  // CTA k: rows 32 k .. 32 k + 31, 2 a pass, 4 dims a thread; the other CTA's staging through
+  // its shared-memory window (byte offsets add); (token, head) stepped as in store_rows
+  constexpr int RS = NT / (DV / 4);
+  const uint32_t rank = cluster_rank(), peer = rank ^ 1;
+  const int d = (tid % (DV / 4)) * 4, i0 = tid / (DV / 4), rb = (BM / 2) * rank;
+  const int r_end = min(BM / 2, w.n_rows - w.m0 - rb), row0 = w.m0 + rb + i0;
+  const uint32_t p_ost = peer_addr(ost + d, peer), p_lse = peer_addr(rlse, peer),
+                 p_rowv = peer_addr(rowv, peer);
+  int h = row0 % p.H;
+  __nv_bfloat16* dst = p.out + (static_cast<long long>(b) * p.q_len + row0 / p.H) * p.s_o_t +
+                       static_cast<long long>(h) * p.s_o_h + d;
+  const long long wrap = p.s_o_t - static_cast<long long>(p.H) * p.s_o_h;
+  float* lse_out = p.lse + static_cast<long long>(b) * w.n_rows + row0;
 #pragma unroll 4
-  for (int i = tid / (DV / 4); i < r_end; i += NT / (DV / 4)) {
-    const int r = (BM / 2) * (peer ^ 1) + i, row = w.m0 + r;
-    const float l0 = rlse[r], l1 = peer_ld_f(peer_addr(rlse + r, peer));
+  for (int i = i0; i < r_end; i += RS, lse_out += RS) {
+    const int r = rb + i;
+    const float l0 = rlse[r], l1 = peer_ld_f(p_lse + 4 * r);
     const float4 x = *reinterpret_cast<const float4*>(ost + r * OSTRIDE + d);
-    const float4 y = peer_ld_f4(peer_addr(ost + r * OSTRIDE + d, peer));
-    const float v1 = peer_ld_f(peer_addr(rowv + r, peer));
+    const float4 y = peer_ld_f4(p_ost + 4 * r * OSTRIDE);
+    const float v1 = peer_ld_f(p_rowv + 4 * r);
     const float m = fmaxf(l0, l1), mu = m == -INFINITY ? 0.f : m;
     const float e0 = exp2f(l0 - mu), e1 = exp2f(l1 - mu), den = e0 + e1;
     const float inv = den > 0.f ? __fdividef(1.f, den) : 0.f;
     const float w0 = e0 * inv * rowv[r], w1 = e1 * inv * v1;
-    const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, hh = row % p.H;
-    *reinterpret_cast<uint2*>(p.out + tok * p.s_o_t + hh * p.s_o_h + d) =
+    *reinterpret_cast<uint2*>(dst) =
         make_uint2(pack_bf16(w0 * x.x + w1 * y.x, w0 * x.y + w1 * y.y),
                    pack_bf16(w0 * x.z + w1 * y.z, w0 * x.w + w1 * y.w));
     if (p.write_lse && d == 0)
-      p.lse[static_cast<long long>(b) * w.n_rows + row] =
-          den > 0.f ? (mu + log2f(den)) * 0.6931471805599453f : -INFINITY;
+      *lse_out = den > 0.f ? (mu + log2f(den)) * 0.6931471805599453f : -INFINITY;
+    dst += RS * p.s_o_h;
+    for (h += RS; h >= p.H; h -= p.H) dst += wrap;
   }
   cluster_sync();  // nobody leaves while the other CTA may still read its shared memory
 }

@@ -296,31 +296,51 @@ __device__ __forceinline__ void store_row16(const MlaParams& p, const CtaWork& w
 
 // the CTA's output rows from the fp32 staging [BM][OSTRIDE] scaled by rowv (v_scale / l):
 // normalized partials of the split (fp32, or bf16: half the bytes the split kernel writes and
-// the combine reads), or the bf16 result (coalesced, 16 B per thread)
+// the combine reads), or the bf16 result (coalesced, 16 B per thread). One loop per kind, and
+// no division or 64-bit product per row: this runs once per CTA from a cold instruction cache,
+// and with the kinds' branches and a (token, head) division in every row it took ~4.8 µs for
+// WR's 64 rows (bench_cta_phases.py --kernel WR, docs/bench_mla.md v13)
 template <int BM>
 __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w, int split, int b,
                                            const float* ost, const float* rowv, int tid) {
   static_assert(NT % (DV / 4) == 0, "a thread keeps its 4 dims on every row it stores");
-  const int q_rows = min(BM, w.n_rows - w.m0), d = (tid % (DV / 4)) * 4;
-  // unrolled: a lone iteration is a chain of shared load, multiply and store (~2.5 µs for 16
-  // rows a thread, docs/bench_mla.md v12)
+  constexpr int RS = NT / (DV / 4);  // rows a pass
+  const int q_rows = min(BM, w.n_rows - w.m0), d = (tid % (DV / 4)) * 4, r0 = tid / (DV / 4);
+  const float* src = ost + r0 * OSTRIDE + d;
+  const long long grow0 = static_cast<long long>(b) * w.n_rows + w.m0 + r0;  // tok * H + h
+  if (p.split && p.part_bf16) {
+    uint2* dst = reinterpret_cast<uint2*>(reinterpret_cast<__nv_bfloat16*>(p.part) +
+                                          split * p.s_ps + grow0 * DV + d);
 #pragma unroll 4
-  for (int r = tid / (DV / 4); r < q_rows; r += NT / (DV / 4)) {
-    const int row = w.m0 + r;
-    const float inv = rowv[r];
-    const float4 v = *reinterpret_cast<const float4*>(ost + r * OSTRIDE + d);
-    const long long grow = static_cast<long long>(b) * w.n_rows + row;  // tok * H + h
-    if (p.split && p.part_bf16) {
-      *reinterpret_cast<uint2*>(reinterpret_cast<__nv_bfloat16*>(p.part) + split * p.s_ps +
-                                grow * DV + d) =
+    for (int r = r0; r < q_rows; r += RS, src += RS * OSTRIDE, dst += RS * DV / 4) {
+      const float inv = rowv[r];
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      *dst = make_uint2(pack_bf16(v.x * inv, v.y * inv), pack_bf16(v.z * inv, v.w * inv));
+    }
+  } else if (p.split) {
+    float4* dst = reinterpret_cast<float4*>(p.part + split * p.s_ps + grow0 * DV + d);
+#pragma unroll 4
+    for (int r = r0; r < q_rows; r += RS, src += RS * OSTRIDE, dst += RS * DV / 4) {
+      const float inv = rowv[r];
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      *dst = make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
+    }
+  } else {
+    // row m0 + r is head h of the request's query token i; the next row of this thread is RS
+    // heads on (wrapping into the next token)
+    const int row0 = w.m0 + r0;
+    int h = row0 % p.H;
+    __nv_bfloat16* dst = p.out + (static_cast<long long>(b) * p.q_len + row0 / p.H) * p.s_o_t +
+                         static_cast<long long>(h) * p.s_o_h + d;
+    const long long wrap = p.s_o_t - static_cast<long long>(p.H) * p.s_o_h;
+#pragma unroll 4
+    for (int r = r0; r < q_rows; r += RS, src += RS * OSTRIDE) {
+      const float inv = rowv[r];
+      const float4 v = *reinterpret_cast<const float4*>(src);
+      *reinterpret_cast<uint2*>(dst) =
           make_uint2(pack_bf16(v.x * inv, v.y * inv), pack_bf16(v.z * inv, v.w * inv));
-    } else if (p.split) {
-      *reinterpret_cast<float4*>(p.part + split * p.s_ps + grow * DV + d) =
-          make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
-    } else {
-      const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, h = row % p.H;
-      *reinterpret_cast<uint2*>(p.out + tok * p.s_o_t + h * p.s_o_h + d) =
-          make_uint2(pack_bf16(v.x * inv, v.y * inv), pack_bf16(v.z * inv, v.w * inv));
+      dst += RS * p.s_o_h;
+      for (h += RS; h >= p.H; h -= p.H) dst += wrap;
     }
   }
 }
