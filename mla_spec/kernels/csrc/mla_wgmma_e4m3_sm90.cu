@@ -80,10 +80,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
   const float kq = p.qk_scale_log2 * (1.f / 448.f);
   const float* qm = qmax + 2 * t4;
   float o[4][NA];
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-    for (int i = 0; i < NA; ++i) o[mt][i] = 0.f;
+  zero_acc(o);
   const uint32_t p_base = smem_u32(p_s);
   const uint64_t q_desc = sw128_desc(smem_u32(q_s) + wg * 32, 16, 1024);
   const uint64_t p_desc = sw128_desc(p_base, 16, 1024);

@@ -71,10 +71,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const float kq = p.qk_scale_log2 * (1.f / 448.f);
   const float* qm = qmax + 2 * t4;
   float o[8][NA];
-#pragma unroll
-  for (int mt = 0; mt < 8; ++mt)
-#pragma unroll
-    for (int i = 0; i < NA; ++i) o[mt][i] = 0.f;
+  zero_acc(o);
   const uint32_t p_base = smem_u32(p_s + wg * BM * 128);
   const uint64_t q_desc = sw128_desc(smem_u32(q_s), 16, 1024);
   const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
@@ -85,8 +82,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
     const uint32_t kv_base = smem_u32(kv_s + stage * T8::stage_bytes);
     mbar_wait(&full[stage], (it / NS) & 1);
     float s[1][NA];
-#pragma unroll
-    for (int i = 0; i < NA; ++i) s[0][i] = 0.f;
+    zero_acc(s);
     wgmma_fence();
     qk_e4m3<18, 1>(s, sw128_desc(kv_base, 16, 1024), q_desc);
     wgmma_commit();

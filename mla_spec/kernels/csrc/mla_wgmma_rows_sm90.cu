@@ -113,11 +113,10 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const auto widen = [&](int it) {
     if constexpr (F16) widen_tile(kv_s + (it % STAGES) * TILE, tid);
   };
-  float o[4][32];  // O[64 rows, this warpgroup's 256 dims]: value 4 j + 2 h + c of block nb
-#pragma unroll     // is row r0 + 8 h, dim 256 wg + 64 nb + 8 j + 2 t4 + c
-  for (int nb = 0; nb < 4; ++nb)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[nb][i] = 0.f;
+  // O[64 rows, this warpgroup's 256 dims]: value 4 j + 2 h + c of block nb is row r0 + 8 h,
+  // dim 256 wg + 64 nb + 8 j + 2 t4 + c
+  float o[4][32];
+  zero_acc(o);
   float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.f, 0.f};
   // O's rows r0 and r0 + 8 times their factors a0 / a1 (skipped when no row of the warp moved)
   const auto rescale = [&](float a0, float a1) {
@@ -143,8 +142,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
       wait_full(it);
       widen(it);
       zero_v_half(kv_s + (it % STAGES) * TILE, nvalid(it), 0, wt);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) d[i] = 0.f;
+      zero_acc(d);
       wgmma_fence();
       const uint64_t k_desc = sw128_desc(stage_u32(it), 16, 1024);
 #pragma unroll

@@ -78,10 +78,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   float m_r[NC], l_r[NC];
   const int min_bound = init_rows<NC>(p, w, 0, t4, bound, m_r, l_r);
   float o[4][NA];
-#pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
-#pragma unroll
-    for (int i = 0; i < NA; ++i) o[mt][i] = 0.f;
+  zero_acc(o);
   const uint32_t p_base = smem_u32(p_s);
   const uint64_t q_desc = sw128_desc(smem_u32(q_s) + wg * 32, 16, 1024);
   const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
@@ -94,8 +91,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
     const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
     if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);
     float s[NA];
-#pragma unroll
-    for (int i = 0; i < NA; ++i) s[i] = 0.f;
+    zero_acc(s);
     wgmma_fence();
     qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
     wgmma_commit();

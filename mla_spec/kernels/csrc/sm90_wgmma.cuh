@@ -199,6 +199,21 @@ struct QueryLoad {
   }
 };
 
+// an accumulator zeroed (S before a tile's Q K, O before the first tile)
+template <int N>
+__device__ __forceinline__ void zero_acc(float (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = 0.f;
+}
+
+template <int M, int N>
+__device__ __forceinline__ void zero_acc(float (&a)[M][N]) {
+#pragma unroll
+  for (int i = 0; i < M; ++i)
+#pragma unroll
+    for (int j = 0; j < N; ++j) a[i][j] = 0.f;
+}
+
 // a CTA's start shared by the wgmma kernels: barriers, the work range, the queries' loads
 // issued (stored by the consumers once the producer has split off); false when the row block
 // is past the request's rows (the whole CTA exits)
