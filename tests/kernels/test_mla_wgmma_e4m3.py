@@ -13,6 +13,7 @@ twin tests are in ``test_mla_decode_wgmma.py``.
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import pytest
@@ -84,6 +85,11 @@ def _groups(k):
     return [0, 1] if k == "WE" else [0]
 
 
+def _threads(groups=(0,)):
+    """(wg, wq, g, t4) of every consumer thread of the warpgroups ``groups``."""
+    return itertools.product(groups, range(4), range(8), range(4))
+
+
 @pytest.mark.parametrize("k", list(KERNELS))
 def test_v_fragments_are_the_a_operand_wgmma_expects(k):
     # m64k16 A fragment: register r of lane (g, t4) in warp wq holds row 16 wq + g + 8 (r & 1),
@@ -92,19 +98,15 @@ def test_v_fragments_are_the_a_operand_wgmma_expects(k):
     # (P^T is written in natural token order).
     kd = KERNELS[k]
     seen = set()
-    for wg in _groups(k):
-        for wq in range(4):
-            for g in range(8):
-                for t4 in range(4):
-                    for kk in range(4):
-                        a = _v_frags(k, _load_v(k, wg, wq, g, t4, kk)[0])
-                        for mt in range(kd["tiles"]):
-                            for r in range(4):
-                                h, col = r & 1, 2 * t4 + 8 * (r >> 1)
-                                dim = kd["dim"](wg, wq, g, mt, h)
-                                assert a[mt][r] == ((16 * kk + col, dim),
-                                                    (16 * kk + col + 1, dim))
-                                seen.update(a[mt][r])
+    for wg, wq, g, t4 in _threads(_groups(k)):
+        for kk in range(4):
+            a = _v_frags(k, _load_v(k, wg, wq, g, t4, kk)[0])
+            for mt in range(kd["tiles"]):
+                for r in range(4):
+                    h, col = r & 1, 2 * t4 + 8 * (r >> 1)
+                    dim = kd["dim"](wg, wq, g, mt, h)
+                    assert a[mt][r] == ((16 * kk + col, dim), (16 * kk + col + 1, dim))
+                    seen.update(a[mt][r])
     assert seen == {(t, d) for t in range(64) for d in range(512)}
 
 
@@ -112,14 +114,11 @@ def test_v_fragments_are_the_a_operand_wgmma_expects(k):
 def test_output_staging_is_a_bijection_onto_rows_and_dims(k):
     kd = KERNELS[k]
     cells = set()
-    for wg in _groups(k):
-        for wq in range(4):
-            for g in range(8):
-                for t4 in range(4):
-                    for mt in range(kd["tiles"]):
-                        for i in range(16):
-                            col = 8 * (i >> 2) + 2 * t4 + (i & 1)
-                            cells.add((col, kd["dim"](wg, wq, g, mt, (i >> 1) & 1)))
+    for wg, wq, g, t4 in _threads(_groups(k)):
+        for mt in range(kd["tiles"]):
+            for i in range(16):
+                col = 8 * (i >> 2) + 2 * t4 + (i & 1)
+                cells.add((col, kd["dim"](wg, wq, g, mt, (i >> 1) & 1)))
     assert cells == {(c, d) for c in range(32) for d in range(512)}
     src = (SRC if k == "WE" else SRC_PP).read_text()
     if k == "WE":
@@ -127,18 +126,16 @@ def test_output_staging_is_a_bijection_onto_rows_and_dims(k):
         return
     # WE2 writes each thread's rows straight from its accumulators: o_quad(o, c, q) is dims
     # 4q .. 4q + 3 of the 16 at d0 = 128 wq + 16 g of S^T column c's row (store_row16)
-    for wq in range(4):
-        for g in range(8):
-            for t4 in range(4):
-                for c in range(8):
-                    i0 = 4 * (c >> 1) + (c & 1)
-                    row = 8 * (c >> 1) + 2 * t4 + (c & 1)  # frag_col(c, t4)
-                    for q in range(4):
-                        d0 = 128 * wq + 16 * g + 4 * q
-                        quad = [(2 * q, i0), (2 * q, i0 + 2), (2 * q + 1, i0), (2 * q + 1, i0 + 2)]
-                        for j, (mt, i) in enumerate(quad):
-                            assert 8 * (i >> 2) + 2 * t4 + (i & 1) == row
-                            assert kd["dim"](0, wq, g, mt, (i >> 1) & 1) == d0 + j
+    for _, wq, g, t4 in _threads():
+        for c in range(8):
+            i0 = 4 * (c >> 1) + (c & 1)
+            row = 8 * (c >> 1) + 2 * t4 + (c & 1)  # frag_col(c, t4)
+            for q in range(4):
+                d0 = 128 * wq + 16 * g + 4 * q
+                quad = [(2 * q, i0), (2 * q, i0 + 2), (2 * q + 1, i0), (2 * q + 1, i0 + 2)]
+                for j, (mt, i) in enumerate(quad):
+                    assert 8 * (i >> 2) + 2 * t4 + (i & 1) == row
+                    assert kd["dim"](0, wq, g, mt, (i >> 1) & 1) == d0 + j
     assert ("make_float4(o[2 * q][i0] * k, o[2 * q][i0 + 2] * k, o[2 * q + 1][i0] * k," in src
             and "const int i0 = 4 * (c >> 1) + (c & 1);" in src
             and "store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);" in src)

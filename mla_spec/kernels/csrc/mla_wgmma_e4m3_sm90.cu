@@ -95,10 +95,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
     const uint32_t kv_base = smem_u32(kv_s + stage * T8::stage_bytes);
     mbar_wait(&full[stage], (it / NS) & 1);
     float sc[NACC][NA];
-#pragma unroll
-    for (int c = 0; c < NACC; ++c)
-#pragma unroll
-      for (int i = 0; i < NA; ++i) sc[c][i] = 0.f;
+    zero_acc(sc);
     wgmma_fence();
     qk_e4m3<9, 2>(sc, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
     wgmma_commit();
