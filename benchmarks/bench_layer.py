@@ -382,7 +382,8 @@ def tables(rows, cuda: bool) -> str:
             out.append(f"| {r['layer']} | {r['mode']} | {r['part']} | {r['bs']} | {ctx} | "
                        f"{star(r['ours_us'], r['ours_graph'])} | "
                        f"{star(r['base_us'], r['base_graph'])} | {r['ratio']:5.2f} |")
-    if cuda:
+    if cuda and any(not r[f"{k}_graph"] and r[f"{k}_us"] == r[f"{k}_us"]
+                    for r in rows for k in ("ours", "base")):
         out.append("(* = timed eagerly: the CUDA-graph capture failed; see notes)")
     return "\n".join(out)
 

@@ -22,6 +22,7 @@ Greedy sampling only. Speculation is lossless: the tokens equal plain greedy dec
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -373,17 +374,13 @@ class Engine:
         self.shutdown()
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown
             self.shutdown()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            pass
 
 
 def _load_tokenizer(model_path):
-    if model_path is None:
-        return None
-    p = Path(model_path) / "tokenizer.json"
-    if not p.exists():
+    p = None if model_path is None else Path(model_path) / "tokenizer.json"
+    if p is None or not p.exists():
         return None
     from tokenizers import Tokenizer
 

@@ -201,3 +201,13 @@ def test_bench_layer_cpu_smoke_measured(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "collectives: measured" in out and "measured on H200" in out
     assert result["projection"]["collectives"] == "measured"
+
+
+def test_bench_layer_legend_only_when_a_row_is_starred():
+    bench = _load_bench()
+    row = dict(layer="target", mode="DECODE", part="layer", bs=1, ctx=1024, ours_us=110.7,
+               base_us=253.2, ratio=2.29, ours_graph=True, base_graph=True)
+    assert "timed eagerly" not in bench.tables([row], cuda=True)
+    eager = bench.tables([row, {**row, "part": "attn", "base_graph": False}], cuda=True)
+    assert "timed eagerly" in eager and "253.2*" in eager
+    assert "*" not in bench.tables([{**row, "ours_graph": False}], cuda=False)
