@@ -107,6 +107,13 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[it % STAGES]);
   };
+  // the same with lane 0's arrival predicated instead of branched to: between two wgmma waits
+  // a branch would make ptxas serialize every wgmma of the kernel (C7520)
+  const auto release_now = [&](int it) {
+    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n"
+                 "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
+                 :: "r"(smem_u32(&empty[it % STAGES])), "r"(lane) : "memory");
+  };
   // an e4m3 tile is widened to fp16 in place by both warpgroups together (widen_tile's
   // schedule needs all 256 consumer threads): warpgroup 0 before its Q K, warpgroup 1 after
   // its P V of the tile before
@@ -216,29 +223,31 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
       wgmma_commit();
       wgmma_wait0();
     }
-    // tile it's softmax, then its P V issued with Q K(it + 1) when there is more. (Issuing
-    // Q K(it + 1) before the softmax instead, into a second S, measured 1.2x slower on the
-    // H200: docs/bench_mla.md v10.)
-    // On an e4m3 cache P V(it) goes first, so the tensor cores have it while tile it + 1 is
-    // widened.
+    // tile it's softmax, then its P V issued, then Q K(it + 1) when there is more, in two
+    // wgmma groups: once P V(it) is done (and warpgroup 1's, which ran beside it) tile it's
+    // stage goes back to the producer while Q K(it + 1) still runs. With two stages the load
+    // of tile it + 2 can only start then, and Q K(it + 2) wants it one softmax later: released
+    // after Q K(it + 1) (one group), the load's latency was exposed at every tile (ncu: warpgroup
+    // 0 waiting on the full barrier; H 128 bs 32 ctx 4k 87.7-89.7 -> 77.8-79.9 µs,
+    // docs/bench_mla.md v14). (Issuing Q K(it + 1) before the softmax instead, into a second
+    // S, measured 1.2x slower, v10.) On an e4m3 cache tile it + 1 is widened meanwhile.
     const auto step = [&](int it, bool more) {
       float alpha[2];
       softmax(it, alpha);
       hand_over(alpha);
-      if (F16 || !more) {
-        wgmma_fence();
-        pv(it);
-        if (more) {
-          wgmma_commit();
-          qk(s, it + 1);
-        }
-      } else {
-        qk(s, it + 1);  // (fences before its first MMA)
-        pv(it);
-      }
+      wgmma_fence();
+      pv(it);
       wgmma_commit();
-      wgmma_wait0();
-      release(it);
+      if (more) {
+        qk(s, it + 1);
+        wgmma_commit();
+        wgmma_wait1();
+        release_now(it);
+        wgmma_wait0();
+      } else {
+        wgmma_wait0();
+        release(it);
+      }
     };
     for (int it = 0; it + 1 < w.ntiles; ++it) step(it, true);
     if (w.ntiles > 0) step(w.ntiles - 1, false);
@@ -271,6 +280,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
           Wgmma<64, 0, F16, 1>::run(o[nb], p_desc + kk * 2, v_desc(st, 4 + nb, kk));
       wgmma_commit();
       wgmma_wait0();
+      release(it);  // before widening tile it + 1, which may wait for it to land
       if (it + 1 < w.ntiles) {
         named_arrive(B_FREE, NT);
         if constexpr (F16) {
@@ -278,7 +288,6 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
           widen(it + 1);
         }
       }
-      release(it);
     }
   }
   griddep_launch();

@@ -26,6 +26,10 @@ __device__ __forceinline__ void wgmma_commit() {
 __device__ __forceinline__ void wgmma_wait0() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
+// all but the most recent group done
+__device__ __forceinline__ void wgmma_wait1() {
+  asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");
+}
 
 // D[64, N] += A[64, 16] . B[16, N], bf16 (F16: fp16) in, fp32 accumulators (N / 2 per
 // thread), both from shared memory; TA = 1: A is M-major (the V^T view), else K-major;
