@@ -241,6 +241,10 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # 32k: CF 61.9 / 62.5 vs S16 91.8 / 91.1 µs (S16's 8 row blocks each re-read the KV from
     # L2); ninth session: W64/sp64 41.2 vs CF 51.8 (FlashInfer 39.8)
     ("bf16", "r128", "b1", "long"): "WR/sp64|CF",  # twelfth: WR 36.7-36.8 (FI 39.8-40.0)
+    # sixteenth session, once WR released a stage before its next Q K (docs/bench_mla.md v14):
+    # 4k WR/sp32 16.48-16.50 vs S16/sp16 17.43-17.77 (FlashInfer 19.7-20.2); at 1k S16 stays
+    # (9.21 vs WR/sp16 13.27)
+    ("bf16", "r128", "b1", "c8k"): "WR/sp32|S16",
     ("fp8", "r128", "b1", "c2k"): "G4",    # 1k: 14.1 vs V2 16.7, CF 20.4 µs
     # 4k: 26.2 / 26.4 vs CF 28.6 / 28.5 µs (32k: CF, 70); tenth session: W64/sp64 21.4 vs G4
     # 25.2 (FlashInfer fp8 43.6)
