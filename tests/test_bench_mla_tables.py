@@ -88,3 +88,24 @@ def test_sweep_combine_launch_matches_the_twin_at_every_program_shape():
             out = torch.empty_like(want)
             sc.launch(part, plse, out, block_d, warps)
             assert torch.allclose(out, want, atol=1e-5), (dt, block_d, warps)
+
+
+def test_ncu_stall_table_parses_the_source_page():
+    """ncu_stalls reads ncu's source page (CSV: a kernel-name line, the header, one row per SASS
+    instruction with a column per stall reason) into reason shares and the hottest lines."""
+    ns = _load("ncu_stalls")
+    hdr = ["Address", "Source", ns.SAMPLES, "Warp Stall Sampling (Not-issued Samples)",
+           "stall_barrier", "stall_long_sb", "stall_wait", "stall_barrier (Not Issued)"]
+    rows = [["0x10", "LDS R22, [R8+0x38020]", "60", "58", "55", "0", "5", "55"],
+            ["0x20", "@!P0  BRA 0x7f00", "30", "30", "0", "29", "1", "0"],
+            ["0x30", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24", "1,010", "0", "0", "0",
+             "1,010", "0"]]
+    lines = ['"Kernel Name","mla_wgmma_rows64",', ",".join(f'"{h}"' for h in hdr)]
+    lines += [",".join(f'"{c}"' for c in r) for r in rows]
+    shares, hot = ns.stall_table("\n".join(lines) + "\n", top=2)
+    assert list(shares) == ["wait", "barrier", "long_sb"]
+    assert abs(sum(shares.values()) - 1.0) < 1e-9
+    assert [h["address"] for h in hot] == ["0x30", "0x10"]
+    assert hot[1]["sass"] == "LDS R22, [R8+0x38020]" and hot[1]["reasons"][0] == ("barrier", 55)
+    text = ns.report(shares, hot)
+    assert "| wait | 92.4% |" in text and "`LDS R22, [R8+0x38020]`" in text
