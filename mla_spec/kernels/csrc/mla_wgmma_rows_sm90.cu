@@ -228,7 +228,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     // stage goes back to the producer while Q K(it + 1) still runs. With two stages the load
     // of tile it + 2 can only start then, and Q K(it + 2) wants it one softmax later: released
     // after Q K(it + 1) (one group), the load's latency was exposed at every tile (ncu: warpgroup
-    // 0 waiting on the full barrier; H 128 bs 32 ctx 4k 87.7-89.7 -> 77.8-79.9 µs,
+    // 0 waiting on the full barrier; H 128 bs 32 ctx 4k 88.5-88.7 -> 79.9-81.8 µs,
     // docs/bench_mla.md v14). (Issuing Q K(it + 1) before the softmax instead, into a second
     // S, measured 1.2x slower, v10.) On an e4m3 cache tile it + 1 is widened meanwhile.
     const auto step = [&](int it, bool more) {
