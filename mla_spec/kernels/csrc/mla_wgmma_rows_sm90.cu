@@ -103,13 +103,10 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const auto stage_u32 = [&](int it) { return smem_u32(kv_s + (it % STAGES) * TILE); };
   const auto wait_full = [&](int it) { mbar_wait(&full[it % STAGES], (it / STAGES) & 1); };
   const auto nvalid = [&](int it) { return w.hi - (w.lo + it * BN); };
+  // lane 0's arrival predicated, not branched to: between two wgmma waits a branch would make
+  // ptxas serialize every wgmma of the kernel (C7520)
   const auto release = [&](int it) {
     __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[it % STAGES]);
-  };
-  // the same with lane 0's arrival predicated instead of branched to: between two wgmma waits
-  // a branch would make ptxas serialize every wgmma of the kernel (C7520)
-  const auto release_now = [&](int it) {
     asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n"
                  "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
                  :: "r"(smem_u32(&empty[it % STAGES])), "r"(lane) : "memory");
@@ -242,7 +239,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
         qk(s, it + 1);
         wgmma_commit();
         wgmma_wait1();
-        release_now(it);
+        release(it);
         wgmma_wait0();
       } else {
         wgmma_wait0();
