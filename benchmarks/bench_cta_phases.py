@@ -69,7 +69,7 @@ def _dump(n: int, first: str = "") -> str:
 # warpgroup stamp
 SPECS = {
     "WE2": dict(
-        source=mw._E4M3PP_SOURCE, key=(32, False, True, False, True, True),
+        source=mw._E4M3PP_SOURCE, key=(32, False, True, False, True, True, False),
         name="mla_wgmma_e4m3pp_m32", include="sm90_e4m3.cuh", h=32, kvd=FP8_DTYPE,
         phases=["entry", "begun", "prod0", "prodend", "qstored", "t0land", "t1land", "wg0end",
                 "wg1end", "mrg0", "scales", "end"],
@@ -96,7 +96,7 @@ SPECS = {
              + "}\n"),
         ]),
     "WR": dict(
-        source=mw._ROWS_SOURCE, key=(64, False, False, True, False, False),
+        source=mw._ROWS_SOURCE, key=(64, False, False, True, False, False, False),
         name="mla_wgmma_rows64", include="sm90_fp8.cuh", h=128, kvd=torch.bfloat16,
         phases=["entry", "begun", "prod0", "prodend", "qstored", "qk0", "wg0end", "wg1end",
                 "staged", "end"],

@@ -73,7 +73,8 @@ def shape_rows(h, q, ctx, bs, dev):
     shape = f"{h}x{q} ctx {ctx} bs {bs}"
     rows = []
     for name, cfg in (("default " + cfg_w.tag, cfg_w), ("W", PAGED_VARIANTS["W"]),
-                      ("WE", PAGED_VARIANTS["WE"]), ("WE2", PAGED_VARIANTS["WE2"])):
+                      ("WE", PAGED_VARIANTS["WE"]), ("WE2", PAGED_VARIANTS["WE2"]),
+                      ("WE8", PAGED_VARIANTS["WE8"])):
         kern = cfg.e4m3_mma  # checked against the e4m3-query twin
         def call(rpi, cfg=cfg):
             return lambda: mla_decode_paged(qn, qp, flat, r2t, rpi, kv_lens, SM_SCALE,

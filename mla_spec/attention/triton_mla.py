@@ -45,21 +45,24 @@ class TritonMLABackend(MLABackend):
     ``MLAKernelConfig`` for the generic kernel or a ``PagedConfig`` for the paged one),
     ``e4m3_queries`` (default True: on an FP8 cache the defaults may pick the kernels that
     round the queries to e4m3 per row for e4m3 MMAs, as TRT-LLM-gen does; False keeps them in
-    fp16)."""
+    fp16), ``e4m3_probs`` (default True: those kernels may round the softmax weights to e4m3
+    too, for e4m3 P V MMAs, as TRT-LLM-gen does; False keeps them in fp16). The errors they
+    add: ``quant.fp8.fp8_query_attention_error_bound`` and
+    ``fp8_probability_attention_error_bound``."""
 
     name = "triton"
 
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
                  num_splits: int | None = None, fp8_dot: int = 0,
                  config: MLAKernelConfig | PagedConfig | None = None, kernel: str = "auto",
-                 e4m3_queries: bool = True):
+                 e4m3_queries: bool = True, e4m3_probs: bool = True):
         super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
         if kernel not in _KERNELS:
             raise ValueError(f"kernel {kernel!r}: choose one of {', '.join(_KERNELS)}")
         if isinstance(config, PagedConfig) and kernel == "generic":
             raise ValueError("a PagedConfig needs kernel='paged' or 'auto'")
         self.num_splits, self.fp8_dot, self.config = num_splits, fp8_dot, config
-        self.e4m3_queries = e4m3_queries
+        self.e4m3_queries, self.e4m3_probs = e4m3_queries, e4m3_probs
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 4)
         pool = kv_pool
@@ -96,7 +99,8 @@ class TritonMLABackend(MLABackend):
             cfg, pinned = ((self.config, None) if self.config is not None else
                            paged_choice(rows_cfg, pool.dtype, self.device, pool.page_size,
                                         plan.bs, plan.max_kv, fixed=not plan.extra["ragged"],
-                                        e4m3_queries=self.e4m3_queries))
+                                        e4m3_queries=self.e4m3_queries,
+                                        e4m3_probs=self.e4m3_probs))
             m_blocks = -(-rows // cfg.block_m)
             splits = self.num_splits or pinned or splits_for(
                 cfg, plan.bs, m_blocks, plan.max_kv, rows,

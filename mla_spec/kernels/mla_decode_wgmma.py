@@ -15,7 +15,7 @@ the MMA's M side instead of N, P V with P from registers. ``e4m3_mma`` (variant 
 tile with the queries quantized to e4m3 per row (``quant.fp8.quantize_rows_e4m3``), V fed to
 ``wgmma`` from registers; nothing is widened in shared memory. ``pingpong`` (``WE2``,
 ``csrc/mla_wgmma_e4m3pp_sm90.cu``): the same with the two consumer warpgroups taking turns on
-whole tiles.
+whole tiles; ``e4m3_pv`` (``WE8``, the same source) with P V as e4m3 MMAs as well.
 
 Why it exists: see the ``.cu`` files' headers. Its torch twin is ``mla_decode_ref``
 (``tests/kernels/test_mla_decode_cuda.py`` runs every ``cuda`` variant against it on the GPU).
@@ -56,21 +56,22 @@ WGMMA_FP8_BLOCK_M = (32, 16, 64)
 #: W bs 32 ctx 4k 50.5-51.0 -> 48.0-48.1, batch 1 ctx 32k 22.3 -> 21.0; WR 512 rows batch 1
 #: ctx 4k fp8 27.7 -> 25.9, bf16 26.3 -> 24.0. (The 16-row W16, no default, keeps fp32.)
 PART_BF16 = frozenset({(64, False), (32, True), (32, False)})
-# keys: (rows per CTA, prefetch, e4m3 cache, rows on M: WR, e4m3 MMAs: WE, ping-pong: WE2)
-_KERNELS = {(bm, pf, False, False, False, False): CudaKernel(_SOURCES[bm][0],
+# keys: (rows per CTA, prefetch, e4m3 cache, rows on M: WR, e4m3 MMAs: WE, ping-pong: WE2,
+# e4m3 P V: WE8)
+_KERNELS = {(bm, pf, False, False, False, False, False): CudaKernel(_SOURCES[bm][0],
                                                       f"mla_wgmma_m{bm}{'p' if pf else ''}",
                                                       arch="sm_90a") for bm, pf in WGMMA_KERNELS}
-_KERNELS.update({(bm, False, True, False, False, False): CudaKernel(_SOURCES[bm][0],
+_KERNELS.update({(bm, False, True, False, False, False, False): CudaKernel(_SOURCES[bm][0],
                                                              f"mla_wgmma_m{bm}_f8", arch="sm_90a")
                  for bm in WGMMA_FP8_BLOCK_M})
 #: the 64-row kernel with the query rows on the MMA's M side (bf16 or e4m3 cache, no prefetch)
 _ROWS_SOURCE = "mla_wgmma_rows_sm90.cu"
-_KERNELS.update({(64, False, f8, True, False, False): CudaKernel(
+_KERNELS.update({(64, False, f8, True, False, False, False): CudaKernel(
     _ROWS_SOURCE, f"mla_wgmma_rows64{'_f8' if f8 else ''}", arch="sm_90a") for f8 in (False, True)})
 #: WR with the two splits of a (request, row block) as one thread-block cluster that merges
 #: them in distributed shared memory (``CLUSTER`` in the source): no split partials, no combine
 #: kernel. Keys as ``_KERNELS``'; taken at exactly 2 splits (:func:`clusters_splits`)
-_CLUSTER_KERNELS = {(64, False, f8, True, False, False): CudaKernel(
+_CLUSTER_KERNELS = {(64, False, f8, True, False, False, False): CudaKernel(
     _ROWS_SOURCE, f"mla_wgmma_rows64{'_f8' if f8 else ''}_cl", arch="sm_90a")
     for f8 in (False, True)}
 #: False: every split count runs the combine kernel (benchmarks compare the two)
@@ -78,10 +79,11 @@ CLUSTER_MERGE = True
 #: the 32-row kernels with e4m3 Q K MMAs and V from registers (an e4m3 cache only): 288
 #: threads, or 384 taking turns (a producer warpgroup)
 _E4M3_SOURCE, _E4M3PP_SOURCE = "mla_wgmma_e4m3_sm90.cu", "mla_wgmma_e4m3pp_sm90.cu"
-_KERNELS[(32, False, True, False, True, False)] = CudaKernel(_E4M3_SOURCE, "mla_wgmma_e4m3_m32",
-                                                             arch="sm_90a")
-_KERNELS[(32, False, True, False, True, True)] = CudaKernel(_E4M3PP_SOURCE,
-                                                            "mla_wgmma_e4m3pp_m32", arch="sm_90a")
+_KERNELS[(32, False, True, False, True, False, False)] = CudaKernel(
+    _E4M3_SOURCE, "mla_wgmma_e4m3_m32", arch="sm_90a")
+_KERNELS.update({(32, False, True, False, True, True, pv8): CudaKernel(
+    _E4M3PP_SOURCE, f"mla_wgmma_e4m3pp{'8' if pv8 else ''}_m32", arch="sm_90a")
+    for pv8 in (False, True)})
 #: its stages (40 KB each: five 128-dim boxes of 64 tokens' bytes)
 _E4M3_STAGES, _E4M3_TILE = 4, 5 * _BN * 128
 
@@ -135,16 +137,18 @@ def _tensor_map(kv_flat: torch.Tensor, e4m3_mma: bool = False) -> bytes:
 
 
 def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False,
-                e4m3_mma: bool = False, pingpong: bool = False):
-    return (block_m, prefetch, kv_dtype == FP8_DTYPE, rows_m, e4m3_mma, pingpong)
+                e4m3_mma: bool = False, pingpong: bool = False, e4m3_pv: bool = False):
+    return (block_m, prefetch, kv_dtype == FP8_DTYPE, rows_m, e4m3_mma, pingpong, e4m3_pv)
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
                         page_size: int, block_m: int, q_len: int | None,
                         prefetch: bool = False, rows_m: bool = False,
-                        e4m3_mma: bool = False, pingpong: bool = False) -> str | None:
+                        e4m3_mma: bool = False, pingpong: bool = False,
+                        e4m3_pv: bool = False) -> str | None:
     """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
-    if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong) not in _KERNELS:
+    if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong,
+                   e4m3_pv) not in _KERNELS:
         return f"(block_m, prefetch, rows_m, e4m3_mma) {(block_m, prefetch, rows_m, e4m3_mma)}" \
                f" is not compiled for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one " \
                f"of {WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
@@ -160,7 +164,7 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
                      num_splits: int, block_m: int, prefetch: bool = False,
                      rows_m: bool = False, e4m3_mma: bool = False,
-                     pingpong: bool = False) -> None:
+                     pingpong: bool = False, e4m3_pv: bool = False) -> None:
     """Run the split kernel (and the combine when ``num_splits > 1``, unless its splits merge
     in a cluster: :func:`clusters_splits`) into ``out`` / ``lse`` (see
     :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
@@ -168,7 +172,7 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
             out.stride(1) % 4 or out.data_ptr() % 8:
         raise ValueError("the wgmma kernel writes a bf16 out with contiguous, 8-byte aligned "
                          "rows")
-    key = _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong)
+    key = _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong, e4m3_pv)
     cluster = clusters_splits(key, num_splits)
     m, part, part_lse = split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices,
                                      kv_lens, out, lse, qk_scale_log2, v_scale, q_len,

@@ -34,6 +34,9 @@ __all__ = [
     "quantize_rows_e4m3",
     "e4m3_rows_round_trip",
     "fp8_query_attention_error_bound",
+    "P8_SCALE",
+    "round_probabilities_e4m3",
+    "fp8_probability_attention_error_bound",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -190,3 +193,32 @@ def fp8_query_attention_error_bound(q: torch.Tensor, kv: torch.Tensor, dv: int,
     eps = float(sm_scale * (dq @ x.abs().T).max())
     v_max = float(x[:, :dv].abs().max())
     return (torch.tensor(2 * eps, dtype=torch.float64).exp().item() - 1) * v_max
+
+
+#: what the ``WE8`` kernel multiplies its softmax weights by before rounding them to e4m3: a
+#: weight is at most 1 (relative to the running max), and e4m3's normal numbers start at 2^-6;
+#: 256 keeps weights down to 2^-14 normal and stays below 448 (``csrc/sm90_e4m3.cuh``)
+P8_SCALE = 256.0
+
+
+def round_probabilities_e4m3(p: torch.Tensor) -> torch.Tensor:
+    """Softmax weights ``p`` (``0 <= p <= 1``, any shape) as the ``WE8`` kernel's P V
+    multiplies them: ``e4m3(256 p) / 256`` (RTNE), in fp32."""
+    return (p.to(torch.float32) * P8_SCALE).to(FP8_DTYPE).to(torch.float32) / P8_SCALE
+
+
+def fp8_probability_attention_error_bound(kv_len: int, v_max: float) -> float:
+    """Worst-case max-abs change of an attention output element when its softmax weights go
+    through :func:`round_probabilities_e4m3` (``WE8``'s e4m3 P V), ``v_max`` the largest
+    ``|v|`` the kernel multiplies, ``kv_len`` the tokens of the row.
+
+    A weight ``p <= 1`` (relative to the row's running max, which only shrinks it later)
+    moves by at most ``2**-4 p`` when ``256 p >= 2**-6`` and by ``2**-10 / 256`` below
+    (the subnormal floor), and the sum the output is divided by is at least 1, so
+    ``|out' - out| <= (2**-4 + kv_len * 2**-18) v_max``. On random data the error is far
+    below this (round to nearest is unbiased): about ``2**-4 / sqrt(3)`` of the output's norm
+    at most, the measured norms are in ``docs/bench_mla.md``. The e4m3 MMA's own rounding
+    (as in Q K) comes on top; the queries' rounding is
+    :func:`fp8_query_attention_error_bound`.
+    """
+    return (FP8_E4M3_REL_ERR + max(int(kv_len), 0) * 2.0**-10 / P8_SCALE) * float(v_max)

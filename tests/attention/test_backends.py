@@ -247,7 +247,7 @@ def test_triton_backend_passes_the_e4m3_queries_choice_on(monkeypatch):
     seen = []
 
     def record(*a, **k):
-        seen.append(k.get("e4m3_queries"))
+        seen.append((k.get("e4m3_queries"), k.get("e4m3_probs")))
         return PagedConfig(16, 8, 4, 1), None
 
     monkeypatch.setattr(tm, "paged_choice", record)
@@ -257,4 +257,7 @@ def test_triton_backend_passes_the_e4m3_queries_choice_on(monkeypatch):
         be = create_backend("triton", num_heads=3, softmax_scale=SM, kv_pool=sc.pool,
                             req_to_token=sc.req_pool, e4m3_queries=flag)
         be.plan(sc.batch)
-    assert seen == [True, False]
+    be = create_backend("triton", num_heads=3, softmax_scale=SM, kv_pool=sc.pool,
+                        req_to_token=sc.req_pool, e4m3_probs=False)  # WE8 -> WE2
+    be.plan(sc.batch)
+    assert seen == [(True, True), (False, True), (True, False)]

@@ -299,13 +299,24 @@ def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
     assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 32, 4096) == (V["WR"], None)
     assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 32, 4096) == (V["WR"], None)
     # an e4m3 cache: the wgmma kernels on sm_90 (not the mma.sync K*), Triton elsewhere
-    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 128, 8192) == (V["WE2"], None)
-    # the queries kept in fp16 on request: the e4m3-MMA kernels are passed over
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 128, 8192) == (V["WE8"], None)
+    # the softmax weights kept in fp16 on request: WE2; the queries too: the e4m3-MMA kernels
+    # are passed over
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 128, 8192, e4m3_probs=False) == \
+        (V["WE2"], None)
     assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 128, 8192, e4m3_queries=False) == \
         (V["W"], None)
     assert mt.paged_choice(32, torch.bfloat16, cuda, 64, 128, 8192, e4m3_queries=False) == \
         (V["W"], None)
-    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 32768) == (V["W"], 128)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 32768) == (V["WE8"], 128)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 32768, e4m3_probs=False) == \
+        (V["WE2"], 128)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 32768, e4m3_queries=False) == \
+        (V["W"], 128)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 4096) == (V["WE8"], 32)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 4096, e4m3_queries=False) == \
+        (V["G4"], None)  # the class entry: no context alternative runs
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 1024) == (V["G4"], None)
     assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 1, 4096) == (V["WR"], 64)
     assert not mt.cuda_cache_ok(V["K"], FP8_DTYPE) and not mt.cuda_cache_ok(V["Wp"], FP8_DTYPE)
     cap["v"] = (10, 0)

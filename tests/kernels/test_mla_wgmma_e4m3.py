@@ -190,3 +190,152 @@ def test_host_constants_match_the_source():
     cfg = PAGED_VARIANTS["WE"]
     assert cfg.e4m3_mma and cfg.block_m == 32 and cfg.tag.endswith("E")
     assert PAGED_VARIANTS["WE2"].pingpong and PAGED_VARIANTS["WE2"].tag.endswith("E2")
+
+
+# ---- WE8: WE2 with P V as e4m3 MMAs (the same source, ``PV8``) ----
+
+def _ldsm_x4_t(addrs, smem):
+    """``ldmatrix .x4 .trans .b16``: lane l gives addrs[l] (row l % 8 of block l / 8, 16 bytes);
+    lane (g, t4) gets, per block j, 16-bit pair g of rows 2 t4 (bytes 0, 1) and 2 t4 + 1."""
+    out = []
+    for lane in range(32):
+        g, t4 = lane >> 2, lane & 3
+        regs = []
+        for j in range(4):
+            rows = [smem[addrs[8 * j + 2 * t4 + e] + 2 * g + b] for e in range(2) for b in range(2)]
+            regs.append(rows)
+        out.append(regs)
+    return out
+
+
+def _we8_tile_bytes(wq):
+    """Symbolic tile bytes of box wq: address -> (token, dim), 128-byte swizzle as TMA lands it."""
+    smem = {}
+    for tok in range(64):
+        for ch in range(8):
+            for b in range(16):
+                smem[wq * 8192 + tok * 128 + ((ch ^ (tok & 7)) << 4) + b] = \
+                    (tok, wq * 128 + 16 * ch + b)
+    return smem
+
+
+def _we8_pos_token(k):
+    """The token of column k (0..31) of a k32 step in WE8's order (v8_frag's header)."""
+    h, a, b = k >> 4, (k >> 2) & 3, k & 3
+    return 16 * h + 2 * a + (b >> 1) + 8 * (b & 1)
+
+
+def test_we8_v_fragments_are_the_a_operand_wgmma_expects():
+    # m64k32 8-bit A fragment (CUTLASS's ALayout_64x32): register r of lane (g, t4) in warp wq
+    # holds row 16 wq + g + 8 (r & 1), columns k = 4 t4 + 16 (r >> 1) + byte. Row R of m64 tile
+    # mt must be dim 128 wq + 16 mt + 2 g (+1 for g + 8), column k of step ks the token
+    # 32 ks + _we8_pos_token(k), the byte store_p8 puts that token's P at.
+    sels = {0: (0, 1, 0x6240), 1: (0, 1, 0x7351), 2: (2, 3, 0x6240), 3: (2, 3, 0x7351)}
+    seen = set()
+    for wq in range(4):
+        smem = _we8_tile_bytes(wq)
+        for ks in range(2):
+            for mt in range(8):
+                addrs = []
+                for lane in range(32):  # the kernel's vrow + ks * 4096 + ((mt ^ (lane & 7)) << 4)
+                    addrs.append(wq * 8192 + (lane >> 3) * 1024 + (lane & 7) * 128 + ks * 4096
+                                 + ((mt ^ (lane & 7)) << 4))
+                d = _ldsm_x4_t(addrs, smem)
+                for lane in range(32):
+                    g, t4 = lane >> 2, lane & 3
+                    for r, (x, y, sel) in sels.items():
+                        a = _prmt(d[lane][x], d[lane][y], sel)
+                        for byte in range(4):
+                            k = 4 * t4 + 16 * (r >> 1) + byte
+                            dim = 128 * wq + 16 * mt + 2 * g + (r & 1)
+                            assert a[byte] == (32 * ks + _we8_pos_token(k), dim)
+                            seen.add(a[byte])
+    assert seen == {(t, d) for t in range(64) for d in range(512)}
+    src = SHARED.read_text()
+    for x, y, sel in sels.values():
+        assert f"prmt(d[{x}], d[{y}], 0x{sel:x})" in src
+
+
+def test_we8_p_lands_in_the_token_order_of_the_v_fragments():
+    # store_p8: S^T column c's tokens 16 wq + g (+8) go to bytes 16 wq + 2 g (+1) of the row;
+    # column k of step ks (P^T descriptor + 2 ks: bytes 32 ks..) must hold token
+    # 32 ks + _we8_pos_token(k)
+    where = {}
+    for wq in range(4):
+        for g in range(8):
+            for hf in range(2):
+                where[16 * wq + g + 8 * hf] = 16 * wq + 2 * g + hf
+    assert sorted(where.values()) == list(range(64))
+    for ks in range(2):
+        for k in range(32):
+            assert where[32 * ks + _we8_pos_token(k)] == 32 * ks + k
+    src = SHARED.read_text()
+    assert "p_base + sw128(frag_col(c, t4), wq) + 2 * g" in src
+    assert "s[frag_at(c, 0)] * P8_SCALE, s[frag_at(c, 1)] * P8_SCALE" in src
+    # a warp's 32 two-byte stores of one column index: rows 2 t4 + e (chunk wq swizzled by the
+    # row) x bytes 2 g: 4 distinct chunks' banks, never two words of one bank
+    for wq in range(4):
+        for c in range(8):
+            words = {}
+            for g in range(8):
+                for t4 in range(4):
+                    row = 8 * (c >> 1) + 2 * t4 + (c & 1)
+                    addr = row * 128 + ((wq ^ (row & 7)) << 4) + 2 * g
+                    words.setdefault((addr // 4) % 32, set()).add(addr // 4)
+            assert all(len(w) == 1 for w in words.values())
+
+
+def test_we8_v_loads_are_free_of_bank_conflicts():
+    # one ldmatrix block (8 lanes' 16-byte rows) a wavefront: 8 distinct 16-byte bank groups
+    for wq in range(4):
+        for ks in range(2):
+            for mt in range(8):
+                for j in range(4):
+                    groups = {((wq * 8192 + j * 1024 + r * 128 + ks * 4096 + ((mt ^ r) << 4))
+                               % 128) // 16 for r in range(8)}
+                    assert len(groups) == 8
+
+
+def test_we8_output_dims_and_stores():
+    # o[mt] row g (+8) is dim 128 wq + 16 mt + 2 g (+1); o_quad(o, c, q) gives (mt 2q, h 0),
+    # (2q, 1), (2q + 1, 0), (2q + 1, 1), so v[2 k + h] is dim d0 + 16 k + h with d0 = 128 wq + 2 g
+    # (store_row16<16>); every (row, dim) once per warpgroup
+    cells = set()
+    for wq, g, t4 in itertools.product(range(4), range(8), range(4)):
+        for c in range(8):
+            row = 8 * (c >> 1) + 2 * t4 + (c & 1)
+            for q in range(4):
+                for j in range(4):
+                    mt, h = 2 * q + (j >> 1), j & 1
+                    k = 4 * q + j  # index into v
+                    assert 16 * mt + h == 16 * (k >> 1) + (k & 1)
+                    cells.add((row, 128 * wq + 16 * mt + 2 * g + h))
+    assert cells == {(r, d) for r in range(32) for d in range(512)}
+    src = SRC_PP.read_text()
+    assert "store_row16<16>(p, w, split, b, frag_col(c, t4), 128 * wq + 2 * g, v);" in src
+    assert "*reinterpret_cast<uint32_t*>(dst + PAIRS * k) = pack_bf16(v[2 * k], v[2 * k + 1]);" \
+        in HDR.read_text()
+
+
+def test_we8_zeroes_exactly_the_v_tail():
+    # zero_v_tail8(stage, nvalid, wt) over 128 threads: rows [nvalid, 64) of boxes 0-3, all 128
+    # bytes; nothing of box 4 (the rope dims, Q K only) nor of a valid row
+    for nvalid in (1, 17, 63):
+        hit = []
+        for wt in range(128):
+            for c in range(wt, (64 - nvalid) * 32, 128):
+                base = ((c >> 3) & 3) * 8192 + (nvalid + (c >> 5)) * 128 + (c & 7) * 16
+                hit += range(base, base + 16)
+        want = [box * 8192 + tok * 128 + b for box in range(4) for tok in range(nvalid, 64)
+                for b in range(128)]
+        assert sorted(hit) == sorted(want)
+
+
+def test_we8_is_built_and_named():
+    cfg = PAGED_VARIANTS["WE8"]
+    assert cfg.e4m3_pv and cfg.pingpong and cfg.tag.endswith("E28")
+    assert re.search(r"__launch_bounds__\(NT \+ 128, 1\)\s+mla_wgmma_e4m3pp8_m32\(",
+                     SRC_PP.read_text())
+    assert (32, False, True, False, True, True, True) in mw._KERNELS
+    with pytest.raises(ValueError, match="e4m3_pv is an option of the pingpong"):
+        type(cfg)(32, 64, 8, 2, cuda=True, wgmma=True, e4m3_mma=True, e4m3_pv=True)

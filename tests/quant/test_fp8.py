@@ -118,6 +118,41 @@ def test_query_e4m3_error_stays_within_its_bound(m, n, d, seed):
     assert fp8_query_attention_error_bound(q[:0], kv, dv, sm) == 0.0
 
 
+@pytest.mark.parametrize("m,n,logit,seed", [(1, 1, 1.0, 0), (3, 37, 4.0, 1), (8, 700, 12.0, 2),
+                                             (2, 5000, 30.0, 3)])
+def test_probability_e4m3_error_stays_within_its_bound(m, n, logit, seed):
+    # WE8's P V: the weights (relative to the row max) rounded to e4m3 after a scale of 256,
+    # the sum they are divided by taken before rounding, as the kernel does
+    from mla_spec.quant.fp8 import fp8_probability_attention_error_bound, round_probabilities_e4m3
+
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(m, n, generator=g, dtype=torch.float64) * logit
+    s[0, : n // 2] -= 40.0  # weights far below 2^-14 (the subnormal floor) in row 0
+    v = torch.randn(n, 48, generator=g, dtype=torch.float64) * 3
+    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    ref = p @ v / p.sum(-1, keepdim=True)
+    got = round_probabilities_e4m3(p).double() @ v / p.sum(-1, keepdim=True)
+    err = float((got - ref).abs().max())
+    assert err <= fp8_probability_attention_error_bound(n, float(v.abs().max()))
+    if n >= 700:  # unbiased rounding: the norm error is a fraction of the worst case
+        assert float((got - ref).norm() / ref.norm()) < 2.0**-4 / 3**0.5
+    assert fp8_probability_attention_error_bound(0, 5.0) == 2.0**-4 * 5.0
+
+
+def test_probability_rounding_is_the_kernels():
+    from mla_spec.kernels.cuda_driver import CSRC
+    from mla_spec.quant.fp8 import P8_SCALE, round_probabilities_e4m3
+
+    src = (CSRC / "sm90_e4m3.cuh").read_text()
+    assert f"constexpr float P8_SCALE = {int(P8_SCALE)}.f;" in src
+    assert "__NV_SATFINITE" in src  # cvt.rn.satfinite: RTNE, as torch's cast
+    p = torch.tensor([1.0, 0.5, 2.0**-14, 2.0**-20, 0.0, 0.3])
+    q = round_probabilities_e4m3(p)
+    assert q[0] == 1.0 and q[1] == 0.5 and q[2] == 2.0**-14 and q[4] == 0.0
+    assert q[3] == 0.0  # 2^-12 after the scale: under half of e4m3's smallest subnormal 2^-9
+    assert abs(float(q[5]) - 0.3) <= 2.0**-4 * 0.3
+
+
 def test_query_e4m3_costs_about_what_the_cache_rounding_costs():
     # DeepSeek's dims and softmax scale: rounding the queries to e4m3 per row moves an output
     # about as much as rounding the cache to e4m3 does (which an FP8 cache already pays)

@@ -36,13 +36,14 @@ __device__ __forceinline__ float4 o_quad(const float (&o)[8][NA], int c, int q, 
                      o[2 * q + 1][i0 + 2] * k);
 }
 
+template <bool PV8>
 __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const MlaParams& p = wp.m;
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   unsigned char* kv_s = smem;                        // [NS][5][64 tok][128 B] e4m3
   unsigned char* q_s = kv_s + NS * T8::stage_bytes;  // [5][BM][128 B] e4m3
-  unsigned char* p_s = q_s + 5 * QBOX;               // [2 wg] P^T [BM][64 tok] fp16, swizzled
+  unsigned char* p_s = q_s + 5 * QBOX;  // [2 wg] P^T [BM][64 tok] fp16 (e4m3: 64 of 128 B)
   float* red = reinterpret_cast<float*>(p_s + 2 * BM * 128);  // [2 wg][4 warps][BM]
   float* mx = red + 8 * BM;                                   // [2 wg][BM] running maxima
   float* rowv = mx + 2 * BM;                                  // [BM] v_scale / l
@@ -87,34 +88,71 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
     qk_e4m3<18, 1>(s, sw128_desc(kv_base, 16, 1024), q_desc);
     wgmma_commit();
     uint32_t v[2][2][4];  // k16 step 0's V bytes while the tensor cores multiply Q K
-    load_v<4>(v, kv_base + wq * BLK, 0, t4, g, nvalid);
+    if constexpr (!PV8) load_v<4>(v, kv_base + wq * BLK, 0, t4, g, nvalid);
     wgmma_wait0();
+    if (PV8 && nvalid < BN) zero_v_tail8(kv_s + stage * T8::stage_bytes, nvalid, wt);
     scale_cols(s[0], qm, kq);
     tile_col_max<NC>(s[0], bound, t0 + BN > min_bound, t0 + wq * 16 + g, 1.f,
                      red_wg + wq * BM, g, t4);
-    named_barrier(B_WG + wg, 128);
+    named_barrier(B_WG + wg, 128);  // the tile's V tail zeroed (pv8)
+    // pv8: the first 4 m64 tiles' V blocks while the softmax runs (ldsm_x4_t: lane l reads row
+    // l % 8 of block l / 8, chunk mt of box wq: 16-byte chunks of 8 rows, one per 128-B swizzle
+    // row offset, free of bank conflicts)
+    const uint32_t vrow = kv_base + wq * BLK + (lane >> 3) * 1024 + (lane & 7) * 128;
+    uint32_t d[4][4];
+    if constexpr (PV8)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ldsm_x4_t(vrow + ((i ^ (lane & 7)) << 4), d[i]);
     float alpha[NC];
     const bool rescale = tile_softmax<NC>(s[0], m_r, l_r, alpha, red_wg, BM, t4);
-    uint32_t pk[NA / 2];
+    if constexpr (PV8) {
+      store_p8<NC>(p_base, s[0], wq, g, t4);
+    } else {
+      uint32_t pk[NA / 2];
 #pragma unroll
-    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<true>(s[0][i], s[0][i + 1]);
-    store_pt<BM>(p_base, pk, 0, wq, lane);  // each warp its 16 tokens
+      for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<true>(s[0][i], s[0][i + 1]);
+      store_pt<BM>(p_base, pk, 0, wq, lane);  // each warp its 16 tokens
+    }
     rescale_cols(o, alpha, rescale);
     fence_proxy_async();
     named_barrier(B_WG + wg, 128);  // the warpgroup's P^T complete, its maxima read
+    if constexpr (PV8) {
+      // 4 groups (k32 step j >> 1, m64 tiles 4 (j & 1)..) of 4 e4m3 MMAs with A from registers,
+      // built into two alternating sets: a group's fragments are built while the one before
+      // runs. V is in registers once the last group's are built: the stage goes back then.
+      uint32_t a[2][4][4];
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[8][4];
-      v_frags<4>(v, a);
-      if (kk + 1 < BN / 16) load_v<4>(v, kv_base + wq * BLK, kk + 1, t4, g, nvalid);
-      wgmma_fence();
+      for (int j = 0; j < 4; ++j) {
+        const int ks = j >> 1, mt0 = 4 * (j & 1);
+        if (j > 0)
 #pragma unroll
-      for (int mt = 0; mt < 8; ++mt) wgmma_rs_n32(o[mt], a[mt], p_desc + kk * 2);
-      wgmma_commit();
-      wgmma_wait0();  // a's registers are the MMAs' until they finish
+          for (int i = 0; i < 4; ++i)
+            ldsm_x4_t(vrow + ks * 4096 + (((mt0 + i) ^ (lane & 7)) << 4), d[i]);
+        if (j >= 2) wgmma_wait1();  // group j - 2 done: its set is free
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v8_frag(d[i], a[j & 1][i]);
+        if (j == 3) mbar_arrive_lane0(&empty[stage], 2, lane);  // 4 warps stand for the 8
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wgmma_e4m3_rs_n32(o[mt0 + i], a[j & 1][i], p_desc + ks * 2);
+        wgmma_commit();
+      }
+      wgmma_wait0();
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[8][4];
+        v_frags<4>(v, a);
+        if (kk + 1 < BN / 16) load_v<4>(v, kv_base + wq * BLK, kk + 1, t4, g, nvalid);
+        wgmma_fence();
+#pragma unroll
+        for (int mt = 0; mt < 8; ++mt) wgmma_rs_n32(o[mt], a[mt], p_desc + kk * 2);
+        wgmma_commit();
+        wgmma_wait0();  // a's registers are the MMAs' until they finish
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive_n(&empty[stage], 2);  // 4 warps stand for the 8 it counts
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive_n(&empty[stage], 2);  // 4 warps stand for the 8 it counts
   }
   griddep_launch();
 
@@ -135,7 +173,8 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
     const float* r = red + tid;
     const float l = f0 * (r[0] + r[BM] + r[2 * BM] + r[3 * BM]) +
                     f1 * (r[4 * BM] + r[5 * BM] + r[6 * BM] + r[7 * BM]);
-    const float inv = l > 0.f ? __fdividef(p.v_scale, l) : 0.f;  // l >= 1 when a row saw KV
+    const float vs = PV8 ? p.v_scale * (1.f / P8_SCALE) : p.v_scale;  // pv8's P was scaled
+    const float inv = l > 0.f ? __fdividef(vs, l) : 0.f;  // l >= 1 when a row saw KV
     gs[tid] = f0 * inv;
     gs[BM + tid] = f1 * inv;
     if (w.m0 + tid < w.n_rows)
@@ -166,7 +205,10 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
       v[4 * q + 2] = x.z + y.z;
       v[4 * q + 3] = x.w + y.w;
     }
-    store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);
+    if constexpr (PV8)  // dims 128 wq + 16 mt + 2 g (+1) for m64 tile mt
+      store_row16<16>(p, w, split, b, frag_col(c, t4), 128 * wq + 2 * g, v);
+    else
+      store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);
   }
 }
 
@@ -174,5 +216,10 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
 
 extern "C" __global__ void __launch_bounds__(NT + 128, 1)
     mla_wgmma_e4m3pp_m32(const __grid_constant__ WgParams p) {
-  mla_wgmma_e4m3pp(p);
+  mla_wgmma_e4m3pp<false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(NT + 128, 1)
+    mla_wgmma_e4m3pp8_m32(const __grid_constant__ WgParams p) {
+  mla_wgmma_e4m3pp<true>(p);
 }

@@ -35,6 +35,15 @@ __device__ __forceinline__ void mbar_arrive_n(uint64_t* bar, uint32_t n) {
                : "memory");
 }
 
+// lane 0's n arrivals after the warp's __syncwarp, predicated rather than branched to: between
+// two wgmma waits a branch makes ptxas serialize every wgmma of the kernel (C7520)
+__device__ __forceinline__ void mbar_arrive_lane0(uint64_t* bar, uint32_t n, int lane) {
+  __syncwarp();
+  asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %2, 0;\n"
+               "@p mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n}\n"
+               ::"r"(smem_u32(bar)), "r"(n), "r"(lane) : "memory");
+}
+
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"

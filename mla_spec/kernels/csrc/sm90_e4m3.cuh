@@ -31,6 +31,64 @@ __device__ __forceinline__ void wgmma_rs_n32(float (&d)[16], const uint32_t (&a)
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
+// D[64, 32] += A . B, e4m3 x e4m3 (k32), A from registers (an m64k32 fragment: register r of
+// lane (g, t4) holds row g + 8 (r & 1), columns k = 16 (r >> 1) + 4 t4 + byte), B K-major in
+// shared memory
+__device__ __forceinline__ void wgmma_e4m3_rs_n32(float (&d)[16], const uint32_t (&a)[4],
+                                                  uint64_t db) {
+  asm volatile("wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 " SM90_D16
+               ", {%16,%17,%18,%19}, %20, 1, 1, 1;\n"
+               : SM90_ACC16(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// four 8 x 8 blocks of 16-bit pairs, transposed: lane l gives the address of row l % 8 of block
+// l / 8; lane (g, t4) gets, of block j, pair g of rows 2 t4 (low half) and 2 t4 + 1 in d[j]
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t (&d)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(addr));
+}
+
+// e4m3 P V (WE2 with pv8): the V^T A fragment of one m64 tile and k32 step from ldsm_x4_t of
+// the step's four [8 tokens][16 dims] blocks (block j: tokens 8 j.. of the step; lane (g, t4)
+// holds dims 2 g, 2 g + 1 of tokens 8 j + 2 t4 (bytes 0, 1) and + 1 (bytes 2, 3)): one prmt a
+// register groups four tokens of one dim. Register r: row g + 8 (r & 1) <-> dim 2 g + (r & 1)
+// of the chunk; byte b of it, column k = 16 (r >> 1) + 4 t4 + b <-> token 16 (r >> 1) + 2 t4 +
+// (b >> 1) + 8 (b & 1) of the step, the order in which store_p8 lays P^T out
+__device__ __forceinline__ void v8_frag(const uint32_t (&d)[4], uint32_t (&a)[4]) {
+  a[0] = prmt(d[0], d[1], 0x6240);
+  a[1] = prmt(d[0], d[1], 0x7351);
+  a[2] = prmt(d[2], d[3], 0x6240);
+  a[3] = prmt(d[2], d[3], 0x7351);
+}
+
+// this warp's P^T for e4m3 P V: each column c's two probabilities (tokens 16 wq + g and + 8 of
+// the tile, s[frag_at(c, 0 / 1)]) times P8_SCALE as one e4m3 pair at byte 16 wq + 2 g of its
+// row: the token order of v8_frag (P^T [BM][128 B], 128-byte swizzle, bytes 64.. unused). Why
+// the scale: P <= 1, and e4m3 has normal numbers down to 2^-6 only; P8_SCALE P <= 256 < 448
+constexpr float P8_SCALE = 256.f;
+template <int NC>
+__device__ __forceinline__ void store_p8(uint32_t p_base, const float (&s)[2 * NC], int wq,
+                                         int g, int t4) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const __nv_fp8x2_storage_t v = __nv_cvt_float2_to_fp8x2(
+        make_float2(s[frag_at(c, 0)] * P8_SCALE, s[frag_at(c, 1)] * P8_SCALE), __NV_SATFINITE,
+        __NV_E4M3);
+    asm volatile("st.shared.u16 [%0], %1;\n"
+                 ::"r"(p_base + sw128(frag_col(c, t4), wq) + 2 * g), "h"(v) : "memory");
+  }
+}
+
+// rows [nvalid, 64) of a landed e4m3 stage's V boxes (0-3) zeroed by one warpgroup (wt: its
+// thread): a freed slot may hold NaN bytes, and P = 0 times NaN is NaN. Generic writes, read
+// by ldmatrix after a barrier of the warpgroup
+__device__ __forceinline__ void zero_v_tail8(unsigned char* stage_s, int nvalid, int wt) {
+  for (int c = wt; c < (BN - nvalid) * 32; c += 128)
+    *reinterpret_cast<uint4*>(stage_s + ((c >> 3) & 3) * BLK + (nvalid + (c >> 5)) * 128 +
+                              (c & 7) * 16) = make_uint4(0, 0, 0, 0);
+}
+
 // the CTA's queries (loaded by QueryLoad::issue) as e4m3 rows scaled by 448 / amax into q_s
 // ([5 boxes][32 rows][128 B], 128-byte swizzle; the last box's dims 576.. are never read),
 // the amax of every row into qmax (zeroed before the CTA's first barrier); the consumer threads only

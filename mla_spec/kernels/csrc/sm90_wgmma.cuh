@@ -278,14 +278,34 @@ __device__ __forceinline__ void finish_row(const MlaParams& p, const CtaWork& w,
     write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, l > 0.f, m2, l);
 }
 
-// one thread's 16 consecutive output dims d0 .. d0 + 15 of the CTA's row r, normalized, straight
-// from registers: the bf16 result (8-byte stores: out rows are 8-byte aligned), or the split's
-// partials (fp32, or bf16 with part_bf16; 16-byte stores into the launcher's buffers)
+// one thread's 16 output dims of the CTA's row r, normalized, straight from registers: v[2 k]
+// and v[2 k + 1] are dims d0 + PAIRS k and + 1 (PAIRS 2: d0 .. d0 + 15; 16: WE2 with pv8). The
+// bf16 result (8-byte stores: out rows are 8-byte aligned), or the split's partials (fp32, or
+// bf16 with part_bf16; 16-byte stores into the launcher's buffers); pairs apart go as 8- / 4-byte
+// stores
+template <int PAIRS = 2>
 __device__ __forceinline__ void store_row16(const MlaParams& p, const CtaWork& w, int split, int b,
                                             int r, int d0, const float (&v)[16]) {
   const int row = w.m0 + r;
   if (row >= w.n_rows) return;
   const long long grow = static_cast<long long>(b) * w.n_rows + row;  // tok * H + h
+  if constexpr (PAIRS != 2) {
+    if (p.split && !p.part_bf16) {
+      float* dst = p.part + split * p.s_ps + grow * DV + d0;
+#pragma unroll
+      for (int k = 0; k < 8; ++k)
+        *reinterpret_cast<float2*>(dst + PAIRS * k) = make_float2(v[2 * k], v[2 * k + 1]);
+      return;
+    }
+    const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, hh = row % p.H;
+    __nv_bfloat16* dst = p.split ? reinterpret_cast<__nv_bfloat16*>(p.part) + split * p.s_ps +
+                                       grow * DV + d0
+                                 : p.out + tok * p.s_o_t + hh * p.s_o_h + d0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      *reinterpret_cast<uint32_t*>(dst + PAIRS * k) = pack_bf16(v[2 * k], v[2 * k + 1]);
+    return;
+  }
   if (p.split && !p.part_bf16) {
     float4* dst = reinterpret_cast<float4*>(p.part + split * p.s_ps + grow * DV + d0);
 #pragma unroll
