@@ -21,6 +21,14 @@
 // The result is mla_wgmma_e4m3_sm90.cu's: the queries quantized to e4m3 per row, the same twin
 // (tests/kernels/test_mla_decode_wgmma.py); a row's two partial results merge as split-KV
 // partials do.
+//
+// PV8 (kernel mla_wgmma_e4m3pp8_m32, variant WE8): P V as e4m3 MMAs too. P is rounded to e4m3
+// after a scale of 256 (store_p8), V^T's A fragments come from ldmatrix .trans of the tile's
+// bytes and one prmt a register (v8_frag: no conversion), 16 m64n32k32 MMAs a tile in four
+// groups; the stage goes back once V is in registers. Thread (wq, g, t4) then holds dims
+// 128 wq + 16 mt + 2 g (+1) of m64 tile mt (pairs 16 apart: store_row16<16>). Measured: bs 32
+// ctx 4k 31.6 vs 34.2 µs, bs 128 ctx 8k 155 vs 177 (docs/bench_mla.md v15); the error P's
+// rounding adds: quant.fp8.fp8_probability_attention_error_bound.
 #include "sm90_e4m3.cuh"
 
 namespace {
