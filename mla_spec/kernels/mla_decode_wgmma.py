@@ -149,10 +149,12 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
     """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
     if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong,
                    e4m3_pv) not in _KERNELS:
-        return f"(block_m, prefetch, rows_m, e4m3_mma) {(block_m, prefetch, rows_m, e4m3_mma)}" \
-               f" is not compiled for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one " \
-               f"of {WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
-               f"{WGMMA_FP8_BLOCK_M}, no prefetch, rows_m with 64 rows, or e4m3_mma with 32)"
+        opts = (block_m, prefetch, rows_m, e4m3_mma, pingpong, e4m3_pv)
+        return f"(block_m, prefetch, rows_m, e4m3_mma, pingpong, e4m3_pv) {opts} is not " \
+               f"compiled for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one of " \
+               f"{WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
+               f"{WGMMA_FP8_BLOCK_M}, no prefetch, rows_m with 64 rows, or e4m3_mma with 32, " \
+               f"then pingpong, then e4m3_pv)"
     why = call_supported(q_nope, q_pe, kv_flat, page_size, _BN, q_len, "wgmma kernel",
                          (torch.bfloat16, FP8_DTYPE))
     if why is None and cuda_capability(q_nope.device) != (9, 0):

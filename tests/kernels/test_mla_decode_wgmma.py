@@ -190,6 +190,12 @@ def test_fp8_kernels_are_refused_where_not_built():
     assert why and "not compiled" in why and "no prefetch" in why
     why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, rows_m=True)
     assert why and "not compiled" in why and "rows_m with 64 rows" in why
+    # WE8 (e4m3 P V) exists only with the ping-pong e4m3 kernel, and only on an e4m3 cache
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, e4m3_mma=True, e4m3_pv=True)
+    assert why and "then pingpong, then e4m3_pv" in why
+    why = mw.wgmma_mla_supported(q, qp, kv.to(torch.bfloat16), 64, 32, 1, e4m3_mma=True,
+                                 pingpong=True, e4m3_pv=True)
+    assert why and "torch.bfloat16 cache" in why
 
 
 def _fp8_case(lens, h, q_len, page, seed):
