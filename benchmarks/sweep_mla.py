@@ -471,7 +471,7 @@ def main():
                   flush=True)
     table = HEADER + "\n" + "\n".join(fmt(r) for r in results["rows"])
     sugg = suggest_defaults(results["rows"])
-    print("\n== suggested PAGED_DEFAULTS (mla_spec/kernels/mla_decode_tiles.py)\n" + sugg)
+    print("\n== suggested PAGED_DEFAULTS (mla_spec/kernels/mla_decode_defaults.py)\n" + sugg)
     print("\n== best paged variant vs the shape's default and FlashInfer (eager do_bench median; "
           "graph at bs 1; 'best gain' = default time / best time)")
     print(table, flush=True)

@@ -11,7 +11,7 @@ One kernel call serves every mode: fixed rows per request (DECODE, TARGET_VERIFY
 DRAFT_EXTEND_V2) go through ``q_len``, ragged ones (v1 DRAFT_EXTEND, EXTEND, MIXED) through
 ``qo_indptr`` with no padding at all. ``plan`` picks the tile config and the number of KV splits
 on the host once per step (no device sync in ``forward``, so it is CUDA-graph safe). The paged
-tile config comes from ``PAGED_DEFAULTS`` (``mla_spec/kernels/mla_decode_tiles.py``: per (KV
+tile config comes from ``PAGED_DEFAULTS`` (``mla_spec/kernels/mla_decode_defaults.py``: per (KV
 dtype, rows per request, batch) class, the H200 sweep winners; edit it after a sweep) and, where
 the winner changes with the context, ``PAGED_CONTEXT_DEFAULTS`` (read with the plan's longest
 KV), which can select the V-split / fused-combine variants of ``mla_decode_vsplit``.
