@@ -204,7 +204,7 @@ P8_SCALE = 256.0
 def round_probabilities_e4m3(p: torch.Tensor) -> torch.Tensor:
     """Softmax weights ``p`` (``0 <= p <= 1``, any shape) as the ``WE8`` kernel's P V
     multiplies them: ``e4m3(256 p) / 256`` (RTNE), in fp32."""
-    return (p.to(torch.float32) * P8_SCALE).to(FP8_DTYPE).to(torch.float32) / P8_SCALE
+    return dequantize_fp8(quantize_fp8(p, 1.0 / P8_SCALE), 1.0 / P8_SCALE)
 
 
 def fp8_probability_attention_error_bound(kv_len: int, v_max: float) -> float:

@@ -313,8 +313,11 @@ def test_we8_output_dims_and_stores():
     assert cells == {(r, d) for r in range(32) for d in range(512)}
     src = SRC_PP.read_text()
     assert "store_row16<16>(p, w, split, b, frag_col(c, t4), 128 * wq + 2 * g, v);" in src
-    assert "*reinterpret_cast<uint32_t*>(dst + PAIRS * k) = pack_bf16(v[2 * k], v[2 * k + 1]);" \
-        in HDR.read_text()
+    hdr = HDR.read_text()  # pair k (v[2 k], v[2 k + 1]) at d0 + PAIRS k: bf16 and fp32 stores
+    assert "for (int k = 0; k < 8; ++k) h[k] = pack_bf16(v[2 * k], v[2 * k + 1]);" in hdr
+    assert "*reinterpret_cast<uint32_t*>(dst + PAIRS * k) = h[k];" in hdr
+    assert ("*reinterpret_cast<float2*>(dst + PAIRS * 2 * q) = make_float2(v[4 * q], "
+            "v[4 * q + 1]);") in hdr
 
 
 def test_we8_zeroes_exactly_the_v_tail():

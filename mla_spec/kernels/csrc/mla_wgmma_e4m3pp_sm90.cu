@@ -139,7 +139,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
         if (j >= 2) wgmma_wait1();  // group j - 2 done: its set is free
 #pragma unroll
         for (int i = 0; i < 4; ++i) v8_frag(d[i], a[j & 1][i]);
-        if (j == 3) mbar_arrive_lane0(&empty[stage], 2, lane);  // 4 warps stand for the 8
+        if (j == 3) mbar_arrive_lane0(&empty[stage], 2, lane);
         wgmma_fence();
 #pragma unroll
         for (int i = 0; i < 4; ++i) wgmma_e4m3_rs_n32(o[mt0 + i], a[j & 1][i], p_desc + ks * 2);
@@ -158,8 +158,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
         wgmma_commit();
         wgmma_wait0();  // a's registers are the MMAs' until they finish
       }
-      __syncwarp();
-      if (lane == 0) mbar_arrive_n(&empty[stage], 2);  // 4 warps stand for the 8 it counts
+      mbar_arrive_lane0(&empty[stage], 2, lane);  // 4 warps stand for the 8 it counts
     }
   }
   griddep_launch();
@@ -182,11 +181,11 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
     const float l = f0 * (r[0] + r[BM] + r[2 * BM] + r[3 * BM]) +
                     f1 * (r[4 * BM] + r[5 * BM] + r[6 * BM] + r[7 * BM]);
     const float vs = PV8 ? p.v_scale * (1.f / P8_SCALE) : p.v_scale;  // pv8's P was scaled
-    const float inv = l > 0.f ? __fdividef(vs, l) : 0.f;  // l >= 1 when a row saw KV
+    const float inv = row_factor(vs, l);
     gs[tid] = f0 * inv;
     gs[BM + tid] = f1 * inv;
     if (w.m0 + tid < w.n_rows)
-      write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + w.m0 + tid, l > 0.f, m, l);
+      write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + w.m0 + tid, m, l);
   }
   named_barrier(B_PAIR, NT);
   float gsc[NC];  // this warpgroup's O times gsc: its normalized share of the row

@@ -103,14 +103,8 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const auto stage_u32 = [&](int it) { return smem_u32(kv_s + (it % STAGES) * TILE); };
   const auto wait_full = [&](int it) { mbar_wait(&full[it % STAGES], (it / STAGES) & 1); };
   const auto nvalid = [&](int it) { return w.hi - (w.lo + it * BN); };
-  // lane 0's arrival predicated, not branched to: between two wgmma waits a branch would make
-  // ptxas serialize every wgmma of the kernel (C7520)
-  const auto release = [&](int it) {
-    __syncwarp();
-    asm volatile("{\n.reg .pred p;\nsetp.eq.u32 p, %1, 0;\n"
-                 "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n"
-                 :: "r"(smem_u32(&empty[it % STAGES])), "r"(lane) : "memory");
-  };
+  // lane 0's arrival predicated (mbar_arrive_lane0): it may sit between two wgmma waits
+  const auto release = [&](int it) { mbar_arrive_lane0(&empty[it % STAGES], 1, lane); };
   // an e4m3 tile is widened to fp16 in place by both warpgroups together (widen_tile's
   // schedule needs all 256 consumer threads): warpgroup 0 before its Q K, warpgroup 1 after
   // its P V of the tile before
@@ -302,8 +296,8 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     if (CLUSTER) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        rowv[r0 + 8 * h] = l_r[h] > 0.f ? __fdividef(p.v_scale, l_r[h]) : 0.f;
-        rlse[r0 + 8 * h] = l_r[h] > 0.f ? m_r[h] + log2f(l_r[h]) : -INFINITY;
+        rowv[r0 + 8 * h] = row_factor(p.v_scale, l_r[h]);
+        rlse[r0 + 8 * h] = row_lse2(m_r[h], l_r[h]);
       }
     } else {
       finish_row(p, w, split, b, r0, l_r[0], m_r[0], rowv);

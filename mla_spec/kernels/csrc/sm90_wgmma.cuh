@@ -259,9 +259,19 @@ __device__ __forceinline__ void zero_v_tail(unsigned char* stage_s, int nvalid, 
 }
 
 // the row's log2-sum-exp (split partials) or natural lse (when asked); -inf for no KV
+// a finished row's output factor v_scale / l and its log2-sum-exp m2 + log2 l (m2: its running
+// max, l: its softmax sum); 0 and -inf for a row that saw no KV (l = 0). No division slow path:
+// l >= 1 for a row with KV
+__device__ __forceinline__ float row_factor(float v_scale, float l) {
+  return l > 0.f ? __fdividef(v_scale, l) : 0.f;
+}
+__device__ __forceinline__ float row_lse2(float m2, float l) {
+  return l > 0.f ? m2 + log2f(l) : -INFINITY;
+}
+
 __device__ __forceinline__ void write_row_lse(const MlaParams& p, int split, long long grow,
-                                              bool has, float m2, float l) {
-  const float lse2 = has ? m2 + log2f(l) : -INFINITY;
+                                              float m2, float l) {
+  const float lse2 = row_lse2(m2, l);
   if (p.split)
     p.part_lse[split * p.s_ls + grow] = lse2;
   else if (p.write_lse)
@@ -272,10 +282,9 @@ __device__ __forceinline__ void write_row_lse(const MlaParams& p, int split, lon
 // the output scale v_scale / l (0 for a row that saw no KV) into rowv[r], and its lse
 __device__ __forceinline__ void finish_row(const MlaParams& p, const CtaWork& w, int split, int b,
                                            int r, float l, float m2, float* rowv) {
-  rowv[r] = l > 0.f ? __fdividef(p.v_scale, l) : 0.f;  // no slow path: l >= 1 here
+  rowv[r] = row_factor(p.v_scale, l);
   const int row = w.m0 + r;
-  if (row < w.n_rows)
-    write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, l > 0.f, m2, l);
+  if (row < w.n_rows) write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, m2, l);
 }
 
 // one thread's 16 output dims of the CTA's row r, normalized, straight from registers: v[2 k]
@@ -289,44 +298,40 @@ __device__ __forceinline__ void store_row16(const MlaParams& p, const CtaWork& w
   const int row = w.m0 + r;
   if (row >= w.n_rows) return;
   const long long grow = static_cast<long long>(b) * w.n_rows + row;  // tok * H + h
-  if constexpr (PAIRS != 2) {
-    if (p.split && !p.part_bf16) {
-      float* dst = p.part + split * p.s_ps + grow * DV + d0;
-#pragma unroll
-      for (int k = 0; k < 8; ++k)
-        *reinterpret_cast<float2*>(dst + PAIRS * k) = make_float2(v[2 * k], v[2 * k + 1]);
-      return;
-    }
-    const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, hh = row % p.H;
-    __nv_bfloat16* dst = p.split ? reinterpret_cast<__nv_bfloat16*>(p.part) + split * p.s_ps +
-                                       grow * DV + d0
-                                 : p.out + tok * p.s_o_t + hh * p.s_o_h + d0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k)
-      *reinterpret_cast<uint32_t*>(dst + PAIRS * k) = pack_bf16(v[2 * k], v[2 * k + 1]);
-    return;
-  }
   if (p.split && !p.part_bf16) {
-    float4* dst = reinterpret_cast<float4*>(p.part + split * p.s_ps + grow * DV + d0);
+    float* dst = p.part + split * p.s_ps + grow * DV + d0;
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      dst[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+      if constexpr (PAIRS == 2) {
+        reinterpret_cast<float4*>(dst)[q] =
+            make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+      } else {
+        *reinterpret_cast<float2*>(dst + PAIRS * 2 * q) = make_float2(v[4 * q], v[4 * q + 1]);
+        *reinterpret_cast<float2*>(dst + PAIRS * (2 * q + 1)) =
+            make_float2(v[4 * q + 2], v[4 * q + 3]);
+      }
     return;
   }
   uint32_t h[8];
 #pragma unroll
   for (int k = 0; k < 8; ++k) h[k] = pack_bf16(v[2 * k], v[2 * k + 1]);
+  __nv_bfloat16* dst;
   if (p.split) {
-    uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(p.part) +
-                                          split * p.s_ps + grow * DV + d0);
-    dst[0] = make_uint4(h[0], h[1], h[2], h[3]);
-    dst[1] = make_uint4(h[4], h[5], h[6], h[7]);
-    return;
+    dst = reinterpret_cast<__nv_bfloat16*>(p.part) + split * p.s_ps + grow * DV + d0;
+  } else {
+    const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, hh = row % p.H;
+    dst = p.out + tok * p.s_o_t + hh * p.s_o_h + d0;
   }
-  const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, hh = row % p.H;
-  uint2* dst = reinterpret_cast<uint2*>(p.out + tok * p.s_o_t + hh * p.s_o_h + d0);
+  if constexpr (PAIRS != 2) {
 #pragma unroll
-  for (int k = 0; k < 4; ++k) dst[k] = make_uint2(h[2 * k], h[2 * k + 1]);
+    for (int k = 0; k < 8; ++k) *reinterpret_cast<uint32_t*>(dst + PAIRS * k) = h[k];
+  } else if (p.split) {
+    reinterpret_cast<uint4*>(dst)[0] = make_uint4(h[0], h[1], h[2], h[3]);
+    reinterpret_cast<uint4*>(dst)[1] = make_uint4(h[4], h[5], h[6], h[7]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) reinterpret_cast<uint2*>(dst)[k] = make_uint2(h[2 * k], h[2 * k + 1]);
+  }
 }
 
 // the CTA's output rows from the fp32 staging [BM][OSTRIDE] scaled by rowv (v_scale / l):
