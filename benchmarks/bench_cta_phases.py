@@ -1,6 +1,7 @@
-"""Where one CTA of the ``WE2`` or ``WR`` attention kernel spends its time: ``%globaltimer`` stamps.
+"""Where one CTA of the ``W``, ``WE2`` or ``WR`` attention kernel spends its time: timer stamps.
 
-    python benchmarks/bench_cta_phases.py [--kernel WE2|WR] [--ctx 64,1024,8192] [--bs 128]
+    python benchmarks/bench_cta_phases.py [--kernel W|WE2|WR] [--ctx 64,1024,8192] [--bs 128]
+        [--splits 1] [--csrc DIR]
 
 Why: per call in a CUDA graph, ``WE2`` on an FP8 cache costs about ``a + b * tiles`` µs, and
 in the thirteenth session ``a`` (what a call costs beyond streaming its tiles) was ~20 µs
@@ -8,8 +9,10 @@ against ~12 for ``W`` and ~13 for FlashInfer (bs 128: 21.6 µs at ctx 64, one ti
 This script builds a copy of ``csrc/mla_wgmma_e4m3pp_sm90.cu`` with timer reads at the phase
 boundaries (text inserted at fixed anchors: the script fails loudly if the kernel's text moved),
 runs it in the same replayed graph as ``bench_mla`` (PDL on, KV copies rotated past the L2,
-one split: the stamps of request b go into its first output row once the CTA is done) and
-prints, per phase, the median across CTAs of when it ended, relative to the first CTA's entry.
+``--splits`` KV splits a request: each CTA writes its stamps into its 16 words of a buffer
+passed as the unused ``p.kv`` once it is done) and prints, per phase, the median across
+CTAs of when it ended, relative to the first CTA's entry. ``--csrc`` stamps another copy
+of the sources (e.g. the tree before a change) for a before / after in one run.
 What it found (docs/bench_mla.md v12): code that runs once per CTA runs from a cold
 instruction cache, ~10 cycles an instruction; the old epilogue (a 4-lane finish looping over
 8 rows, an fp32 staging of [32][512], a strided store loop) cost ~11 µs a CTA and the same
@@ -23,7 +26,10 @@ metadata), ``prod0`` / ``prodend`` (the producer's first and last TMA issue), ``
 split; the stamps of row block 0): ``entry``, ``begun``, ``prod0``, ``prodend``, ``qstored``
 (queries in shared memory), ``qk0`` (the first tile landed and its Q K done), ``wg0end`` /
 ``wg1end``, ``staged`` (O in the fp32 staging, the rows' factors written), ``end`` (rows
-stored). GPU only (sm_90 and nvcc).
+stored). ``W`` (H 32 q 1 on a bf16 cache; batch 1 ctx 32k is ``--bs 1 --ctx 32768 --splits
+128``): ``entry``, ``begun``, ``prod0`` / ``prodend``, ``qstored``, ``tile0`` .. ``tile3`` (the
+first four tiles landed), ``loopend``, ``staged`` (O in the fp32 staging), ``finished``
+(the rows' factors and lse), ``end`` (rows stored). GPU only (sm_90 and nvcc).
 """
 
 from __future__ import annotations
@@ -54,13 +60,15 @@ _ENTRY = ("const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;\n",
           "  __shared__ unsigned long long st_[16];\n  const unsigned long long st0_ = gtime();\n")
 
 
-def _dump(n: int, first: str = "") -> str:
-    """Thread 0 writes the n stamps and the CTA's tile count into its request's first output
-    row (``first``: a condition for which CTAs write)."""
-    cond = f"tid == 0{first}"
-    return (f"  if ({cond}) {{\n    st_[{n}] = w.ntiles;\n"
+def _dump(n: int) -> str:
+    """Thread 0 writes the n stamps and the CTA's tile count into the CTA's 16 words of the
+    stamp buffer, which the benchmark passes as ``p.kv`` (unused by the wgmma kernels: their
+    tiles come through the tensor map)."""
+    return ("  if (tid == 0) {\n"
+            f"    st_[{n}] = w.ntiles;\n"
             "    unsigned long long* o = reinterpret_cast<unsigned long long*>(\n"
-            "        p.out + static_cast<long long>(b) * p.q_len * p.s_o_t);\n"
+            "        const_cast<__nv_bfloat16*>(p.kv)) +\n"
+            "        ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16;\n"
             f"    for (int i = 0; i <= {n}; ++i) o[i] = st_[i];\n  }}\n")
 
 
@@ -119,16 +127,46 @@ SPECS = {
              "    named_barrier(1, NT);\n    if (tid == 0) st_[8] = gtime();\n"
              "    store_rows<BM>(p, w, split, b, ost, rowv, tid);\n    named_barrier(1, NT);\n"
              "    if (tid == 0) st_[9] = gtime();\n"
-             + _dump(10, " && mb == 0").replace("\n  ", "\n    ")),
+             + _dump(10).replace("\n  ", "\n    ")),
+        ]),
+    "W": dict(
+        source=mw._SOURCES[32][0], key=(32, False, False, False, False, False, False),
+        name="mla_wgmma_m32", include="sm90_fp8.cuh", h=32, kvd=torch.bfloat16,
+        phases=["entry", "begun", "prod0", "prodend", "qstored", "tile0", "tile1", "tile2",
+                "tile3", "loopend", "staged", "finished", "end"],
+        after=[
+            ("namespace {\n", _GTIME),
+            (_ENTRY[0], _ENTRY[1] + "  if (tid == 0) st_[5] = st_[6] = st_[7] = st_[8] = 0;\n"),
+            ("if (!cta_begin<BM, L2PF>(wp, split, mb, b, tid, full, empty, w, qload)) return;\n",
+             "  if (tid == 0) { st_[0] = st0_; st_[1] = gtime(); }\n"),
+            ("named_barrier(1, NT);  // the queries are in shared memory (consumer warps only "
+             "from here)\n", "  if (tid == 0) st_[4] = gtime();\n"),
+            ("    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);\n",
+             "    if (it < 4 && tid == 0) st_[5 + it] = gtime();\n"),
+            ("  stage_o<NA>(ost, o, wg, wq, g, t4);\n  named_barrier(1, NT);\n",
+             "  if (tid == 0) st_[10] = gtime();\n"),
+            ("  finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);\n  named_barrier(1, NT);\n",
+             "  if (tid == 0) st_[11] = gtime();\n"),
+        ],
+        replace=[
+            ("    if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);",
+             "    if (lane == 0) { st_[2] = gtime(); produce<KV>(wp, w, kv_s, full, empty); "
+             "st_[3] = gtime(); }"),
+            ("  griddep_launch();  // the combine",
+             "  if (tid == 0) st_[9] = gtime();\n  griddep_launch();  // the combine"),
+            ("  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n}\n",
+             "  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n  named_barrier(1, NT);\n"
+             "  if (tid == 0) st_[12] = gtime();\n" + _dump(13) + "}\n"),
         ]),
 }
 
 
-def stamped_source(kernel: str = "WE2") -> str:
-    """The kernel's text with the stamps (headers included by absolute path; a hash of them in
-    a comment, so the cubin cache sees a header change)."""
+def stamped_source(kernel: str = "WE2", csrc: Path = CSRC) -> str:
+    """The kernel's text (from ``csrc``: this tree's, or a copy as it was) with the stamps
+    (headers included by absolute path; a hash of them in a comment, so the cubin cache sees a
+    header change)."""
     spec = SPECS[kernel]
-    src = (CSRC / spec["source"]).read_text()
+    src = (csrc / spec["source"]).read_text()
     for anchor, text in spec["after"]:
         if src.count(anchor) != 1:
             raise RuntimeError(f"anchor moved in {spec['source']}: {anchor!r}")
@@ -138,32 +176,43 @@ def stamped_source(kernel: str = "WE2") -> str:
             raise RuntimeError(f"anchor moved in {spec['source']}: {old!r}")
         src = src.replace(old, new)
     inc = spec["include"]
-    src = src.replace(f'#include "{inc}"', f'#include "{CSRC / inc}"')
-    headers = b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.cuh")))
+    src = src.replace(f'#include "{inc}"', f'#include "{csrc / inc}"')
+    headers = b"".join(h.read_bytes() for h in sorted(csrc.glob("*.cuh")))
     return f"// headers {hashlib.sha256(headers).hexdigest()[:16]}\n" + src
 
 
-def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int,
+def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int, splits: int,
            dev) -> tuple[float, float, torch.Tensor, int]:
     """(µs per call of the kernel, of the stamped copy, [CTAs, phases] µs after the first
-    entry, tiles per CTA)."""
+    entry, the fewest tiles of a CTA). The stamped copy gets the stamp buffer as ``p.kv``
+    (``split_params`` patched for its runs); CTAs that exited at once (no stamps) are dropped."""
     spec = SPECS[kernel]
     n = len(spec["phases"])
     pool, r2t, rpis, kv_lens, qn, qp, _ = build(spec["h"], 1, bs, ctx, spec["kvd"], dev, 4)
     flat = pool.kv_buffer[0].view(-1, DV + DPE)
     out = torch.empty_like(qn)
     calls = [lambda r=r: mla_decode_paged(qn, qp, flat, r2t, r, kv_lens, SM_SCALE, page_size=PAGE,
-                                          q_len=1, num_splits=1, config=PAGED_VARIANTS[kernel],
-                                          max_kv=ctx, out=out, num_sms=132) for r in rpis]
-    real = mw._KERNELS[spec["key"]]
+                                          q_len=1, num_splits=splits,
+                                          config=PAGED_VARIANTS[kernel], max_kv=ctx, out=out,
+                                          num_sms=132) for r in rpis]
+    stamps = torch.zeros(bs * splits * 8, 16, dtype=torch.int64, device=dev)
+    real, real_split_params = mw._KERNELS[spec["key"]], mw.split_params
+
+    def stamping_split_params(*a, **k):
+        m, part, part_lse = real_split_params(*a, **k)
+        m.kv = stamps.data_ptr()
+        return m, part, part_lse
+
     us = graph_time(calls)
     try:
-        mw._KERNELS[spec["key"]] = stamped
-        us_stamped = graph_time(calls)  # the last call's stamps stay in out
+        mw._KERNELS[spec["key"]], mw.split_params = stamped, stamping_split_params
+        us_stamped = graph_time(calls)  # the last call's stamps stay in the buffer
     finally:
-        mw._KERNELS[spec["key"]] = real
-    st = out.view(bs, -1).view(torch.int64)[:, :n + 1].cpu()
+        mw._KERNELS[spec["key"]], mw.split_params = real, real_split_params
+    st = stamps.cpu()
+    st = st[st[:, 0] != 0]
     t = st[:, :n].double()
+    t[st[:, :n] == 0] = float("nan")  # phases a CTA did not reach (tiles it did not have)
     rel = (t - t[:, 0].min()) / 1e3
     ntiles = int(st[:, n].min())
     if ntiles < 2 and "t1land" in spec["phases"]:
@@ -174,8 +223,11 @@ def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int,
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kernel", default="WE2", choices=sorted(SPECS))
-    ap.add_argument("--ctx", default="64,1024,8192", help="context lengths (one split each)")
+    ap.add_argument("--ctx", default="64,1024,8192", help="context lengths")
     ap.add_argument("--bs", type=int, default=128)
+    ap.add_argument("--splits", type=int, default=1, help="KV splits a request")
+    ap.add_argument("--csrc", default=str(CSRC),
+                    help="the source tree to stamp (a copy of mla_spec/kernels/csrc)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("bench_cta_phases: needs an sm_90 GPU (the wgmma kernels)")
@@ -184,24 +236,27 @@ def main(argv=None) -> None:
     spec = SPECS[args.kernel]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"{args.kernel}_stamped.cu"
-        path.write_text(stamped_source(args.kernel))
+        path.write_text(stamped_source(args.kernel, Path(args.csrc).resolve()))
         kernel = CudaKernel(str(path), spec["name"], arch="sm_90a")
-        results = [(ctx, *phases(args.kernel, kernel, ctx, args.bs, dev)) for ctx in
-                   (int(c) for c in args.ctx.split(","))]
+        results = [(ctx, *phases(args.kernel, kernel, ctx, args.bs, args.splits, dev))
+                   for ctx in (int(c) for c in args.ctx.split(","))]
     kv = "fp8" if spec["kvd"] == FP8_DTYPE else "bf16"
-    print(f"\n{args.kernel}, H {spec['h']} q 1 {kv}, bs {args.bs}, one split: µs after the first "
-          "CTA's entry, median over CTAs (step: median of the difference to the phase above)")
+    print(f"\n{args.kernel} ({args.csrc}), H {spec['h']} q 1 {kv}, bs {args.bs}, {args.splits} "
+          "split(s): µs after the first CTA's entry, median over CTAs (step: median of the "
+          "difference to the phase above)")
     for ctx, us, us_st, rel, ntiles in results:
-        print(f"\nctx {ctx} ({ntiles} tiles a CTA): {us:.2f} µs per call in a graph "
-              f"(stamped copy {us_st:.2f})")
+        print(f"\nctx {ctx} ({ntiles}+ tiles a CTA, {rel.shape[0]} CTAs): {us:.2f} µs per call "
+              f"in a graph (stamped copy {us_st:.2f})")
         print("| phase | median | step | min | max |\n|---|---|---|---|---|")
         prev = None
         for i, name in enumerate(spec["phases"]):
             c = rel[:, i]
+            if torch.isnan(c).all():
+                continue
             step = "" if prev is None else f"{(c - prev).nanmedian():.2f}"
-            print(f"| {name} | {c.nanmedian():.2f} | {step} | {c.min():.2f} | {c.max():.2f} |")
-            if not torch.isnan(c).all():
-                prev = c
+            ok = c[~torch.isnan(c)]
+            print(f"| {name} | {c.nanmedian():.2f} | {step} | {ok.min():.2f} | {ok.max():.2f} |")
+            prev = c
 
 
 if __name__ == "__main__":

@@ -62,7 +62,6 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-  if (tid < BM) qmax[tid] = 0.f;
   CtaWork w;
   QueryLoad<BM> qload;
   if (!cta_begin<BM, false, NS>(wp, split, mb, b, tid, full, empty, w, qload)) return;

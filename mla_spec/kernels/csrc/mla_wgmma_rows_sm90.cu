@@ -318,8 +318,9 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const int r_end = min(BM / 2, w.n_rows - w.m0 - rb), row0 = w.m0 + rb + i0;
   const uint32_t p_ost = peer_addr(ost + d, peer), p_lse = peer_addr(rlse, peer),
                  p_rowv = peer_addr(rowv, peer);
-  int h = row0 % p.H;
-  __nv_bfloat16* dst = p.out + (static_cast<long long>(b) * p.q_len + row0 / p.H) * p.s_o_t +
+  const int ti = div_small(row0, p.H);
+  int h = row0 - ti * p.H;
+  __nv_bfloat16* dst = p.out + (static_cast<long long>(b) * p.q_len + ti) * p.s_o_t +
                        static_cast<long long>(h) * p.s_o_h + d;
   const long long wrap = p.s_o_t - static_cast<long long>(p.H) * p.s_o_h;
   float* lse_out = p.lse + static_cast<long long>(b) * w.n_rows + row0;

@@ -91,44 +91,41 @@ __device__ __forceinline__ void zero_v_tail8(unsigned char* stage_s, int nvalid,
 
 // the CTA's queries (loaded by QueryLoad::issue) as e4m3 rows scaled by 448 / amax into q_s
 // ([5 boxes][32 rows][128 B], 128-byte swizzle; the last box's dims 576.. are never read),
-// the amax of every row into qmax (zeroed before the CTA's first barrier); the consumer threads only
+// the amax of every row into qmax; the consumer threads only. A row's 72 chunks are with 8
+// adjacent lanes (QueryLoad), so its amax is three shuffles
 __device__ __forceinline__ void store_queries_e4m3(const QueryLoad<32>& ql, unsigned char* q_s,
                                                    float* qmax, int tid) {
-  constexpr int QCH = QueryLoad<32>::QCH, QIT = QueryLoad<32>::QIT;
+  using QL = QueryLoad<32>;
+  static_assert(QL::TPR == 8, "a row's chunks within 8 lanes");
   const auto f = [](uint32_t w, int hi) { return __uint_as_float(hi ? w & 0xFFFF0000u : w << 16); };
+  const int r = QL::row(tid);
+  float amax = 0.f;
 #pragma unroll
-  for (int i = 0; i < QIT; ++i) {
-    const int c = tid + i * NT;
-    if (c < QCH) {
-      const uint4 x = ql.v[i];
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-      float m = 0.f;
+  for (int j = 0; j < QL::QIT; ++j) {
+    const uint32_t w[4] = {ql.v[j].x, ql.v[j].y, ql.v[j].z, ql.v[j].w};
 #pragma unroll
-      for (int e = 0; e < 8; ++e) m = fmaxf(m, fabsf(f(w[e >> 1], e & 1)));
-      atomicMax(reinterpret_cast<int*>(qmax) + c / 72, __float_as_int(m));
-    }
+    for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(f(w[e >> 1], e & 1)));
   }
-  named_barrier(1, NT);
 #pragma unroll
-  for (int i = 0; i < QIT; ++i) {
-    const int c = tid + i * NT, r = c / 72, k = c % 72;
-    if (c < QCH) {
-      const float amax = qmax[r], inv = amax > 0.f ? 448.f / amax : 0.f;
-      const uint4 x = ql.v[i];
-      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-      uint32_t q8[2];
+  for (int o = 1; o < QL::TPR; o *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (tid % QL::TPR == 0) qmax[r] = amax;
+  const float inv = amax > 0.f ? 448.f / amax : 0.f;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
-            make_float2(f(w[2 * h], 0) * inv, f(w[2 * h], 1) * inv), __NV_SATFINITE, __NV_E4M3);
-        const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
-            make_float2(f(w[2 * h + 1], 0) * inv, f(w[2 * h + 1], 1) * inv), __NV_SATFINITE,
-            __NV_E4M3);
-        q8[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-      }
-      *reinterpret_cast<uint2*>(q_s + (k >> 4) * QBOX + sw128(r, (k & 15) >> 1) + 8 * (k & 1)) =
-          make_uint2(q8[0], q8[1]);
+  for (int j = 0; j < QL::QIT; ++j) {
+    const int k = QL::chunk(tid, j);
+    const uint32_t w[4] = {ql.v[j].x, ql.v[j].y, ql.v[j].z, ql.v[j].w};
+    uint32_t q8[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(
+          make_float2(f(w[2 * h], 0) * inv, f(w[2 * h], 1) * inv), __NV_SATFINITE, __NV_E4M3);
+      const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(
+          make_float2(f(w[2 * h + 1], 0) * inv, f(w[2 * h + 1], 1) * inv), __NV_SATFINITE,
+          __NV_E4M3);
+      q8[h] = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
     }
+    *reinterpret_cast<uint2*>(q_s + (k >> 4) * QBOX + sw128(r, (k & 15) >> 1) + 8 * (k & 1)) =
+        make_uint2(q8[0], q8[1]);
   }
   fence_proxy_async();
   named_barrier(1, NT);

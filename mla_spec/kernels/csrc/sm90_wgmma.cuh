@@ -106,10 +106,21 @@ struct CtaWork {
   long long req;
 };
 
+// x / d for 0 <= x < 2^21 and d >= 1 through d's approximate reciprocal: the float quotient is
+// within one of the exact one and corrected both ways. Why not `/`: an int division is ~25
+// instructions, and a CTA's start runs once, from a cold instruction cache, where an
+// instruction costs ~10 cycles (docs/bench_mla.md v12); QueryLoad::issue had nine of them
+__device__ __forceinline__ int div_small(int x, int d) {
+  int q = __float2int_rz(__int2float_rn(x) * __fdividef(1.f, __int2float_rn(d)));
+  q -= q * d > x;
+  q += (q + 1) * d <= x;
+  return q;
+}
+
 // the end of a row's causal window: row r (= i * H + h, query token i) sees the KV positions
 // j < kv_len - q_len + i + 1
 __device__ __forceinline__ int window_end(const MlaParams& p, int kv_len, int row) {
-  return kv_len - p.q_len + row / p.H + 1;
+  return kv_len - p.q_len + div_small(row, p.H) + 1;
 }
 
 // kv_len and the request slot of request b, then the split's tile range (0 tiles when the
@@ -127,74 +138,94 @@ __device__ __forceinline__ void cta_range(const MlaParams& p, int split, int b, 
   w.ntiles = w.hi > w.lo ? (w.hi - w.lo + BN - 1) / BN : 0;
 }
 
-// thread 0 initializes the stage barriers (full: one arrival + the TMA bytes; empty: the 8
-// consumer warps), the producer lane prefetches the tensor map and, with L2PF, the split's
-// first tiles into L2 (from metadata read before the PDL wait: a stale value costs a wasted
-// prefetch, never a result, as the kernel reads it again after the wait and the tensor map
-// bounds every box; the Triton kernels' rule 4 in kernels/pdl.py); then the grid waits for its
-// predecessor. False when the row block is past the request's rows (the whole CTA exits).
+// Named barrier B_START: the stage barriers are initialized (the producer warps arrive, the
+// consumer warps wait; ids 1-5 are the kernels' own)
+constexpr int B_START = 15;
+
+// The producer lane initializes the stage barriers (full: one arrival + the TMA bytes; empty:
+// the 8 consumer warps), prefetches the tensor map and, with L2PF, the split's first tiles into
+// L2 (from metadata read before the PDL wait: a stale value costs a wasted prefetch, never a
+// result, as the kernel reads it again after the wait and the tensor map bounds every box; the
+// Triton kernels' rule 4 in kernels/pdl.py); its warps arrive at B_START; then the grid waits
+// for its predecessor. The producer does not wait for the consumer warps: its first TMA
+// loads go out as soon as it knows the split's range, while the consumers still issue the
+// queries' loads (with a __syncthreads after those, the first tile went out ~? µs later).
+// False when the row block is past the request's rows (the whole CTA exits, before any
+// barrier).
 template <int BM, bool L2PF, int NSTAGE = STAGES>
 __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w) {
-  if (tid == 0) {
-    for (int s = 0; s < NSTAGE; ++s) {
-      mbar_init(&full[s], 1);
-      mbar_init(&empty[s], NT / 32);
-    }
-    mbar_fence_init();
-  }
   w.n_rows = p.m.q_len * p.m.H;
   w.m0 = mb * BM;
-  if (tid == NT) {
-    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.kv_map))
-                 : "memory");
-    if (L2PF && w.m0 < w.n_rows) {
-      CtaWork pw = w;
-      cta_range<BM>(p.m, split, b, pw);
-      const int* r2t_row = p.m.r2t + pw.req * p.m.s_r2t + pw.lo;
-      for (int t = 0; t < STAGES && t < pw.ntiles; ++t) {
-        const int slot0 = r2t_row[t * BN];
+  if (w.m0 >= w.n_rows) return false;
+  if (tid >= NT) {
+    if (tid == NT) {
+      for (int s = 0; s < NSTAGE; ++s) {
+        mbar_init(&full[s], 1);
+        mbar_init(&empty[s], NT / 32);
+      }
+      mbar_fence_init();
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.kv_map))
+                   : "memory");
+      if (L2PF) {
+        CtaWork pw = w;
+        cta_range<BM>(p.m, split, b, pw);
+        const int* r2t_row = p.m.r2t + pw.req * p.m.s_r2t + pw.lo;
+        for (int t = 0; t < STAGES && t < pw.ntiles; ++t) {
+          const int slot0 = r2t_row[t * BN];
 #pragma unroll
-        for (int c = 0; c < NCH; ++c) tma_prefetch_2d(&p.kv_map, c * 64, slot0);
+          for (int c = 0; c < NCH; ++c) tma_prefetch_2d(&p.kv_map, c * 64, slot0);
+        }
       }
     }
+    __syncwarp();
+    named_arrive(B_START, blockDim.x);
   }
   griddep_wait();
-  return w.m0 < w.n_rows;
+  return true;
 }
 
-// the CTA's BM query rows (q_nope | q_pe, 576 dims) into shared memory in the swizzled
-// K-major layout [9][BM][128 B]: issue() loads into registers (rows past n_rows are zeros),
-// store() writes them once the consumer warps are on their own
+// the CTA's BM query rows (q_nope | q_pe, 576 dims: 72 chunks of 16 bytes) into shared memory
+// in the swizzled K-major layout [9][BM][128 B]: issue() loads into registers (rows past n_rows
+// are zeros), store() writes them once the consumer warps are on their own. Thread t holds row
+// t / TPR, chunks t % TPR + TPR j: one row's address a thread (one division, see div_small), and
+// whether chunk j is q_nope or q_pe is known at compile time. This runs once a CTA from a cold
+// instruction cache: with the chunks dealt round-robin (nine rows a thread, a division and both
+// pointers each) it was ~700 instructions in front of the producer's first TMA load
 template <int BM>
 struct QueryLoad {
-  static constexpr int QCH = BM * 72, QIT = (QCH + NT - 1) / NT;  // 16-byte chunks
+  static constexpr int TPR = NT / BM < 8 ? NT / BM : 8, QIT = 72 / TPR;  // threads a row, chunks
+  static_assert(64 % TPR == 0 && BM * TPR <= NT, "a thread's chunks are of one row");
   uint4 v[QIT];
 
+  __device__ __forceinline__ static int row(int tid) { return tid / TPR; }
+  __device__ __forceinline__ static int chunk(int tid, int j) { return tid % TPR + TPR * j; }
+
   __device__ __forceinline__ void issue(const MlaParams& p, int b, int m0, int n_rows, int tid) {
+    const int r = m0 + row(tid), ti = div_small(r, p.H), h = r - ti * p.H;
+    const long long tok = static_cast<long long>(b) * p.q_len + ti;
+    const uint4* qn = reinterpret_cast<const uint4*>(p.qn + tok * p.s_qn_t + h * p.s_qn_h);
+    const uint4* qp = reinterpret_cast<const uint4*>(p.qp + tok * p.s_qp_t + h * p.s_qp_h);
+    const bool ok = tid < BM * TPR && r < n_rows;
 #pragma unroll
-    for (int i = 0; i < QIT; ++i) {
-      const int c = tid + i * NT, r = c / 72, k = c % 72, row = m0 + r;
-      v[i] = make_uint4(0, 0, 0, 0);
-      if (c < QCH && row < n_rows) {
-        const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, h = row % p.H;
-        const __nv_bfloat16* src = k < 64 ? p.qn + tok * p.s_qn_t + h * p.s_qn_h + k * 8
-                                          : p.qp + tok * p.s_qp_t + h * p.s_qp_h + (k - 64) * 8;
-        v[i] = __ldg(reinterpret_cast<const uint4*>(src));
-      }
+    for (int j = 0; j < QIT; ++j) {
+      const int k = chunk(tid, j);
+      v[j] = ok ? __ldg(j < 64 / TPR ? qn + k : qp + (k - 64)) : make_uint4(0, 0, 0, 0);
     }
   }
 
   // F16: as fp16 (the FP8 path; saturating, see bf16x2_to_h2)
   template <bool F16>
   __device__ __forceinline__ void store(unsigned char* q_s, int tid) const {
+    if (tid >= BM * TPR) return;
+    const int r = row(tid);
 #pragma unroll
-    for (int i = 0; i < QIT; ++i) {
-      const int c = tid + i * NT, r = c / 72, k = c % 72;
-      uint4 x = v[i];
+    for (int j = 0; j < QIT; ++j) {
+      const int k = chunk(tid, j);
+      uint4 x = v[j];
       if constexpr (F16)
         x = make_uint4(bf16x2_to_h2(x.x), bf16x2_to_h2(x.y), bf16x2_to_h2(x.z), bf16x2_to_h2(x.w));
-      if (c < QCH) *reinterpret_cast<uint4*>(q_s + (k >> 3) * BM * 128 + sw128(r, k & 7)) = x;
+      *reinterpret_cast<uint4*>(q_s + (k >> 3) * BM * 128 + sw128(r, k & 7)) = x;
     }
   }
 };
@@ -215,8 +246,9 @@ __device__ __forceinline__ void zero_acc(float (&a)[M][N]) {
 }
 
 // a CTA's start shared by the wgmma kernels: barriers, the work range, the queries' loads
-// issued (stored by the consumers once the producer has split off); false when the row block
-// is past the request's rows (the whole CTA exits)
+// issued by the consumer warps (stored by them once the producer has split off); the consumer
+// warps leave once the stage barriers are initialized, the producer warps at once (cta_start).
+// False when the row block is past the request's rows (the whole CTA exits)
 template <int BM, bool L2PF, int NSTAGE = STAGES>
 __device__ __forceinline__ bool cta_begin(const WgParams& wp, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w,
@@ -224,7 +256,7 @@ __device__ __forceinline__ bool cta_begin(const WgParams& wp, int split, int mb,
   if (!cta_start<BM, L2PF, NSTAGE>(wp, split, mb, b, tid, full, empty, w)) return false;
   if (tid < NT) qload.issue(wp.m, b, w.m0, w.n_rows, tid);  // beside the index loads
   cta_range<BM>(wp.m, split, b, w);
-  __syncthreads();  // barriers initialized
+  if (tid < NT) named_barrier(B_START, blockDim.x);
   return true;
 }
 
@@ -319,8 +351,9 @@ __device__ __forceinline__ void store_row16(const MlaParams& p, const CtaWork& w
   if (p.split) {
     dst = reinterpret_cast<__nv_bfloat16*>(p.part) + split * p.s_ps + grow * DV + d0;
   } else {
-    const long long tok = static_cast<long long>(b) * p.q_len + row / p.H, hh = row % p.H;
-    dst = p.out + tok * p.s_o_t + hh * p.s_o_h + d0;
+    const int ti = div_small(row, p.H);
+    dst = p.out + (static_cast<long long>(b) * p.q_len + ti) * p.s_o_t +
+          static_cast<long long>(row - ti * p.H) * p.s_o_h + d0;
   }
   if constexpr (PAIRS != 2) {
 #pragma unroll
@@ -368,9 +401,9 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w,
   } else {
     // row m0 + r is head h of the request's query token i; the next row of this thread is RS
     // heads on (wrapping into the next token)
-    const int row0 = w.m0 + r0;
-    int h = row0 % p.H;
-    __nv_bfloat16* dst = p.out + (static_cast<long long>(b) * p.q_len + row0 / p.H) * p.s_o_t +
+    const int row0 = w.m0 + r0, ti = div_small(row0, p.H);
+    int h = row0 - ti * p.H;
+    __nv_bfloat16* dst = p.out + (static_cast<long long>(b) * p.q_len + ti) * p.s_o_t +
                          static_cast<long long>(h) * p.s_o_h + d;
     const long long wrap = p.s_o_t - static_cast<long long>(p.H) * p.s_o_h;
 #pragma unroll 4

@@ -1,0 +1,143 @@
+"""The wgmma kernels of another source tree against this one, in the same run, interleaved.
+
+    python benchmarks/ab_csrc.py --base DIR [--shapes bf16:32x1:32768,fp8:32x1:4096:32,...]
+        [--reps 3]
+
+Why: a change to a header the wgmma kernels share (``csrc/sm90_wgmma.cuh``: a CTA's start, the
+query loads, the stores) moves every variant a little, often less than two calls on two
+machines differ (v12: ~1-3% between calls). This builds each kernel of
+``mla_decode_wgmma._KERNELS`` / ``_CLUSTER_KERNELS`` a second time from ``DIR`` (a copy of
+``mla_spec/kernels/csrc`` as it was, e.g. ``git archive HEAD mla_spec/kernels/csrc``), and per
+shape (``kv:HxQ:ctx[:bs]``, at the default variant and split count: ``paged_choice``) times the
+default call with the base kernels and with this tree's, per call in a replayed CUDA graph
+rotating KV copies past the L2, ``--reps`` times alternately, FlashInfer in the same run as the
+peer. Each tree's output is checked against the reference first (the e4m3 kernels against their
+twin: queries rounded per row). GPU only (sm_90, nvcc); a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_mla import DPE, DV, PAGE, SM_SCALE, build, fi_wrapper, graph_time  # noqa: E402
+from bench_mla_breakdown import parse_shapes  # noqa: E402
+from bench_nvfp4 import md_table  # noqa: E402
+
+from mla_spec.kernels import mla_decode_wgmma as mw  # noqa: E402
+from mla_spec.kernels.cuda_driver import CudaKernel  # noqa: E402
+from mla_spec.kernels.mla_decode import mla_decode_ref  # noqa: E402
+from mla_spec.kernels.mla_decode_paged import mla_decode_paged  # noqa: E402
+from mla_spec.kernels.mla_decode_tiles import paged_choice, splits_for  # noqa: E402
+from mla_spec.quant.fp8 import FP8_DTYPE, e4m3_rows_round_trip  # noqa: E402
+
+DEFAULT_SHAPES = ("bf16:32x1:32768,bf16:32x1:4096:32,fp8:32x1:4096:32,fp8:32x1:32768,"
+                  "bf16:128x1:4096:32,bf16:32x1:1024:128")
+
+
+def kernel_sets(base: Path) -> dict[str, tuple[dict, dict]]:
+    """{"base" | "new": (_KERNELS, _CLUSTER_KERNELS)}: the base tree's kernels built from the
+    same file and function names under ``base``."""
+    def rebuild(ks):
+        return {k: CudaKernel(str(base / v.src.name), v.name, arch=v.arch) for k, v in ks.items()}
+    return {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS)),
+            "base": (rebuild(mw._KERNELS), rebuild(mw._CLUSTER_KERNELS))}
+
+
+def use(sets, name: str) -> None:
+    ks, cl = sets[name]
+    mw._KERNELS.clear()
+    mw._KERNELS.update(ks)
+    mw._CLUSTER_KERNELS.clear()
+    mw._CLUSTER_KERNELS.update(cl)
+
+
+def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
+    fp8 = kvd == FP8_DTYPE
+    kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
+    copies = max(2, min(64, -(-250_000_000 // kv_bytes)))
+    pool, r2t, rpis, kv_lens, qn, qp, perm = build(h, q, bs, ctx, kvd, dev, copies)
+    flat = pool.kv_buffer[0].view(-1, DV + DPE)
+    rows = h * q
+    cfg, pin = paged_choice(rows, kvd, dev, PAGE, bs, ctx)
+    sp = pin or splits_for(cfg, bs, -(-rows // cfg.block_m), ctx, rows,
+                           (DV + DPE) * (1 if fp8 else 2), 132, DV)
+    out = torch.empty_like(qn)
+    calls = [lambda r=r: mla_decode_paged(qn, qp, flat, r2t, r, kv_lens, SM_SCALE,
+                                          page_size=PAGE, q_len=q, num_splits=sp, config=cfg,
+                                          max_kv=ctx, out=out, num_sms=132) for r in rpis]
+    tn, tp = qn, qp
+    if cfg.e4m3_mma:
+        qt = e4m3_rows_round_trip(torch.cat([qn, qp], -1))
+        tn, tp = qt[..., :DV], qt[..., DV:]
+    ref = mla_decode_ref(tn, tp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
+    res = {"shape": f"{'fp8' if fp8 else 'bf16'} {h}x{q} ctx {ctx} bs {bs}",
+           "variant": f"{cfg.tag}/sp{sp}"}
+    times = {"base": [], "new": []}
+    try:
+        for name in ("base", "new"):
+            use(sets, name)
+            calls[0]()
+            err = (out.float() - ref).norm() / ref.norm()
+            if not torch.isfinite(err) or err > 0.05:
+                raise RuntimeError(f"{name} tree: norm error {err:.3g} at {res['shape']}")
+            res[f"err_{name}"] = float(err)
+        for _ in range(reps):
+            for name in ("base", "new"):
+                use(sets, name)
+                times[name].append(graph_time(calls))
+    finally:
+        use(sets, "new")
+    for name, t in times.items():
+        res[name] = min(t)
+        res[f"{name}_range"] = f"{min(t):.2f}-{max(t):.2f}"
+    res["new/base"] = res["new"] / res["base"]
+    try:
+        ws = [fi_wrapper(pool, perm[r * bs:(r + 1) * bs], bs, q, h, ctx, dev, kvd, True)
+              for r in range(min(copies, 16))]
+        res["fi"] = graph_time([(lambda r=r: r(qn, qp)) for _, r in ws])
+        res["fi/new"] = res["fi"] / res["new"]
+    except Exception as e:  # noqa: BLE001
+        print(f"   flashinfer FAIL {type(e).__name__}: {str(e)[:200]}", flush=True)
+    res["TBps_new"] = kv_bytes / res["new"] / 1e6
+    print(res, flush=True)
+    del pool
+    torch.cuda.empty_cache()
+    return res
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", required=True, help="the other csrc directory")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="kv:HxQ:ctx[:bs],...")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        print("ab_csrc: needs an sm_90 GPU (the wgmma kernels)")
+        return
+    base = Path(args.base).resolve()
+    if not (base / "sm90_wgmma.cuh").is_file():
+        raise SystemExit(f"ab_csrc: {base} has no sm90_wgmma.cuh (a copy of the csrc folder)")
+    dev = torch.device("cuda")
+    sets = kernel_sets(base)
+    rows = [shape_row(sets, *s, args.reps, dev) for s in parse_shapes(args.shapes)]
+    def cell(key):
+        def f(r):
+            v = r.get(key, "-")
+            return f"{v:.3f}" if isinstance(v, float) else v
+        return f
+    cols = [(k, cell(k)) for k in ("shape", "variant", "base_range", "new_range", "new/base",
+                                   "fi", "fi/new", "TBps_new", "err_base", "err_new")]
+    print(f"\nµs per call in a CUDA graph (min of {args.reps} alternating runs; base: {base})")
+    print(md_table(cols, rows))
+
+
+if __name__ == "__main__":
+    main()
