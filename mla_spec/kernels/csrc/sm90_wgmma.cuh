@@ -149,7 +149,8 @@ constexpr int B_START = 15;
 // Triton kernels' rule 4 in kernels/pdl.py); its warps arrive at B_START; then the grid waits
 // for its predecessor. The producer does not wait for the consumer warps: its first TMA
 // loads go out as soon as it knows the split's range, while the consumers still issue the
-// queries' loads (with a __syncthreads after those, the first tile went out ~? µs later).
+// queries' loads (behind a __syncthreads after those and the old QueryLoad::issue, the first
+// load went out 0.8 µs later at batch 1 ctx 32k: bench_cta_phases.py, docs/bench_mla.md v16).
 // False when the row block is past the request's rows (the whole CTA exits, before any
 // barrier).
 template <int BM, bool L2PF, int NSTAGE = STAGES>
