@@ -2,6 +2,7 @@
 
     python benchmarks/ab_csrc.py --base DIR [--shapes bf16:32x1:32768,fp8:32x1:4096:32,...]
         [--reps 3]
+    python benchmarks/ab_csrc.py --base-combine triton   # this tree, the Triton combine as base
 
 Why: a change to a header the wgmma kernels share (``csrc/sm90_wgmma.cuh``: a CTA's start, the
 query loads, the stores) moves every variant a little, often less than two calls on two
@@ -12,7 +13,9 @@ shape (``kv:HxQ:ctx[:bs]``, at the default variant and split count: ``paged_choi
 default call with the base kernels and with this tree's, per call in a replayed CUDA graph
 rotating KV copies past the L2, ``--reps`` times alternately, FlashInfer in the same run as the
 peer. Each tree's output is checked against the reference first (the e4m3 kernels against their
-twin: queries rounded per row). GPU only (sm_90, nvcc); a table last.
+twin: queries rounded per row). ``--base-combine triton`` makes the base merge its splits with
+the Triton combine (``mla_decode_wgmma.COMBINE_CUDA`` off; with or without ``--base``).
+GPU only (sm_90, nvcc); a table last.
 """
 
 from __future__ import annotations
@@ -42,21 +45,24 @@ DEFAULT_SHAPES = ("bf16:32x1:32768,bf16:32x1:4096:32,fp8:32x1:4096:32,fp8:32x1:3
                   "bf16:128x1:4096:32,bf16:32x1:1024:128")
 
 
-def kernel_sets(base: Path) -> dict[str, tuple[dict, dict]]:
-    """{"base" | "new": (_KERNELS, _CLUSTER_KERNELS)}: the base tree's kernels built from the
-    same file and function names under ``base``."""
+def kernel_sets(base: Path | None, base_cuda_combine: bool = True) -> dict[str, tuple]:
+    """{"base" | "new": (_KERNELS, _CLUSTER_KERNELS, COMBINE_CUDA)}: the base tree's kernels
+    built from the same file and function names under ``base`` (None: this tree's)."""
     def rebuild(ks):
+        if base is None:
+            return dict(ks)
         return {k: CudaKernel(str(base / v.src.name), v.name, arch=v.arch) for k, v in ks.items()}
-    return {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS)),
-            "base": (rebuild(mw._KERNELS), rebuild(mw._CLUSTER_KERNELS))}
+    return {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS), mw.COMBINE_CUDA),
+            "base": (rebuild(mw._KERNELS), rebuild(mw._CLUSTER_KERNELS), base_cuda_combine)}
 
 
 def use(sets, name: str) -> None:
-    ks, cl = sets[name]
+    ks, cl, comb = sets[name]
     mw._KERNELS.clear()
     mw._KERNELS.update(ks)
     mw._CLUSTER_KERNELS.clear()
     mw._CLUSTER_KERNELS.update(cl)
+    mw.COMBINE_CUDA = comb
 
 
 def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
@@ -115,18 +121,20 @@ def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base", required=True, help="the other csrc directory")
+    ap.add_argument("--base", help="the other csrc directory (default: this tree's)")
+    ap.add_argument("--base-combine", choices=("cuda", "triton"), default="cuda",
+                    help="the combine the base merges its splits with")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="kv:HxQ:ctx[:bs],...")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("ab_csrc: needs an sm_90 GPU (the wgmma kernels)")
         return
-    base = Path(args.base).resolve()
-    if not (base / "sm90_wgmma.cuh").is_file():
+    base = Path(args.base).resolve() if args.base else None
+    if base is not None and not (base / "sm90_wgmma.cuh").is_file():
         raise SystemExit(f"ab_csrc: {base} has no sm90_wgmma.cuh (a copy of the csrc folder)")
     dev = torch.device("cuda")
-    sets = kernel_sets(base)
+    sets = kernel_sets(base, args.base_combine == "cuda")
     rows = [shape_row(sets, *s, args.reps, dev) for s in parse_shapes(args.shapes)]
     def cell(key):
         def f(r):
@@ -135,7 +143,8 @@ def main(argv=None) -> None:
         return f
     cols = [(k, cell(k)) for k in ("shape", "variant", "base_range", "new_range", "new/base",
                                    "fi", "fi/new", "TBps_new", "err_base", "err_new")]
-    print(f"\nµs per call in a CUDA graph (min of {args.reps} alternating runs; base: {base})")
+    print(f"\nµs per call in a CUDA graph (min of {args.reps} alternating runs; base: "
+          f"{base or 'this tree'}, {args.base_combine} combine)")
     print(md_table(cols, rows))
 
 

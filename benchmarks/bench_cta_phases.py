@@ -181,11 +181,12 @@ def stamped_source(kernel: str = "WE2", csrc: Path = CSRC) -> str:
     return f"// headers {hashlib.sha256(headers).hexdigest()[:16]}\n" + src
 
 
-def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int, splits: int,
-           dev) -> tuple[float, float, torch.Tensor, int]:
+def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int, splits: int, dev,
+           raw: bool = False):
     """(µs per call of the kernel, of the stamped copy, [CTAs, phases] µs after the first
-    entry, the fewest tiles of a CTA). The stamped copy gets the stamp buffer as ``p.kv``
-    (``split_params`` patched for its runs); CTAs that exited at once (no stamps) are dropped."""
+    entry, the fewest tiles of a CTA[, with ``raw`` the stamps as read: [CTAs, 16] ns]). The
+    stamped copy gets the stamp buffer as ``p.kv`` (``split_params`` patched for its runs);
+    CTAs that exited at once (no stamps) are dropped."""
     spec = SPECS[kernel]
     n = len(spec["phases"])
     pool, r2t, rpis, kv_lens, qn, qp, _ = build(spec["h"], 1, bs, ctx, spec["kvd"], dev, 4)
@@ -217,7 +218,7 @@ def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int, splits: int,
     ntiles = int(st[:, n].min())
     if ntiles < 2 and "t1land" in spec["phases"]:
         rel[:, spec["phases"].index("t1land")] = float("nan")  # warpgroup 1 had no tile
-    return us, us_stamped, rel, ntiles
+    return (us, us_stamped, rel, ntiles, st) if raw else (us, us_stamped, rel, ntiles)
 
 
 def main(argv=None) -> None:

@@ -44,12 +44,14 @@ def _weighted(ls, part, m_use):
     return den, tl.sum(part * w[:, None], 0)
 
 
-@triton.jit(do_not_specialize=["num_splits", "H", "stride_ls"])
-def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
+@triton.jit
+def combine_program(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
                     stride_o_t, stride_o_h,
                     DV: tl.constexpr, BLOCK_D: tl.constexpr, S_BLOCK: tl.constexpr,
-                    WRITE_LSE: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
-    gdc_enter(USE_GDC)
+                    WRITE_LSE: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """One program's work, once the previous grid is done: row ``program_id(0)``, columns
+    ``program_id(1) * BLOCK_D ..`` (a function of its own so that a benchmark can wrap it in
+    timer reads: ``benchmarks/bench_call_timeline.py``)."""
     r = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     offs = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -88,6 +90,16 @@ def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
         if pid_d == 0:
             lse = tl.where(has, m + tl.log2(tl.where(has, den, 1.0)), float("-inf"))
             tl.store(Lse + r, lse * 0.6931471805599453)
+
+
+@triton.jit(do_not_specialize=["num_splits", "H", "stride_ls"])
+def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
+                    stride_o_t, stride_o_h,
+                    DV: tl.constexpr, BLOCK_D: tl.constexpr, S_BLOCK: tl.constexpr,
+                    WRITE_LSE: tl.constexpr, ONE_BLOCK: tl.constexpr, USE_GDC: tl.constexpr):
+    gdc_enter(USE_GDC)
+    combine_program(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls, stride_o_t,
+                    stride_o_h, DV, BLOCK_D, S_BLOCK, WRITE_LSE, ONE_BLOCK)
 
 
 def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,

@@ -8,9 +8,10 @@ consecutive slots of one page, fetched by TMA), Dv 512 / Dpe 64, bf16 queries wi
 aligned rows, an sm_90 GPU (``wgmma`` exists on Hopper only). An e4m3 tile is widened to fp16
 in shared memory and multiplied in fp16 with the queries rounded to fp16 (``csrc/sm90_fp8.cuh``
 says why). 64, 32 or 16 query rows per CTA; more rows
-per request run more row blocks, each streaming the KV. Splits merge through
-``combine_splits``. ``rows_m`` (variant ``WR``, ``csrc/mla_wgmma_rows_sm90.cu``): 64 rows on
-the MMA's M side instead of N, P V with P from registers. ``e4m3_mma`` (variant ``WE``,
+per request run more row blocks, each streaming the KV. Splits merge through the CUDA
+combine where it is the faster one (``mla_decode_combine_cuda``; ``COMBINE_CUDA``).
+``rows_m`` (variant ``WR``, ``csrc/mla_wgmma_rows_sm90.cu``): 64 rows on the MMA's M side
+instead of N, P V with P from registers. ``e4m3_mma`` (variant ``WE``,
 ``csrc/mla_wgmma_e4m3_sm90.cu``, an e4m3 cache, 32 rows): Q K in e4m3 MMAs straight from the
 tile with the queries quantized to e4m3 per row (``quant.fp8.quantize_rows_e4m3``), V fed to
 ``wgmma`` from registers; nothing is widened in shared memory. ``pingpong`` (``WE2``,
@@ -30,6 +31,7 @@ import torch
 from mla_spec.device import cuda_capability
 from mla_spec.kernels.cuda_driver import CudaKernel, tensor_map_2d
 from mla_spec.kernels.mla_decode_combine import combine_splits
+from mla_spec.kernels.mla_decode_combine_cuda import combine_splits_fast
 from mla_spec.kernels.mla_decode_cuda import _Params, call_supported, split_params
 from mla_spec.kernels.pdl import pdl_on
 from mla_spec.quant.fp8 import FP8_DTYPE
@@ -76,6 +78,10 @@ _CLUSTER_KERNELS = {(64, False, f8, True, False, False, False): CudaKernel(
     for f8 in (False, True)}
 #: False: every split count runs the combine kernel (benchmarks compare the two)
 CLUSTER_MERGE = True
+#: The splits merge in the CUDA combine where it measured faster (``mla_decode_combine_cuda.
+#: combine_splits_fast``: 64 splits and more, or 16 over 512 rows); False: always the Triton one
+#: (benchmarks compare the two)
+COMBINE_CUDA = True
 #: the 32-row kernels with e4m3 Q K MMAs and V from registers (an e4m3 cache only): 288
 #: threads, or 384 taking turns (a producer warpgroup)
 _E4M3_SOURCE, _E4M3PP_SOURCE = "mla_wgmma_e4m3_sm90.cu", "mla_wgmma_e4m3pp_sm90.cu"
@@ -187,7 +193,7 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         wgmma_smem(block_m, rows_m, e4m3_mma, pingpong), p, q_nope.device, pdl=pdl_on(q_nope),
         cluster=num_splits if cluster else 1)
     if num_splits > 1 and not cluster:
-        combine_splits(part, part_lse, out, lse)
+        (combine_splits_fast if COMBINE_CUDA else combine_splits)(part, part_lse, out, lse)
 
 
 def clusters_splits(key, num_splits: int) -> bool:

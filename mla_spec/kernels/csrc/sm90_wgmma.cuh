@@ -106,17 +106,6 @@ struct CtaWork {
   long long req;
 };
 
-// x / d for 0 <= x < 2^21 and d >= 1 through d's approximate reciprocal: the float quotient is
-// within one of the exact one and corrected both ways. Why not `/`: an int division is ~25
-// instructions, and a CTA's start runs once, from a cold instruction cache, where an
-// instruction costs ~10 cycles (docs/bench_mla.md v12); QueryLoad::issue had nine of them
-__device__ __forceinline__ int div_small(int x, int d) {
-  int q = __float2int_rz(__int2float_rn(x) * __fdividef(1.f, __int2float_rn(d)));
-  q -= q * d > x;
-  q += (q + 1) * d <= x;
-  return q;
-}
-
 // the end of a row's causal window: row r (= i * H + h, query token i) sees the KV positions
 // j < kv_len - q_len + i + 1
 __device__ __forceinline__ int window_end(const MlaParams& p, int kv_len, int row) {
