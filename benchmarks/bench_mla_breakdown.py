@@ -11,7 +11,9 @@ each timed per call inside a replayed CUDA graph that rotates KV copies past the
 
 - ``full``: ``mla_decode_paged`` as the backend calls it;
 - ``split``: the same with the combine launch left out (its output is then garbage);
-- ``combine``: ``combine_splits`` alone on partials of the same shape;
+- ``combine``: the combine the call runs (``combine_splits``, or for the wgmma kernels
+  ``combine_splits_fast``: the CUDA one where it is the faster) alone on partials of the same
+  shape;
 - ``empty2``: two empty PDL launches (what any split + combine pair pays to launch);
 - ``fi``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` in the same run (``FI/ours``: its
   time over ours; ``TBps`` / ``TFs``: KV bytes read once and attention FLOPs over ``full``);
@@ -97,7 +99,9 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
         pdt = torch.bfloat16 if bf16 else torch.float32
         parts = [(torch.randn(sp, bs * q * h, DV, device=dev).to(pdt),
                   torch.randn(sp, bs * q * h, device=dev)) for _ in range(4)]
-        res["combine"] = graph_time([lambda p=p: combine_splits(p[0], p[1], out) for p in parts])
+        merge = (mla_decode_wgmma.combine_splits_fast if cfg.wgmma and
+                 mla_decode_wgmma.COMBINE_CUDA else combine_splits)  # what the call runs
+        res["combine"] = graph_time([lambda p=p: merge(p[0], p[1], out) for p in parts])
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     res["empty2"] = graph_time([lambda: (empty_launch(flag), empty_launch(flag))])
     try:
@@ -174,7 +178,8 @@ def _full_and_split(fns):
             mock.patch.object(mla_decode_swapab, "combine_splits", noop), \
             mock.patch.object(mla_decode_vsplit, "combine_splits", noop), \
             mock.patch.object(mla_decode_cuda, "combine_splits", noop), \
-            mock.patch.object(mla_decode_wgmma, "combine_splits", noop):
+            mock.patch.object(mla_decode_wgmma, "combine_splits", noop), \
+            mock.patch.object(mla_decode_wgmma, "combine_splits_fast", noop):
         split = graph_time(fns)
     return full, split
 
