@@ -30,15 +30,14 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_mla import DPE, DV, PAGE, SM_SCALE, build, fi_wrapper, graph_time  # noqa: E402
-from bench_mla_breakdown import parse_shapes  # noqa: E402
+from bench_mla import DV, PAGE, SM_SCALE, fi_wrapper, graph_time  # noqa: E402
+from bench_mla_breakdown import default_setup, parse_shapes  # noqa: E402
 from bench_nvfp4 import md_table  # noqa: E402
 
 from mla_spec.kernels import mla_decode_wgmma as mw  # noqa: E402
 from mla_spec.kernels.cuda_driver import CudaKernel  # noqa: E402
 from mla_spec.kernels.mla_decode import mla_decode_ref  # noqa: E402
 from mla_spec.kernels.mla_decode_paged import mla_decode_paged  # noqa: E402
-from mla_spec.kernels.mla_decode_tiles import paged_choice, splits_for  # noqa: E402
 from mla_spec.quant.fp8 import FP8_DTYPE, e4m3_rows_round_trip  # noqa: E402
 
 DEFAULT_SHAPES = ("bf16:32x1:32768,bf16:32x1:4096:32,fp8:32x1:4096:32,fp8:32x1:32768,"
@@ -67,14 +66,8 @@ def use(sets, name: str) -> None:
 
 def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
     fp8 = kvd == FP8_DTYPE
-    kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
-    copies = max(2, min(64, -(-250_000_000 // kv_bytes)))
-    pool, r2t, rpis, kv_lens, qn, qp, perm = build(h, q, bs, ctx, kvd, dev, copies)
-    flat = pool.kv_buffer[0].view(-1, DV + DPE)
-    rows = h * q
-    cfg, pin = paged_choice(rows, kvd, dev, PAGE, bs, ctx)
-    sp = pin or splits_for(cfg, bs, -(-rows // cfg.block_m), ctx, rows,
-                           (DV + DPE) * (1 if fp8 else 2), 132, DV)
+    kv_bytes, copies, batch, flat, cfg, sp = default_setup(kvd, h, q, ctx, bs, dev)
+    pool, r2t, rpis, kv_lens, qn, qp, perm = batch
     out = torch.empty_like(qn)
     calls = [lambda r=r: mla_decode_paged(qn, qp, flat, r2t, r, kv_lens, SM_SCALE,
                                           page_size=PAGE, q_len=q, num_splits=sp, config=cfg,

@@ -73,16 +73,26 @@ def parse_shapes(text: str):
     return out
 
 
-def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
+def default_setup(kvd, h, q, ctx, bs, dev):
+    """A shape's batch (KV copies rotated past the L2: ``build``) and the backend's default
+    config and split count for it: (kv bytes, copies, (pool, r2t, rpis, kv_lens, qn, qp, perm),
+    the flat cache, config, splits)."""
     fp8 = kvd == FP8_DTYPE
     kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
-    reps = max(2, min(64, -(-250_000_000 // kv_bytes)))
-    pool, r2t, rpis, kv_lens, qn, qp, perm = build(h, q, bs, ctx, kvd, dev, reps)
-    flat = pool.kv_buffer[0].view(-1, DV + DPE)
+    copies = max(2, min(64, -(-250_000_000 // kv_bytes)))
+    batch = build(h, q, bs, ctx, kvd, dev, copies)
+    flat = batch[0].kv_buffer[0].view(-1, DV + DPE)
     rows = h * q
     cfg, pin = paged_choice(rows, kvd, dev, PAGE, bs, ctx)
-    mb = -(-rows // cfg.block_m)
-    sp = pin or splits_for(cfg, bs, mb, ctx, rows, (DV + DPE) * (1 if fp8 else 2), 132, DV)
+    sp = pin or splits_for(cfg, bs, -(-rows // cfg.block_m), ctx, rows,
+                           (DV + DPE) * (1 if fp8 else 2), 132, DV)
+    return kv_bytes, copies, batch, flat, cfg, sp
+
+
+def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
+    fp8 = kvd == FP8_DTYPE
+    kv_bytes, reps, batch, flat, cfg, sp = default_setup(kvd, h, q, ctx, bs, dev)
+    pool, r2t, rpis, kv_lens, qn, qp, perm = batch
     out = torch.empty_like(qn)
 
     def call(rpi, cfg=cfg, sp=sp):
