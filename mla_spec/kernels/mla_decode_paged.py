@@ -300,9 +300,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         _ensure_allocator()
     if cfg.cuda:
         tile = CudaTile(cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_warps)
-        why = (wgmma_mla_supported(q_nope, q_pe, kv_flat, page_size, cfg.block_m, q_len,
-                                   cfg.prefetch, cfg.rows_m, cfg.e4m3_mma, cfg.pingpong,
-                                   cfg.e4m3_pv)
+        why = (wgmma_mla_supported(q_nope, q_pe, kv_flat, page_size, q_len, cfg)
                if cfg.wgmma else cuda_mla_supported(q_nope, q_pe, kv_flat, page_size, tile, q_len))
         if why:
             raise ValueError(f"mla_decode_paged: variant {cfg.tag}: {why}")
@@ -310,9 +308,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                 float(sm_scale) * float(k_scale) * _LOG2E, v_scale)
         if cfg.wgmma:
             launch_wgmma_mla(*args, q_len=q_len, m_blocks=m_blocks, num_splits=num_splits,
-                             block_m=cfg.block_m, prefetch=cfg.prefetch, rows_m=cfg.rows_m,
-                             e4m3_mma=cfg.e4m3_mma, pingpong=cfg.pingpong,
-                             e4m3_pv=cfg.e4m3_pv)
+                             kind=cfg)
         else:
             launch_cuda_mla(*args, q_len=q_len, m_blocks=m_blocks, num_splits=num_splits,
                             tile=tile)

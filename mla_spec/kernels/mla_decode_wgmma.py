@@ -25,6 +25,7 @@ Why it exists: see the ``.cu`` files' headers. Its torch twin is ``mla_decode_re
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -36,7 +37,7 @@ from mla_spec.kernels.mla_decode_cuda import _Params, call_supported, split_para
 from mla_spec.kernels.pdl import pdl_on
 from mla_spec.quant.fp8 import FP8_DTYPE
 
-__all__ = ["WGMMA_BLOCK_M", "WGMMA_FP8_BLOCK_M", "WGMMA_KERNELS", "clusters_splits",
+__all__ = ["WgmmaKind", "WGMMA_BLOCK_M", "WGMMA_FP8_BLOCK_M", "WGMMA_KERNELS", "clusters_splits",
            "launch_wgmma_mla", "wgmma_mla_supported", "wgmma_smem"]
 
 _BN, _STAGES = 64, 2
@@ -142,21 +143,48 @@ def _tensor_map(kv_flat: torch.Tensor, e4m3_mma: bool = False) -> bytes:
     return got
 
 
-def _kernel_key(block_m: int, prefetch: bool, kv_dtype: torch.dtype, rows_m: bool = False,
-                e4m3_mma: bool = False, pingpong: bool = False, e4m3_pv: bool = False):
-    return (block_m, prefetch, kv_dtype == FP8_DTYPE, rows_m, e4m3_mma, pingpong, e4m3_pv)
+@dataclass(frozen=True)
+class WgmmaKind:
+    """Which wgmma kernel a call runs: the fields of ``mla_decode_tiles.PagedConfig`` that pick
+    one (:meth:`of` takes them from a config), so that a new variant flag is added here and in
+    the config, not to every launcher signature. With the cache's dtype it names a compiled
+    kernel (:meth:`key`, the keys of ``_KERNELS``)."""
+
+    block_m: int = 32
+    prefetch: bool = False
+    rows_m: bool = False
+    e4m3_mma: bool = False
+    pingpong: bool = False
+    e4m3_pv: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> WgmmaKind:
+        """The kind of a ``PagedConfig`` (or of anything with these fields)."""
+        return cfg if isinstance(cfg, cls) else cls(**{f.name: getattr(cfg, f.name)
+                                                       for f in fields(cls)})
+
+    def key(self, kv_dtype: torch.dtype) -> tuple:
+        return (self.block_m, self.prefetch, kv_dtype == FP8_DTYPE, self.rows_m, self.e4m3_mma,
+                self.pingpong, self.e4m3_pv)
+
+    @property
+    def threads(self) -> int:
+        """Threads a CTA: 8 consumer warps and a producer warp (a warpgroup for the 64-row and
+        ping-pong kernels, which hand registers over with setmaxnreg)."""
+        return 384 if self.pingpong else _SOURCES[self.block_m][1]
+
+    @property
+    def smem(self) -> int:
+        return wgmma_smem(self.block_m, self.rows_m, self.e4m3_mma, self.pingpong)
 
 
 def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
-                        page_size: int, block_m: int, q_len: int | None,
-                        prefetch: bool = False, rows_m: bool = False,
-                        e4m3_mma: bool = False, pingpong: bool = False,
-                        e4m3_pv: bool = False) -> str | None:
-    """None when the wgmma kernel takes this call, else why not (the caller falls back)."""
-    if _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong,
-                   e4m3_pv) not in _KERNELS:
-        opts = (block_m, prefetch, rows_m, e4m3_mma, pingpong, e4m3_pv)
-        return f"(block_m, prefetch, rows_m, e4m3_mma, pingpong, e4m3_pv) {opts} is not " \
+                        page_size: int, q_len: int | None, kind) -> str | None:
+    """None when the wgmma kernel of ``kind`` (a :class:`WgmmaKind` or a ``PagedConfig``) takes
+    this call, else why not (the caller falls back)."""
+    kind = WgmmaKind.of(kind)
+    if kind.key(kv_flat.dtype) not in _KERNELS:
+        return f"{kind} is not " \
                f"compiled for a {kv_flat.dtype} cache (bf16: (block_m, prefetch) one of " \
                f"{WGMMA_KERNELS}, or rows_m with 64 rows; e4m3: block_m one of " \
                f"{WGMMA_FP8_BLOCK_M}, no prefetch, rows_m with 64 rows, or e4m3_mma with 32, " \
@@ -170,28 +198,28 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
-                     num_splits: int, block_m: int, prefetch: bool = False,
-                     rows_m: bool = False, e4m3_mma: bool = False,
-                     pingpong: bool = False, e4m3_pv: bool = False) -> None:
-    """Run the split kernel (and the combine when ``num_splits > 1``, unless its splits merge
-    in a cluster: :func:`clusters_splits`) into ``out`` / ``lse`` (see
+                     num_splits: int, kind) -> None:
+    """Run the split kernel of ``kind`` (a :class:`WgmmaKind` or a ``PagedConfig``; and the
+    combine when ``num_splits > 1``, unless its splits merge in a cluster:
+    :func:`clusters_splits`) into ``out`` / ``lse`` (see
     :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
+    kind = WgmmaKind.of(kind)
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
             out.stride(1) % 4 or out.data_ptr() % 8:
         raise ValueError("the wgmma kernel writes a bf16 out with contiguous, 8-byte aligned "
                          "rows")
-    key = _kernel_key(block_m, prefetch, kv_flat.dtype, rows_m, e4m3_mma, pingpong, e4m3_pv)
+    key = kind.key(kv_flat.dtype)
     cluster = clusters_splits(key, num_splits)
     m, part, part_lse = split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices,
                                      kv_lens, out, lse, qk_scale_log2, v_scale, q_len,
-                                     num_splits, part_bf16=(block_m, e4m3_mma) in PART_BF16,
+                                     num_splits,
+                                     part_bf16=(kind.block_m, kind.e4m3_mma) in PART_BF16,
                                      partials=not cluster)
     p = _WgParams(m)
-    ctypes.memmove(p.kv_map, _tensor_map(kv_flat, e4m3_mma), 128)
+    ctypes.memmove(p.kv_map, _tensor_map(kv_flat, kind.e4m3_mma), 128)
     (_CLUSTER_KERNELS if cluster else _KERNELS)[key](
-        (num_splits, m_blocks, req_pool_indices.numel()), 384 if pingpong else _SOURCES[block_m][1],
-        wgmma_smem(block_m, rows_m, e4m3_mma, pingpong), p, q_nope.device, pdl=pdl_on(q_nope),
-        cluster=num_splits if cluster else 1)
+        (num_splits, m_blocks, req_pool_indices.numel()), kind.threads, kind.smem, p,
+        q_nope.device, pdl=pdl_on(q_nope), cluster=num_splits if cluster else 1)
     if num_splits > 1 and not cluster:
         (combine_splits_fast if COMBINE_CUDA else combine_splits)(part, part_lse, out, lse)
 

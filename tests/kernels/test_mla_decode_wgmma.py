@@ -61,8 +61,7 @@ def test_instantiations_match_source():
         if cfg.wgmma:
             assert (cfg.block_m, cfg.prefetch) in mw.WGMMA_KERNELS, name
             kvd = FP8_DTYPE if cfg.e4m3_mma else torch.bfloat16
-            assert mw._kernel_key(cfg.block_m, cfg.prefetch, kvd, cfg.rows_m,
-                                  cfg.e4m3_mma, cfg.pingpong, cfg.e4m3_pv) in mw._KERNELS, name
+            assert mw.WgmmaKind.of(cfg).key(kvd) in mw._KERNELS, name
     for bm in mw.WGMMA_BLOCK_M:
         assert mw.wgmma_smem(bm) <= 227 * 1024
     assert mw.wgmma_smem(64, rows_m=True) <= 227 * 1024
@@ -76,7 +75,7 @@ def test_cpu_is_refused_with_a_reason():
     q = torch.zeros(1, 2, DV, dtype=torch.bfloat16)
     qp = torch.zeros(1, 2, DPE, dtype=torch.bfloat16)
     kv = torch.zeros(64, DV + DPE, dtype=torch.bfloat16)
-    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 1, mw.WgmmaKind())
     assert why and "CUDA" in why
     with pytest.raises(ValueError, match="wgmma"):
         PAGED_VARIANTS["W"].__class__(32, 32, 8, 2, cuda=True, wgmma=True)  # block_n 32
@@ -89,7 +88,7 @@ def test_cpu_is_refused_with_a_reason():
     # WE multiplies e4m3 bytes: a bf16 cache is refused, by the table and by the launcher
     assert not cuda_cache_ok(PAGED_VARIANTS["WE"], torch.bfloat16)
     assert cuda_cache_ok(PAGED_VARIANTS["WE"], FP8_DTYPE)
-    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, e4m3_mma=True)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 1, mw.WgmmaKind(e4m3_mma=True))
     assert why and "not compiled" in why and "e4m3_mma with 32" in why
 
 
@@ -186,16 +185,21 @@ def test_fp8_kernels_are_refused_where_not_built():
     q = torch.zeros(1, 2, DV, dtype=torch.bfloat16)
     qp = torch.zeros(1, 2, DPE, dtype=torch.bfloat16)
     kv = torch.zeros(64, DV + DPE, dtype=FP8_DTYPE)
-    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, prefetch=True)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 1, mw.WgmmaKind(prefetch=True))
     assert why and "not compiled" in why and "no prefetch" in why
-    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, rows_m=True)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 1, mw.WgmmaKind(rows_m=True))
     assert why and "not compiled" in why and "rows_m with 64 rows" in why
     # WE8 (e4m3 P V) exists only with the ping-pong e4m3 kernel, and only on an e4m3 cache
-    why = mw.wgmma_mla_supported(q, qp, kv, 64, 32, 1, e4m3_mma=True, e4m3_pv=True)
-    assert why and "then pingpong, then e4m3_pv" in why
-    why = mw.wgmma_mla_supported(q, qp, kv.to(torch.bfloat16), 64, 32, 1, e4m3_mma=True,
-                                 pingpong=True, e4m3_pv=True)
+    why = mw.wgmma_mla_supported(q, qp, kv, 64, 1, mw.WgmmaKind(e4m3_mma=True, e4m3_pv=True))
+    assert why and "then pingpong, then e4m3_pv" in why and "pingpong=False" in why
+    why = mw.wgmma_mla_supported(q, qp, kv.to(torch.bfloat16), 64, 1,
+                                 mw.WgmmaKind(e4m3_mma=True, pingpong=True, e4m3_pv=True))
     assert why and "torch.bfloat16 cache" in why
+    # a PagedConfig is taken as its kind
+    assert mw.WgmmaKind.of(PAGED_VARIANTS["WE8"]) == \
+        mw.WgmmaKind(32, False, False, True, True, True)
+    assert mw.WgmmaKind.of(PAGED_VARIANTS["WE8"]).threads == 384
+    assert mw.WgmmaKind.of(PAGED_VARIANTS["W"]).smem == mw.wgmma_smem(32)
 
 
 def _fp8_case(lens, h, q_len, page, seed):
