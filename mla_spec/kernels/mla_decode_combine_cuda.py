@@ -80,6 +80,12 @@ def combine_splits_cuda(part: torch.Tensor, part_lse: torch.Tensor, out: torch.T
     why = combine_cuda_supported(part, part_lse, out, lse)
     if why:
         raise ValueError(why)
+    _launch(part, part_lse, out, lse)
+
+
+def _launch(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor | None) -> None:
+    """The CUDA combine on tensors :func:`combine_cuda_supported` took."""
     s, rows, _ = part.shape
     n, h, _ = out.shape
     if rows != n * h:
@@ -111,6 +117,6 @@ def combine_splits_fast(part: torch.Tensor, part_lse: torch.Tensor, out: torch.T
     (:func:`combine_cuda_preferred`), else the Triton :func:`combine_splits`."""
     if combine_cuda_preferred(part.shape[0], part.shape[1]) and \
             combine_cuda_supported(part, part_lse, out, lse) is None:
-        combine_splits_cuda(part, part_lse, out, lse)
+        _launch(part, part_lse, out, lse)  # checked just above
     else:
         combine_splits(part, part_lse, out, lse)

@@ -48,16 +48,22 @@ __device__ __forceinline__ void load8(const CombineParams& p, long long s, long 
         static_cast<const __nv_bfloat16*>(p.part) + off));
     const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = __uint_as_float(w[i] << 16);
-      v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-    }
+    for (int i = 0; i < 4; ++i) v[2 * i] = bf16_lo(w[i]), v[2 * i + 1] = bf16_hi(w[i]);
   } else {
     const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.part) + off);
     const float4 a = __ldg(src), b = __ldg(src + 1);
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
     v[7] = b.w;
   }
+}
+
+// one split's share: weight w (0 for an empty split, whose partial v is not used: it may be
+// NaN) into the row's sum and its 8 columns
+__device__ __forceinline__ void add_split(float (&acc)[CPT], float& den, float w,
+                                          const float (&v)[CPT]) {
+  den += w;
+#pragma unroll
+  for (int i = 0; i < CPT; ++i) acc[i] += w > 0.f ? w * v[i] : 0.f;
 }
 
 template <bool BF16, int G>
@@ -102,21 +108,13 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
 
   float acc[CPT] = {}, den = 0.f;
 #pragma unroll
-  for (int k = 0; k < KMAX; ++k) {  // an empty split's weight is 0 and its partial not used
-    const float w = exp2f(l[k] - m_use);
-    den += w;
-#pragma unroll
-    for (int i = 0; i < CPT; ++i) acc[i] += w > 0.f ? w * v[k][i] : 0.f;
-  }
+  for (int k = 0; k < KMAX; ++k) add_split(acc, den, exp2f(l[k] - m_use), v[k]);
   if (live)
 #pragma unroll 1
     for (int s = g + KMAX * G; s < p.S; s += G) {  // more than KMAX splits a thread
-      const float w = exp2f(p.part_lse[s * p.s_ls + row] - m_use);
       float x[CPT];
       load8<BF16>(p, s, row, col, x);
-      den += w;
-#pragma unroll
-      for (int i = 0; i < CPT; ++i) acc[i] += w > 0.f ? w * x[i] : 0.f;
+      add_split(acc, den, exp2f(p.part_lse[s * p.s_ls + row] - m_use), x);
     }
   // the groups' sums: over this warp's by shuffles, then (G >= 8) over the row's warps
 #pragma unroll

@@ -97,7 +97,7 @@ __device__ __forceinline__ void store_queries_e4m3(const QueryLoad<32>& ql, unsi
                                                    float* qmax, int tid) {
   using QL = QueryLoad<32>;
   static_assert(QL::TPR == 8, "a row's chunks within 8 lanes");
-  const auto f = [](uint32_t w, int hi) { return __uint_as_float(hi ? w & 0xFFFF0000u : w << 16); };
+  const auto f = [](uint32_t w, int hi) { return hi ? bf16_hi(w) : bf16_lo(w); };
   const int r = QL::row(tid);
   float amax = 0.f;
 #pragma unroll

@@ -114,7 +114,7 @@ __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
 
 // a bf16 pair -> an fp16 pair, saturating at +-65504 (the FP8 path's queries)
 __device__ __forceinline__ uint32_t bf16x2_to_h2(uint32_t v) {
-  const float lo = __uint_as_float(v << 16), hi = __uint_as_float(v & 0xFFFF0000u);
+  const float lo = bf16_lo(v), hi = bf16_hi(v);
   return pack_h2<true>(fminf(fmaxf(lo, -65504.f), 65504.f), fminf(fmaxf(hi, -65504.f), 65504.f));
 }
 

@@ -280,7 +280,6 @@ __device__ __forceinline__ void zero_v_tail(unsigned char* stage_s, int nvalid, 
                                 (c & 7) * 16) = make_uint4(0, 0, 0, 0);
 }
 
-// the row's log2-sum-exp (split partials) or natural lse (when asked); -inf for no KV
 // a finished row's output factor v_scale / l and its log2-sum-exp m2 + log2 l (m2: its running
 // max, l: its softmax sum); 0 and -inf for a row that saw no KV (l = 0). No division slow path:
 // l >= 1 for a row with KV
@@ -291,6 +290,7 @@ __device__ __forceinline__ float row_lse2(float m2, float l) {
   return l > 0.f ? m2 + log2f(l) : -INFINITY;
 }
 
+// the row's log2-sum-exp (split partials) or natural lse (when asked); -inf for no KV
 __device__ __forceinline__ void write_row_lse(const MlaParams& p, int split, long long grow,
                                               float m2, float l) {
   const float lse2 = row_lse2(m2, l);
