@@ -3,6 +3,7 @@
     python benchmarks/ab_csrc.py --base DIR [--shapes bf16:32x1:32768,fp8:32x1:4096:32,...]
         [--reps 3]
     python benchmarks/ab_csrc.py --base-combine triton   # this tree, the Triton combine as base
+    python benchmarks/ab_csrc.py --merge   # W merging inside its grid vs the combine kernel
 
 Why: a change to a header the wgmma kernels share (``csrc/sm90_wgmma.cuh``: a CTA's start, the
 query loads, the stores) moves every variant a little, often less than two calls on two
@@ -14,7 +15,9 @@ default call with the base kernels and with this tree's, per call in a replayed 
 rotating KV copies past the L2, ``--reps`` times alternately, FlashInfer in the same run as the
 peer. Each tree's output is checked against the reference first (the e4m3 kernels against their
 twin: queries rounded per row). ``--base-combine triton`` makes the base merge its splits with
-the Triton combine (``mla_decode_wgmma.COMBINE_CUDA`` off; with or without ``--base``).
+the Triton combine (``mla_decode_wgmma.COMBINE_CUDA`` off; with or without ``--base``);
+``--merge`` makes this tree's calls merge their splits inside the split grid where they can
+(``mla_decode_wgmma.GRID_MERGE`` on) and the base's in a combine kernel.
 GPU only (sm_90, nvcc); a table last.
 """
 
@@ -44,24 +47,29 @@ DEFAULT_SHAPES = ("bf16:32x1:32768,bf16:32x1:4096:32,fp8:32x1:4096:32,fp8:32x1:3
                   "bf16:128x1:4096:32,bf16:32x1:1024:128")
 
 
-def kernel_sets(base: Path | None, base_cuda_combine: bool = True) -> dict[str, tuple]:
-    """{"base" | "new": (_KERNELS, _CLUSTER_KERNELS, COMBINE_CUDA)}: the base tree's kernels
-    built from the same file and function names under ``base`` (None: this tree's)."""
+def kernel_sets(base: Path | None, base_cuda_combine: bool = True,
+                new_merge: bool = False) -> dict[str, tuple]:
+    """{"base" | "new": (_KERNELS, _CLUSTER_KERNELS, COMBINE_CUDA, GRID_MERGE)}: the base
+    tree's kernels built from the same file and function names under ``base`` (None: this
+    tree's)."""
     def rebuild(ks):
         if base is None:
             return dict(ks)
         return {k: CudaKernel(str(base / v.src.name), v.name, arch=v.arch) for k, v in ks.items()}
-    return {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS), mw.COMBINE_CUDA),
-            "base": (rebuild(mw._KERNELS), rebuild(mw._CLUSTER_KERNELS), base_cuda_combine)}
+    return {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS), mw.COMBINE_CUDA,
+                    new_merge or mw.GRID_MERGE),
+            "base": (rebuild(mw._KERNELS), rebuild(mw._CLUSTER_KERNELS), base_cuda_combine,
+                     False)}
 
 
 def use(sets, name: str) -> None:
-    ks, cl, comb = sets[name]
+    ks, cl, comb, merge = sets[name]
     mw._KERNELS.clear()
     mw._KERNELS.update(ks)
     mw._CLUSTER_KERNELS.clear()
     mw._CLUSTER_KERNELS.update(cl)
     mw.COMBINE_CUDA = comb
+    mw.GRID_MERGE = merge
 
 
 def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
@@ -117,6 +125,9 @@ def main(argv=None) -> None:
     ap.add_argument("--base", help="the other csrc directory (default: this tree's)")
     ap.add_argument("--base-combine", choices=("cuda", "triton"), default="cuda",
                     help="the combine the base merges its splits with")
+    ap.add_argument("--merge", action="store_true",
+                    help="this tree merges its splits inside the grid where it can (the base "
+                         "never does)")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="kv:HxQ:ctx[:bs],...")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
@@ -127,7 +138,7 @@ def main(argv=None) -> None:
     if base is not None and not (base / "sm90_wgmma.cuh").is_file():
         raise SystemExit(f"ab_csrc: {base} has no sm90_wgmma.cuh (a copy of the csrc folder)")
     dev = torch.device("cuda")
-    sets = kernel_sets(base, args.base_combine == "cuda")
+    sets = kernel_sets(base, args.base_combine == "cuda", args.merge)
     rows = [shape_row(sets, *s, args.reps, dev) for s in parse_shapes(args.shapes)]
     def cell(key):
         def f(r):
@@ -137,7 +148,8 @@ def main(argv=None) -> None:
     cols = [(k, cell(k)) for k in ("shape", "variant", "base_range", "new_range", "new/base",
                                    "fi", "fi/new", "TBps_new", "err_base", "err_new")]
     print(f"\nµs per call in a CUDA graph (min of {args.reps} alternating runs; base: "
-          f"{base or 'this tree'}, {args.base_combine} combine)")
+          f"{base or 'this tree'}, {args.base_combine} combine"
+          f"{'; new: the merge inside the grid' if args.merge else ''})")
     print(md_table(cols, rows))
 
 

@@ -1,6 +1,7 @@
 """One attention call's two kernels on the global timer: the split kernel ``W`` and the combine.
 
     python benchmarks/bench_call_timeline.py [--ctx 32768] [--bs 1] [--splits 128]
+        [--triton-combine | --merge]
 
 Why: at batch 1 ctx 32k (issue 4's last open goal: >= 2.5 TB/s, 15.1 µs) a call is the split
 kernel plus the combine, and ``bench_mla_breakdown.py`` times the combine alone at ~3 µs
@@ -10,7 +11,10 @@ kernel with ``%globaltimer`` reads around ``mla_decode_combine.combine_program``
 after the PDL wait, done) in the same replayed CUDA graph as the benchmarks, and prints for
 the last call: when each kernel's programs entered, were released by the PDL wait and ended
 (min / median / max over programs), all relative to the split kernel's first entry, and the
-next call's split kernel's (the period is the graph's µs per call). GPU only (sm_90, nvcc).
+next call's split kernel's (the period is the graph's µs per call). ``--merge``: ``W`` merges
+its splits inside its grid (``mla_decode_wgmma.GRID_MERGE``, ``csrc/sm90_grid_merge.cuh``) and
+the merge's steps are stamped too (stores done, arrived, barrier open, loads in; docs/bench_mla.md
+v17). GPU only (sm_90, nvcc).
 """
 
 from __future__ import annotations
@@ -81,6 +85,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--bs", type=int, default=1)
     ap.add_argument("--splits", type=int, default=128)
+    ap.add_argument("--merge", action="store_true",
+                    help="W merges its splits inside its grid (mla_decode_wgmma.GRID_MERGE), "
+                         "stamping the merge's steps")
     ap.add_argument("--triton-combine", action="store_true",
                     help="merge with the Triton combine and stamp it too (default: the CUDA "
                          "combine, not stamped)")
@@ -95,26 +102,39 @@ def main(argv=None) -> None:
         path = Path(tmp) / "W_stamped.cu"
         path.write_text(stamped_source("W", CSRC))
         kernel = CudaKernel(str(path), SPECS["W"]["name"], arch="sm_90a")
-        keep = mw.COMBINE_CUDA
+        keep = mw.COMBINE_CUDA, mw.GRID_MERGE
         try:
             mc._combine_kernel = _StampedLaunch(stamps)
             mw.COMBINE_CUDA = not args.triton_combine
+            mw.GRID_MERGE = args.merge
             us, us_st, rel, _, raw = phases("W", kernel, args.ctx, args.bs, args.splits, dev,
                                             raw=True)
         finally:
-            mc._combine_kernel, mw.COMBINE_CUDA = real, keep
+            mc._combine_kernel, (mw.COMBINE_CUDA, mw.GRID_MERGE) = real, keep
     cs = stamps.cpu()
     cs = cs[cs[:, 0] != 0].double()
     t0 = float(raw[:, 0].min())
     c = (cs - t0) / 1e3
     names = SPECS["W"]["phases"]
     comb = "Triton combine (stamped)" if args.triton_combine else "CUDA combine"
+    if args.merge:
+        mw.GRID_MERGE = True
+        if mw.grid_merges(mw.WgmmaKind().key(torch.bfloat16), args.splits,
+                          args.splits * args.bs, 32, dev):
+            comb = "the merge inside its grid (split merged)"
+        mw.GRID_MERGE = keep[1]
     print(f"\nW + {comb}, H 32 q 1 bf16, bs {args.bs}, ctx {args.ctx}, {args.splits} splits: "
           f"{us_st:.2f} µs per call in a graph, W stamped ({us:.2f} unstamped); µs after the "
           "split kernel's first entry, the last call of the graph")
     print("| event | min | median | max |\n|---|---|---|---|")
-    for ev in ("entry", "begun", "prod0", "tile0", "loopend", "end"):
+    for ev in ("entry", "begun", "prod0", "tile0", "loopend", "end", "merged"):
         print(_row(f"split {ev}", rel[:, names.index(ev)]))
+    gm = raw[:, 16:20].double()
+    gm[raw[:, 16:20] == 0] = float("nan")
+    gm = (gm - t0) / 1e3
+    for i, ev in enumerate(("stores done", "arrived (not last)", "barrier open", "loads in")):
+        if not torch.isnan(gm[:, i]).all():
+            print(_row(f"merge: {ev}", gm[:, i]))
     if len(c):
         for i, ev in enumerate(("entry", "released (PDL wait)", "done")):
             print(_row(f"combine {ev}", c[:, i]))

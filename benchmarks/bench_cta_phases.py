@@ -9,7 +9,7 @@ against ~12 for ``W`` and ~13 for FlashInfer (bs 128: 21.6 µs at ctx 64, one ti
 This script builds a copy of ``csrc/mla_wgmma_e4m3pp_sm90.cu`` with timer reads at the phase
 boundaries (text inserted at fixed anchors: the script fails loudly if the kernel's text moved),
 runs it in the same replayed graph as ``bench_mla`` (PDL on, KV copies rotated past the L2,
-``--splits`` KV splits a request: each CTA writes its stamps into its 16 words of a buffer
+``--splits`` KV splits a request: each CTA writes its stamps into its ``WORDS`` words of a buffer
 passed as the unused ``p.kv`` once it is done) and prints, per phase, the median across
 CTAs of when it ended, relative to the first CTA's entry. ``--csrc`` stamps another copy
 of the sources (e.g. the tree before a change) for a before / after in one run.
@@ -29,7 +29,9 @@ split; the stamps of row block 0): ``entry``, ``begun``, ``prod0``, ``prodend``,
 stored). ``W`` (H 32 q 1 on a bf16 cache; batch 1 ctx 32k is ``--bs 1 --ctx 32768 --splits
 128``): ``entry``, ``begun``, ``prod0`` / ``prodend``, ``qstored``, ``tile0`` .. ``tile3`` (the
 first four tiles landed), ``loopend``, ``staged`` (O in the fp32 staging), ``finished``
-(the rows' factors and lse), ``end`` (rows stored). GPU only (sm_90 and nvcc).
+(the rows' factors and lse), ``end`` (rows stored), ``merged`` (its share of the merge inside
+the grid done, when ``mla_decode_wgmma.GRID_MERGE`` is on; the merge's own steps go to words 16..
+through ``GM_STAMP``). GPU only (sm_90 and nvcc).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -60,15 +63,25 @@ _ENTRY = ("const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;\n",
           "  __shared__ unsigned long long st_[16];\n  const unsigned long long st0_ = gtime();\n")
 
 
+#: words of a CTA's row of the stamp buffer: its phases and tile count; 16.. the steps of W's
+#: merge inside the grid (GM_STAMP in csrc/sm90_grid_merge.cuh)
+WORDS = 24
+_GM_STAMP = ("#define GM_STAMP(i) asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"("
+             "(reinterpret_cast<unsigned long long*>(const_cast<__nv_bfloat16*>(wp.m.kv)) + "
+             f"((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * {WORDS})"
+             "[16 + (i)]) :: \"memory\")\n")
+
+
 def _dump(n: int) -> str:
-    """Thread 0 writes the n stamps and the CTA's tile count into the CTA's 16 words of the
+    """Thread 0 writes the n stamps and the CTA's tile count into the CTA's first words of the
     stamp buffer, which the benchmark passes as ``p.kv`` (unused by the wgmma kernels: their
     tiles come through the tensor map)."""
     return ("  if (tid == 0) {\n"
             f"    st_[{n}] = w.ntiles;\n"
             "    unsigned long long* o = reinterpret_cast<unsigned long long*>(\n"
             "        const_cast<__nv_bfloat16*>(p.kv)) +\n"
-            "        ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * 16;\n"
+            "        ((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * "
+            f"{WORDS};\n"
             f"    for (int i = 0; i <= {n}; ++i) o[i] = st_[i];\n  }}\n")
 
 
@@ -78,7 +91,7 @@ def _dump(n: int) -> str:
 SPECS = {
     "WE2": dict(
         source=mw._E4M3PP_SOURCE, key=(32, False, True, False, True, True, False),
-        name="mla_wgmma_e4m3pp_m32", include="sm90_e4m3.cuh", h=32, kvd=FP8_DTYPE,
+        name="mla_wgmma_e4m3pp_m32", h=32, kvd=FP8_DTYPE,
         phases=["entry", "begun", "prod0", "prodend", "qstored", "t0land", "t1land", "wg0end",
                 "wg1end", "mrg0", "scales", "end"],
         after=[
@@ -105,7 +118,7 @@ SPECS = {
         ]),
     "WR": dict(
         source=mw._ROWS_SOURCE, key=(64, False, False, True, False, False, False),
-        name="mla_wgmma_rows64", include="sm90_fp8.cuh", h=128, kvd=torch.bfloat16,
+        name="mla_wgmma_rows64", h=128, kvd=torch.bfloat16,
         phases=["entry", "begun", "prod0", "prodend", "qstored", "qk0", "wg0end", "wg1end",
                 "staged", "end"],
         after=[
@@ -131,9 +144,9 @@ SPECS = {
         ]),
     "W": dict(
         source=mw._SOURCES[32][0], key=(32, False, False, False, False, False, False),
-        name="mla_wgmma_m32", include="sm90_fp8.cuh", h=32, kvd=torch.bfloat16,
+        name="mla_wgmma_m32", h=32, kvd=torch.bfloat16,
         phases=["entry", "begun", "prod0", "prodend", "qstored", "tile0", "tile1", "tile2",
-                "tile3", "loopend", "staged", "finished", "end"],
+                "tile3", "loopend", "staged", "finished", "end", "merged"],
         after=[
             ("namespace {\n", _GTIME),
             (_ENTRY[0], _ENTRY[1] + "  if (tid == 0) st_[5] = st_[6] = st_[7] = st_[8] = 0;\n"),
@@ -154,9 +167,12 @@ SPECS = {
              "st_[3] = gtime(); }"),
             ("  griddep_launch();  // the combine",
              "  if (tid == 0) st_[9] = gtime();\n  griddep_launch();  // the combine"),
-            ("  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n}\n",
+            ("  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n",
              "  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n  named_barrier(1, NT);\n"
-             "  if (tid == 0) st_[12] = gtime();\n" + _dump(13) + "}\n"),
+             "  if (tid == 0) st_[12] = gtime();\n"),
+            ("grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);\n  }\n}\n",
+             "grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);\n  }\n"
+             "  if (tid == 0) st_[13] = gtime();\n" + _dump(14) + "}\n"),
         ]),
 }
 
@@ -175,8 +191,9 @@ def stamped_source(kernel: str = "WE2", csrc: Path = CSRC) -> str:
         if src.count(old) != 1:
             raise RuntimeError(f"anchor moved in {spec['source']}: {old!r}")
         src = src.replace(old, new)
-    inc = spec["include"]
-    src = src.replace(f'#include "{inc}"', f'#include "{csrc / inc}"')
+    src = re.sub(r'#include "(\w+\.cuh)"', lambda m: f'#include "{csrc / m.group(1)}"', src)
+    if kernel == "W":
+        src = _GM_STAMP + src
     headers = b"".join(h.read_bytes() for h in sorted(csrc.glob("*.cuh")))
     return f"// headers {hashlib.sha256(headers).hexdigest()[:16]}\n" + src
 
@@ -184,7 +201,7 @@ def stamped_source(kernel: str = "WE2", csrc: Path = CSRC) -> str:
 def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int, splits: int, dev,
            raw: bool = False):
     """(µs per call of the kernel, of the stamped copy, [CTAs, phases] µs after the first
-    entry, the fewest tiles of a CTA[, with ``raw`` the stamps as read: [CTAs, 16] ns]). The
+    entry, the fewest tiles of a CTA[, with ``raw`` the stamps as read: [CTAs, WORDS] ns]). The
     stamped copy gets the stamp buffer as ``p.kv`` (``split_params`` patched for its runs);
     CTAs that exited at once (no stamps) are dropped."""
     spec = SPECS[kernel]
@@ -196,7 +213,7 @@ def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int, splits: int, dev
                                           q_len=1, num_splits=splits,
                                           config=PAGED_VARIANTS[kernel], max_kv=ctx, out=out,
                                           num_sms=132) for r in rpis]
-    stamps = torch.zeros(bs * splits * 8, 16, dtype=torch.int64, device=dev)
+    stamps = torch.zeros(bs * splits * 8, WORDS, dtype=torch.int64, device=dev)
     real, real_split_params = mw._KERNELS[spec["key"]], mw.split_params
 
     def stamping_split_params(*a, **k):

@@ -40,9 +40,10 @@ def test_breakdown_shapes_and_table():
 
 
 def test_cta_phase_stamps_find_their_anchors_and_compile():
-    """bench_cta_phases inserts timer reads at fixed places of W, WE2 and WR: every anchor must
-    still be there (a kernel edit that moves one fails here, not on the GPU), each phase is
-    stamped once, and with nvcc the stamped copy compiles."""
+    """bench_cta_phases inserts timer reads at fixed places of W, WE2 and WR (and, for W, the
+    steps of the merge inside the grid: GM_STAMP): every anchor must still be there (a kernel
+    edit that moves one fails here, not on the GPU), each phase is stamped once, and with nvcc
+    the stamped copy compiles."""
     import os
     import subprocess
     import tempfile
@@ -54,9 +55,10 @@ def test_cta_phase_stamps_find_their_anchors_and_compile():
         "WR": ["st_[0] = st0_", "st_[1] = ", "st_[2] = ", "st_[3] = ", "st_[4] = ",
                "st_[5] = ", "st_[6 + wg] = ", "st_[8] = ", "st_[9] = "],
         "W": ["st_[0] = st0_", "st_[1] = ", "st_[2] = ", "st_[3] = ", "st_[4] = ",
-              "st_[5 + it] = ", "st_[9] = ", "st_[10] = ", "st_[11] = ", "st_[12] = "],
+              "st_[5 + it] = ", "st_[9] = ", "st_[10] = ", "st_[11] = ", "st_[12] = ",
+              "st_[13] = ", "#define GM_STAMP(i)"],
     }
-    assert [len(bp.SPECS[k]["phases"]) for k in ("WE2", "WR", "W")] == [12, 10, 13]
+    assert [len(bp.SPECS[k]["phases"]) for k in ("WE2", "WR", "W")] == [12, 10, 14]
     nvcc = os.environ.get("MLA_SPEC_NVCC")
     for kernel, marks in stamps.items():
         src = bp.stamped_source(kernel)

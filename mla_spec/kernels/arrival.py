@@ -1,6 +1,8 @@
 """Arrival counters for kernels whose last CTA to finish a piece of work completes it ("the last
 block merges": the NVFP4 split-K GEMM ``nvfp4_gemm_cuda``, the sibling MLA kernel's fused
-split-KV combine ``mla_decode_vsplit``).
+split-KV combine ``mla_decode_vsplit``), and the split barriers of the wgmma MLA kernels'
+merge inside the grid (``csrc/sm90_grid_merge.cuh``: each CTA counts its arrival and the last
+one resets the counter, which is what the others wait for).
 
 A kernel counts its CTAs' arrivals with ``atomicAdd`` on one int32 per piece and the last one
 resets it to zero, so the buffer is zero between calls: no memset per call, and a CUDA graph
@@ -38,3 +40,4 @@ def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
         _OUTGROWN.append(buf)
     buf = _CACHE[device] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
     return buf
+

@@ -8,8 +8,10 @@ consecutive slots of one page, fetched by TMA), Dv 512 / Dpe 64, bf16 queries wi
 aligned rows, an sm_90 GPU (``wgmma`` exists on Hopper only). An e4m3 tile is widened to fp16
 in shared memory and multiplied in fp16 with the queries rounded to fp16 (``csrc/sm90_fp8.cuh``
 says why). 64, 32 or 16 query rows per CTA; more rows
-per request run more row blocks, each streaming the KV. Splits merge through the CUDA
-combine where it is the faster one (``mla_decode_combine_cuda``; ``COMBINE_CUDA``).
+per request run more row blocks, each streaming the KV. Splits merge through the CUDA combine
+where it is the faster one (``mla_decode_combine_cuda``; ``COMBINE_CUDA``), else the Triton
+one; ``W`` can also merge them inside its own grid (``GRID_MERGE``, off: no faster,
+:func:`grid_merges`, ``csrc/sm90_grid_merge.cuh``).
 ``rows_m`` (variant ``WR``, ``csrc/mla_wgmma_rows_sm90.cu``): 64 rows on the MMA's M side
 instead of N, P V with P from registers. ``e4m3_mma`` (variant ``WE``,
 ``csrc/mla_wgmma_e4m3_sm90.cu``, an e4m3 cache, 32 rows): Q K in e4m3 MMAs straight from the
@@ -29,7 +31,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from mla_spec.device import cuda_capability
+from mla_spec.device import cuda_capability, sm_count
+from mla_spec.kernels.arrival import arrival_counters
 from mla_spec.kernels.cuda_driver import CudaKernel, tensor_map_2d
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_combine_cuda import combine_splits_fast
@@ -38,9 +41,9 @@ from mla_spec.kernels.pdl import pdl_on
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["WgmmaKind", "WGMMA_BLOCK_M", "WGMMA_FP8_BLOCK_M", "WGMMA_KERNELS", "clusters_splits",
-           "launch_wgmma_mla", "wgmma_mla_supported", "wgmma_smem"]
+           "grid_merges", "launch_wgmma_mla", "wgmma_mla_supported", "wgmma_smem"]
 
-_BN, _STAGES = 64, 2
+_BN, _STAGES, _DV = 64, 2, 512
 #: rows per CTA -> (source, threads): 32 / 16 rows split the QK depth between the two consumer
 #: warpgroups (``mla_wgmma_sm90.cu``, a producer warp), 64 rows split the rows
 #: (``mla_wgmma64_sm90.cu``, a producer warpgroup); keep in sync with the sources' kernels
@@ -83,6 +86,18 @@ CLUSTER_MERGE = True
 #: combine_splits_fast``: 64 splits and more, or 16 over 512 rows); False: always the Triton one
 #: (benchmarks compare the two)
 COMBINE_CUDA = True
+#: The kernels that merge their splits inside the grid when the launcher passes merge words
+#: (``csrc/sm90_grid_merge.cuh``): ``W`` (``mla_wgmma_sm90.cu``), bf16 or e4m3 cache
+_MERGE_KEYS = frozenset(k for k, v in _KERNELS.items() if v.src.name == _SOURCES[32][0])
+#: True: ``W`` merges its splits inside its grid where :func:`grid_merges` allows. Off: at
+#: batch 1 (128 splits) it measured 1-2% faster than the CUDA combine (ctx 32k 19.03-19.09 vs
+#: 19.23-19.44 µs, 16k 13.86 vs 14.17; H200, ``benchmarks/ab_csrc.py --merge``,
+#: docs/bench_mla.md v17), too little for a barrier that needs every CTA of the grid resident
+#: at once: under MPS or a green context that holds fewer SMs than the device reports, its
+#: CTAs would wait for ones that cannot start (the kernel traps after ~4 s)
+GRID_MERGE = False
+#: the most 16-chunk passes a CTA's share of the merge may take (:func:`grid_merges`)
+MERGE_MAX_PASSES = 2
 #: the 32-row kernels with e4m3 Q K MMAs and V from registers (an e4m3 cache only): 288
 #: threads, or 384 taking turns (a producer warpgroup)
 _E4M3_SOURCE, _E4M3PP_SOURCE = "mla_wgmma_e4m3_sm90.cu", "mla_wgmma_e4m3pp_sm90.cu"
@@ -116,10 +131,11 @@ def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False,
 
 
 class _WgParams(ctypes.Structure):
-    """``WgParams`` of ``csrc/sm90_wgmma.cuh``: the split kernels' parameters, then the cache's
-    TMA descriptor (64-byte aligned: 320 bytes)."""
+    """``WgParams`` of ``csrc/sm90_wgmma.cuh``: the split kernels' parameters, the cache's
+    TMA descriptor, the merge's barrier words or null (64-byte aligned: 384 bytes)."""
 
-    _fields_ = [("m", _Params), ("kv_map", ctypes.c_ubyte * 128)]
+    _fields_ = [("m", _Params), ("kv_map", ctypes.c_ubyte * 128), ("merge", ctypes.c_void_p),
+                ("pad", ctypes.c_ubyte * 56)]
 
 
 _MAPS: dict[tuple[int, int, int, bool, bool], bytes] = {}
@@ -200,8 +216,8 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
                      num_splits: int, kind) -> None:
     """Run the split kernel of ``kind`` (a :class:`WgmmaKind` or a ``PagedConfig``; and the
-    combine when ``num_splits > 1``, unless its splits merge in a cluster:
-    :func:`clusters_splits`) into ``out`` / ``lse`` (see
+    combine when ``num_splits > 1``, unless its splits merge in a cluster,
+    :func:`clusters_splits`, or inside the grid, :func:`grid_merges`) into ``out`` / ``lse`` (see
     :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
     kind = WgmmaKind.of(kind)
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
@@ -210,6 +226,9 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                          "rows")
     key = kind.key(kv_flat.dtype)
     cluster = clusters_splits(key, num_splits)
+    groups = m_blocks * req_pool_indices.numel()
+    merge = grid_merges(key, num_splits, num_splits * groups,
+                        min(kind.block_m, q_len * q_nope.shape[1]), q_nope.device)
     m, part, part_lse = split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices,
                                      kv_lens, out, lse, qk_scale_log2, v_scale, q_len,
                                      num_splits,
@@ -217,10 +236,12 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                                      partials=not cluster)
     p = _WgParams(m)
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat, kind.e4m3_mma), 128)
+    if merge:
+        p.merge = arrival_counters(groups, q_nope.device).data_ptr()
     (_CLUSTER_KERNELS if cluster else _KERNELS)[key](
         (num_splits, m_blocks, req_pool_indices.numel()), kind.threads, kind.smem, p,
         q_nope.device, pdl=pdl_on(q_nope), cluster=num_splits if cluster else 1)
-    if num_splits > 1 and not cluster:
+    if num_splits > 1 and not cluster and not merge:
         (combine_splits_fast if COMBINE_CUDA else combine_splits)(part, part_lse, out, lse)
 
 
@@ -228,3 +249,16 @@ def clusters_splits(key, num_splits: int) -> bool:
     """True when kernel ``key`` (of ``_KERNELS``) runs its ``num_splits`` splits as clusters
     that merge them itself (``WR`` at 2 splits)."""
     return CLUSTER_MERGE and num_splits == 2 and key in _CLUSTER_KERNELS
+
+
+def grid_merges(key, num_splits: int, ctas: int, block_rows: int, device: torch.device) -> bool:
+    """True when kernel ``key`` (of ``_KERNELS``) merges its ``num_splits`` splits inside its
+    grid of ``ctas`` CTAs (``csrc/sm90_grid_merge.cuh``) rather than in a combine kernel:
+    ``W``, when every CTA fits on the GPU at once (one CTA an SM: ~150-210 KB of shared memory
+    each), as the splits wait for each other at a barrier, and when each CTA's share of a row
+    block of ``block_rows`` rows is at most ``MERGE_MAX_PASSES`` passes of 16 chunks of 8
+    columns (each pass is a round trip to L2: many splits, e.g. 128 at batch 1 ctx 32k)."""
+    if not (GRID_MERGE and num_splits > 1 and key in _MERGE_KEYS):
+        return False
+    per_cta = -(-block_rows * (_DV // 8) // num_splits)
+    return -(-per_cta // 16) <= MERGE_MAX_PASSES and ctas <= sm_count(device)

@@ -40,6 +40,8 @@ def test_params_layout_matches_source():
     assert ctypes.sizeof(mw._WgParams) == int(size)
     assert mw._WgParams.kv_map.offset == int(off)
     assert mw._WgParams.m.offset == 0
+    merge = re.search(r"offsetof\(WgParams, merge\) == (\d+)", HDR.read_text()).group(1)
+    assert mw._WgParams.merge.offset == int(merge)
 
 
 def _built():
@@ -169,7 +171,7 @@ def test_split_params_fill_the_struct_the_kernels_read():
     assert (p.rpi_i64, p.kvl_i64, p.s_ps, p.s_ls, p.s_qn_t) == (1, 0, 8 * DV, 8, 4 * DV)
     assert p._keep.dtype == torch.int32  # the int32 copy of req_to_token the kernel reads
     w = mw._WgParams(p)
-    assert ctypes.sizeof(w) == 320 and w.m.num_splits == 3
+    assert ctypes.sizeof(w) == 384 and w.merge is None and w.m.num_splits == 3
     p1, part1, _ = split_params(q, qp, kv, r2t.int(), torch.zeros(2, dtype=torch.int32),
                                 torch.ones(2, dtype=torch.int32), out, None, 1.0, 1.0, 1, 1)
     assert part1 is out and p1.split == 0 and p1.part == out.data_ptr()

@@ -20,10 +20,12 @@
 // What it computes is exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache):
 // row r = i * H + h of request b sees KV positions j < kv_len - q_len + i + 1 and gets
 // v_scale * softmax_j(qk_scale * q . kv_j) @ kv_j[:512] (zeros for an empty window). Split
-// output as in mla_splitkv_sm90.cu (fp32 partials + log2-sum-exp, merged by combine_splits).
+// output as in mla_splitkv_sm90.cu (partials + log2-sum-exp, merged by the combine kernel, or
+// by the split CTAs themselves when the launcher passes barrier counters: sm90_grid_merge.cuh).
 // Requirements (mla_decode_wgmma.wgmma_mla_supported): page size a multiple of 64 (a tile is
 // 64 consecutive slots of one page), the cache a contiguous [slots, 576] bf16 tensor.
 #include "sm90_fp8.cuh"
+#include "sm90_grid_merge.cuh"
 
 namespace {
 
@@ -130,6 +132,10 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
+  if (wp.merge != nullptr) {
+    if (p.part_bf16) grid_merge<BM, true>(wp, w, split, b, tid, 1, ost);
+    else grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);
+  }
 }
 
 }  // namespace

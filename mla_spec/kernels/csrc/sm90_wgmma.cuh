@@ -45,8 +45,11 @@ struct alignas(64) TmaMap {
 struct alignas(64) WgParams {
   MlaParams m;  // m.kv is unused: the tiles come through kv_map
   TmaMap kv_map;
+  int* merge;   // null, or the split barriers' counters of the merge inside the grid
+                // (sm90_grid_merge.cuh)
 };
-static_assert(sizeof(WgParams) == 320 && offsetof(WgParams, kv_map) == 192, "layout");
+static_assert(sizeof(WgParams) == 384 && offsetof(WgParams, kv_map) == 192 &&
+              offsetof(WgParams, merge) == 320, "layout");
 
 namespace {
 
