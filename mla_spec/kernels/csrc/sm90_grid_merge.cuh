@@ -6,15 +6,15 @@
 // Why: at batch 1 ctx 32k (128 splits x 32 rows) the combine took ~4.6 µs between the split
 // kernel's last store and the next call's release (benchmarks/bench_call_timeline.py,
 // docs/bench_mla.md v16), of a ~19.5 µs call. Here the CTAs that finished early wait at the
-// barrier anyway, and the merge reads 32 KB of L2 a CTA. Measured (v17): no faster. After the
-// last CTA's stores, ~1.3 µs to the barrier's opening (the add's round trip, the reset seen),
-// ~1.3 to the loads' arrival, ~1 to the stores, then the grid's end and the next call's PDL
-// release: the same ~5.6 µs as the combine kernel's two hand-offs. Off by default
-// (mla_decode_wgmma.GRID_MERGE).
+// barrier anyway, and the merge reads 32 KB of L2 a CTA. Measured (v17): 1-2% faster (ctx 32k
+// 19.03-19.09 vs 19.23-19.44 µs). After the last CTA's stores, ~1.3 µs to the barrier's opening
+// (the add's round trip, the reset seen), ~1.3 to the loads' arrival, ~0.8 to the stores, then
+// the grid's end and the next call's PDL release: about what the combine kernel's two hand-offs
+// cost. Off by default (mla_decode_wgmma.GRID_MERGE: the barrier needs every CTA resident).
 //
 // The barrier may only wait for CTAs that are resident: the launcher takes this path only when
-// every CTA of the grid fits on the GPU at once (mla_decode_wgmma.grid_merges: one CTA an SM,
-// at most one per SM). One counter per (request, row block) (mla_spec.kernels.arrival's
+// every CTA of the grid fits on the GPU at once (mla_decode_wgmma.grid_merges: the kernel
+// holds one CTA an SM, and the grid has no more CTAs than the device has SMs). One counter per (request, row block) (mla_spec.kernels.arrival's
 // arrival_counters: zero between calls): each CTA adds its arrival; the last one sets it back
 // to zero, which is what the others wait for (the next call's CTAs cannot arrive before this
 // grid has ended: they wait for it at their PDL wait). No memset per call, and a CUDA graph
@@ -29,8 +29,9 @@
 // to 16 lanes: 16-byte pieces 32 KB apart, ~5 µs for the 32 KB a CTA merges at batch 1 ctx
 // 32k instead of one L2 round trip). A thread merges its splits online (running max, rescaled
 // sums); the two groups of a warp meet by a shuffle, the 8 warps in shared memory (the free KV
-// stages), where a thread a column adds them up at their common max. Twin: mla_spec.kernels.grid_merge (the same
-// ranges and order; its test compares it with combine_splits_ref).
+// stages), where a thread a column adds them up at their common max. Twin:
+// mla_spec.kernels.grid_merge (the same ranges and order; its test compares it with
+// combine_splits_ref).
 #pragma once
 #include "sm90_wgmma.cuh"
 
