@@ -127,4 +127,8 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # partials and the combine's new shapes: bf16 24.0, fp8 25.9 (mla_decode_wgmma.PART_BF16)
     ("bf16", "big", "b1", "c8k"): "WR/sp16|C",
     ("fp8", "big", "b1", "c8k"): "WR/sp16|C",
+    # nineteenth session (v17), 512 rows at batch 1 on an e4m3 cache, which had fallen to the
+    # class's CF: 32k WR/sp16 90.3 vs CF/sp16 175.4 µs (WR/sp32 102.8; FlashInfer fp8 241.9),
+    # 16k 51.2 vs 95.5
+    ("fp8", "big", "b1", "long"): "WR/sp16|CF",
 }
