@@ -131,4 +131,13 @@ PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
     # class's CF: 32k WR/sp16 90.3 vs CF/sp16 175.4 µs (WR/sp32 102.8; FlashInfer fp8 241.9),
     # 16k 51.2 vs 95.5
     ("fp8", "big", "b1", "long"): "WR/sp16|CF",
+    # nineteenth session (v17), contexts up to 2k at batch 1 (the cost model's splits: 16 at 1k
+    # and 2k, 1 below 512), FlashInfer in the same run: 512 rows bf16 1k WR/sp16 13.2 vs C 17.5
+    # (20.8), 2k 15.2 vs 21.3 (22.3); fp8 1k 14.0 vs 19.7 (FlashInfer fp8 43.9), 2k 16.6 vs 24.5
+    # (50.0); at 256, WR/sp1 14.5 vs C 21.7 (bf16, FlashInfer 15.2), 17.5 vs 27.3 (fp8); 32 rows
+    # fp8 1k WE8/sp16 8.1-8.3 vs G4/sp16 9.5 (26.3), 2k 8.8 vs G4 13.4 (26.1), but at 256
+    # WE8/sp1 9.3 vs G4/sp4 8.9
+    ("bf16", "big", "b1", "c2k"): "WR|C",
+    ("fp8", "big", "b1", "c2k"): "WR|C",
+    ("fp8", "r32", "b1", "c2k"): "WE8|G4",
 }
