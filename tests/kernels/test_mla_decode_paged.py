@@ -295,7 +295,15 @@ def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
     assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 32768) == (V["WR"], 16)
     assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 4096) == (V["WR"], 16)
     assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 1, 4096) == (V["WR"], 16)
+    assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 1024) == (V["WR"], None)
+    assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 1, 32768) == (V["WR"], 16)
+    assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 1, 2048) == (V["WR"], None)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 1024) == (V["WE8"], None)
+    cap["v"] = (10, 0)  # no wgmma: the Triton fallbacks
     assert mt.paged_choice(512, torch.bfloat16, cuda, 64, 1, 1024) == (V["C"], None)
+    assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 1, 32768) == (V["CF"], None)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 1024) == (V["G4"], None)
+    cap["v"] = (9, 0)
     assert mt.paged_choice(512, FP8_DTYPE, cuda, 64, 32, 4096) == (V["WR"], None)
     assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 32, 4096) == (V["WR"], None)
     # an e4m3 cache: the wgmma kernels on sm_90 (not the mma.sync K*), Triton elsewhere
@@ -316,7 +324,8 @@ def test_cuda_kernel_entries_fall_back_where_it_cannot_run(monkeypatch):
     assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 4096) == (V["WE8"], 32)
     assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 4096, e4m3_queries=False) == \
         (V["G4"], None)  # the class entry: no context alternative runs
-    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 1024) == (V["G4"], None)
+    assert mt.paged_choice(32, FP8_DTYPE, cuda, 64, 1, 1024, e4m3_queries=False) == \
+        (V["G4"], None)
     assert mt.paged_choice(128, FP8_DTYPE, cuda, 64, 1, 4096) == (V["WR"], 64)
     assert not mt.cuda_cache_ok(V["K"], FP8_DTYPE) and not mt.cuda_cache_ok(V["Wp"], FP8_DTYPE)
     cap["v"] = (10, 0)
