@@ -40,4 +40,3 @@ def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
         _OUTGROWN.append(buf)
     buf = _CACHE[device] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
     return buf
-

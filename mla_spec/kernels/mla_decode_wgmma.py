@@ -10,7 +10,7 @@ in shared memory and multiplied in fp16 with the queries rounded to fp16 (``csrc
 says why). 64, 32 or 16 query rows per CTA; more rows
 per request run more row blocks, each streaming the KV. Splits merge through the CUDA combine
 where it is the faster one (``mla_decode_combine_cuda``; ``COMBINE_CUDA``), else the Triton
-one; ``W`` can also merge them inside its own grid (``GRID_MERGE``, off: no faster,
+one; ``W`` can also merge them inside its own grid (``GRID_MERGE``, off: 1-2% faster,
 :func:`grid_merges`, ``csrc/sm90_grid_merge.cuh``).
 ``rows_m`` (variant ``WR``, ``csrc/mla_wgmma_rows_sm90.cu``): 64 rows on the MMA's M side
 instead of N, P V with P from registers. ``e4m3_mma`` (variant ``WE``,
@@ -86,7 +86,7 @@ CLUSTER_MERGE = True
 #: combine_splits_fast``: 64 splits and more, or 16 over 512 rows); False: always the Triton one
 #: (benchmarks compare the two)
 COMBINE_CUDA = True
-#: The kernels that merge their splits inside the grid when the launcher passes merge words
+#: The kernels that merge their splits inside the grid when the launcher passes barrier counters
 #: (``csrc/sm90_grid_merge.cuh``): ``W`` (``mla_wgmma_sm90.cu``), bf16 or e4m3 cache
 _MERGE_KEYS = frozenset(k for k, v in _KERNELS.items() if v.src.name == _SOURCES[32][0])
 #: True: ``W`` merges its splits inside its grid where :func:`grid_merges` allows. Off: at
@@ -132,7 +132,7 @@ def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False,
 
 class _WgParams(ctypes.Structure):
     """``WgParams`` of ``csrc/sm90_wgmma.cuh``: the split kernels' parameters, the cache's
-    TMA descriptor, the merge's barrier words or null (64-byte aligned: 384 bytes)."""
+    TMA descriptor, the merge's barrier counters or null (64-byte aligned: 384 bytes)."""
 
     _fields_ = [("m", _Params), ("kv_map", ctypes.c_ubyte * 128), ("merge", ctypes.c_void_p),
                 ("pad", ctypes.c_ubyte * 56)]
