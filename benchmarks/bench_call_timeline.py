@@ -32,7 +32,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_cta_phases import SPECS, phases, stamped_source  # noqa: E402
+from bench_cta_phases import GM_WORD0, SPECS, phases, stamped_source  # noqa: E402
 
 from mla_spec.kernels import mla_decode_combine as mc  # noqa: E402
 from mla_spec.kernels import mla_decode_wgmma as mw  # noqa: E402
@@ -107,6 +107,8 @@ def main(argv=None) -> None:
             mc._combine_kernel = _StampedLaunch(stamps)
             mw.COMBINE_CUDA = not args.triton_combine
             mw.GRID_MERGE = args.merge
+            merged = mw.grid_merges(mw.WgmmaKind().key(torch.bfloat16), args.splits,
+                                    args.splits * args.bs, 32, dev)
             us, us_st, rel, _, raw = phases("W", kernel, args.ctx, args.bs, args.splits, dev,
                                             raw=True)
         finally:
@@ -117,20 +119,16 @@ def main(argv=None) -> None:
     c = (cs - t0) / 1e3
     names = SPECS["W"]["phases"]
     comb = "Triton combine (stamped)" if args.triton_combine else "CUDA combine"
-    if args.merge:
-        mw.GRID_MERGE = True
-        if mw.grid_merges(mw.WgmmaKind().key(torch.bfloat16), args.splits,
-                          args.splits * args.bs, 32, dev):
-            comb = "the merge inside its grid (split merged)"
-        mw.GRID_MERGE = keep[1]
+    if merged:
+        comb = "the merge inside its grid (split merged)"
     print(f"\nW + {comb}, H 32 q 1 bf16, bs {args.bs}, ctx {args.ctx}, {args.splits} splits: "
           f"{us_st:.2f} µs per call in a graph, W stamped ({us:.2f} unstamped); µs after the "
           "split kernel's first entry, the last call of the graph")
     print("| event | min | median | max |\n|---|---|---|---|")
     for ev in ("entry", "begun", "prod0", "tile0", "loopend", "end", "merged"):
         print(_row(f"split {ev}", rel[:, names.index(ev)]))
-    gm = raw[:, 16:20].double()
-    gm[raw[:, 16:20] == 0] = float("nan")
+    gm = raw[:, GM_WORD0:GM_WORD0 + 4].double()
+    gm[raw[:, GM_WORD0:GM_WORD0 + 4] == 0] = float("nan")
     gm = (gm - t0) / 1e3
     for i, ev in enumerate(("stores done", "arrived (not last)", "barrier open", "loads in")):
         if not torch.isnan(gm[:, i]).all():

@@ -30,8 +30,8 @@ stored). ``W`` (H 32 q 1 on a bf16 cache; batch 1 ctx 32k is ``--bs 1 --ctx 3276
 128``): ``entry``, ``begun``, ``prod0`` / ``prodend``, ``qstored``, ``tile0`` .. ``tile3`` (the
 first four tiles landed), ``loopend``, ``staged`` (O in the fp32 staging), ``finished``
 (the rows' factors and lse), ``end`` (rows stored), ``merged`` (its share of the merge inside
-the grid done, when ``mla_decode_wgmma.GRID_MERGE`` is on; the merge's own steps go to words 16..
-through ``GM_STAMP``). GPU only (sm_90 and nvcc).
+the grid done, when ``mla_decode_wgmma.GRID_MERGE`` is on; the merge's own steps go to the
+words from ``GM_WORD0`` on through ``GM_STAMP``). GPU only (sm_90 and nvcc).
 """
 
 from __future__ import annotations
@@ -63,13 +63,13 @@ _ENTRY = ("const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;\n",
           "  __shared__ unsigned long long st_[16];\n  const unsigned long long st0_ = gtime();\n")
 
 
-#: words of a CTA's row of the stamp buffer: its phases and tile count; 16.. the steps of W's
-#: merge inside the grid (GM_STAMP in csrc/sm90_grid_merge.cuh)
-WORDS = 24
+#: words of a CTA's row of the stamp buffer: its phases and tile count, then from GM_WORD0 the
+#: steps of W's merge inside the grid (GM_STAMP in csrc/sm90_grid_merge.cuh)
+WORDS, GM_WORD0 = 24, 16
 _GM_STAMP = ("#define GM_STAMP(i) asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"("
              "(reinterpret_cast<unsigned long long*>(const_cast<__nv_bfloat16*>(wp.m.kv)) + "
              f"((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * {WORDS})"
-             "[16 + (i)]) :: \"memory\")\n")
+             f"[{GM_WORD0} + (i)]) :: \"memory\")\n")
 
 
 def _dump(n: int) -> str:

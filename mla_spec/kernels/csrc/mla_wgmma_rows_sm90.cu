@@ -320,8 +320,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
                  p_rowv = peer_addr(rowv, peer);
   const int ti = div_small(row0, p.H);
   int h = row0 - ti * p.H;
-  __nv_bfloat16* dst = p.out + (static_cast<long long>(b) * p.q_len + ti) * p.s_o_t +
-                       static_cast<long long>(h) * p.s_o_h + d;
+  __nv_bfloat16* dst = out_row(p, b, ti, h) + d;
   const long long wrap = p.s_o_t - static_cast<long long>(p.H) * p.s_o_h;
   float* lse_out = p.lse + static_cast<long long>(b) * w.n_rows + row0;
 #pragma unroll 4

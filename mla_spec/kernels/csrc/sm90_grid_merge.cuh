@@ -222,12 +222,10 @@ __device__ __forceinline__ void grid_merge(const WgParams& wp, const CtaWork& w,
       }
       const int cc = c0 + fc, row = w.m0 + (cc >> 6), ti = div_small(row, p.H);
       const float o = dsum > 0.f ? osum / dsum : 0.f;
-      p.out[(static_cast<long long>(b) * p.q_len + ti) * p.s_o_t +
-            static_cast<long long>(row - ti * p.H) * p.s_o_h + (cc & 63) * 8 + fi] =
-          __float2bfloat16_rn(o);
+      out_row(p, b, ti, row - ti * p.H)[(cc & 63) * 8 + fi] = __float2bfloat16_rn(o);
       if (p.write_lse && (cc & 63) == 0 && fi == 0)
         p.lse[static_cast<long long>(b) * w.n_rows + row] =
-            dsum > 0.f ? (mx + log2f(dsum)) * 0.6931471805599453f : -INFINITY;
+            row_lse2(mx, dsum) * 0.6931471805599453f;
     }
     if (c0 + GM_CPP < hi) named_barrier(bar, NT);  // xs read before the next pass
   }

@@ -312,6 +312,12 @@ __device__ __forceinline__ void finish_row(const MlaParams& p, const CtaWork& w,
   if (row < w.n_rows) write_row_lse(p, split, static_cast<long long>(b) * w.n_rows + row, m2, l);
 }
 
+// the bf16 out row of request b's query token ti, head h
+__device__ __forceinline__ __nv_bfloat16* out_row(const MlaParams& p, int b, int ti, int h) {
+  return p.out + (static_cast<long long>(b) * p.q_len + ti) * p.s_o_t +
+         static_cast<long long>(h) * p.s_o_h;
+}
+
 // one thread's 16 output dims of the CTA's row r, normalized, straight from registers: v[2 k]
 // and v[2 k + 1] are dims d0 + PAIRS k and + 1 (PAIRS 2: d0 .. d0 + 15; 16: WE2 with pv8). The
 // bf16 result (8-byte stores: out rows are 8-byte aligned), or the split's partials (fp32, or
@@ -345,8 +351,7 @@ __device__ __forceinline__ void store_row16(const MlaParams& p, const CtaWork& w
     dst = reinterpret_cast<__nv_bfloat16*>(p.part) + split * p.s_ps + grow * DV + d0;
   } else {
     const int ti = div_small(row, p.H);
-    dst = p.out + (static_cast<long long>(b) * p.q_len + ti) * p.s_o_t +
-          static_cast<long long>(row - ti * p.H) * p.s_o_h + d0;
+    dst = out_row(p, b, ti, row - ti * p.H) + d0;
   }
   if constexpr (PAIRS != 2) {
 #pragma unroll
@@ -396,8 +401,7 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w,
     // heads on (wrapping into the next token)
     const int row0 = w.m0 + r0, ti = div_small(row0, p.H);
     int h = row0 - ti * p.H;
-    __nv_bfloat16* dst = p.out + (static_cast<long long>(b) * p.q_len + ti) * p.s_o_t +
-                         static_cast<long long>(h) * p.s_o_h + d;
+    __nv_bfloat16* dst = out_row(p, b, ti, h) + d;
     const long long wrap = p.s_o_t - static_cast<long long>(p.H) * p.s_o_h;
 #pragma unroll 4
     for (int r = r0; r < q_rows; r += RS, src += RS * OSTRIDE) {
