@@ -1,15 +1,16 @@
 """The wgmma kernels of another source tree against this one, in the same run, interleaved.
 
-    python benchmarks/ab_csrc.py --base DIR [--shapes bf16:32x1:32768,fp8:32x1:4096:32,...]
-        [--reps 3]
+    python benchmarks/ab_csrc.py --base DIR[,DIR2,...] [--shapes bf16:32x1:32768,...] [--reps 3]
     python benchmarks/ab_csrc.py --base-combine triton   # this tree, the Triton combine as base
     python benchmarks/ab_csrc.py --merge   # W merging inside its grid vs the combine kernel
 
 Why: a change to a header the wgmma kernels share (``csrc/sm90_wgmma.cuh``: a CTA's start, the
 query loads, the stores) moves every variant a little, often less than two calls on two
 machines differ (v12: ~1-3% between calls). This builds each kernel of
-``mla_decode_wgmma._KERNELS`` / ``_CLUSTER_KERNELS`` a second time from ``DIR`` (a copy of
-``mla_spec/kernels/csrc`` as it was, e.g. ``git archive HEAD mla_spec/kernels/csrc``), and per
+``mla_decode_wgmma._KERNELS`` / ``_CLUSTER_KERNELS`` and of the CUDA combine
+(``mla_decode_combine_cuda._KERNELS``) a second time from ``DIR`` (a copy of
+``mla_spec/kernels/csrc`` as it was, e.g. ``git archive HEAD mla_spec/kernels/csrc``; several
+comma-separated trees are each timed against this one in the same rotation), and per
 shape (``kv:HxQ:ctx[:bs]``, at the default variant and split count: ``paged_choice``) times the
 default call with the base kernels and with this tree's, per call in a replayed CUDA graph
 rotating KV copies past the L2, ``--reps`` times alternately, FlashInfer in the same run as the
@@ -37,6 +38,7 @@ from bench_mla import DV, PAGE, SM_SCALE, fi_wrapper, graph_time  # noqa: E402
 from bench_mla_breakdown import default_setup, parse_shapes  # noqa: E402
 from bench_nvfp4 import md_table  # noqa: E402
 
+from mla_spec.kernels import mla_decode_combine_cuda as mcc  # noqa: E402
 from mla_spec.kernels import mla_decode_wgmma as mw  # noqa: E402
 from mla_spec.kernels.cuda_driver import CudaKernel  # noqa: E402
 from mla_spec.kernels.mla_decode import mla_decode_ref  # noqa: E402
@@ -47,29 +49,29 @@ DEFAULT_SHAPES = ("bf16:32x1:32768,bf16:32x1:4096:32,fp8:32x1:4096:32,fp8:32x1:3
                   "bf16:128x1:4096:32,bf16:32x1:1024:128")
 
 
-def kernel_sets(base: Path | None, base_cuda_combine: bool = True,
+def kernel_sets(bases: list[Path | None], base_cuda_combine: bool = True,
                 new_merge: bool = False) -> dict[str, tuple]:
-    """{"base" | "new": (_KERNELS, _CLUSTER_KERNELS, COMBINE_CUDA, GRID_MERGE)}: the base
-    tree's kernels built from the same file and function names under ``base`` (None: this
-    tree's)."""
-    def rebuild(ks):
+    """{"new" | "base" | "base2" ...: (_KERNELS, _CLUSTER_KERNELS, combine kernels,
+    COMBINE_CUDA, GRID_MERGE)}: each base tree's kernels built from the same file and function
+    names under its folder (None: this tree's)."""
+    def rebuild(ks, base):
         if base is None:
             return dict(ks)
         return {k: CudaKernel(str(base / v.src.name), v.name, arch=v.arch) for k, v in ks.items()}
-    return {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS), mw.COMBINE_CUDA,
-                    new_merge or mw.GRID_MERGE),
-            "base": (rebuild(mw._KERNELS), rebuild(mw._CLUSTER_KERNELS), base_cuda_combine,
-                     False)}
+    sets = {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS), dict(mcc._KERNELS),
+                    mw.COMBINE_CUDA, new_merge or mw.GRID_MERGE)}
+    for i, base in enumerate(bases):
+        sets["base" + (str(i + 1) if i else "")] = (
+            rebuild(mw._KERNELS, base), rebuild(mw._CLUSTER_KERNELS, base),
+            rebuild(mcc._KERNELS, base), base_cuda_combine, False)
+    return sets
 
 
 def use(sets, name: str) -> None:
-    ks, cl, comb, merge = sets[name]
-    mw._KERNELS.clear()
-    mw._KERNELS.update(ks)
-    mw._CLUSTER_KERNELS.clear()
-    mw._CLUSTER_KERNELS.update(cl)
-    mw.COMBINE_CUDA = comb
-    mw.GRID_MERGE = merge
+    for table, ks in zip((mw._KERNELS, mw._CLUSTER_KERNELS, mcc._KERNELS), sets[name][:3]):
+        table.clear()
+        table.update(ks)
+    mw.COMBINE_CUDA, mw.GRID_MERGE = sets[name][3:]
 
 
 def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
@@ -87,9 +89,9 @@ def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
     ref = mla_decode_ref(tn, tp, flat, r2t, rpis[0], kv_lens, SM_SCALE, q_len=q).float()
     res = {"shape": f"{'fp8' if fp8 else 'bf16'} {h}x{q} ctx {ctx} bs {bs}",
            "variant": f"{cfg.tag}/sp{sp}"}
-    times = {"base": [], "new": []}
+    times = {name: [] for name in sets}
     try:
-        for name in ("base", "new"):
+        for name in sets:
             use(sets, name)
             calls[0]()
             err = (out.float() - ref).norm() / ref.norm()
@@ -97,7 +99,7 @@ def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
                 raise RuntimeError(f"{name} tree: norm error {err:.3g} at {res['shape']}")
             res[f"err_{name}"] = float(err)
         for _ in range(reps):
-            for name in ("base", "new"):
+            for name in sets:
                 use(sets, name)
                 times[name].append(graph_time(calls))
     finally:
@@ -105,7 +107,9 @@ def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
     for name, t in times.items():
         res[name] = min(t)
         res[f"{name}_range"] = f"{min(t):.2f}-{max(t):.2f}"
-    res["new/base"] = res["new"] / res["base"]
+    for name in sets:
+        if name != "new":
+            res[f"new/{name}"] = res["new"] / res[name]
     try:
         ws = [fi_wrapper(pool, perm[r * bs:(r + 1) * bs], bs, q, h, ctx, dev, kvd, True)
               for r in range(min(copies, 16))]
@@ -122,7 +126,8 @@ def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base", help="the other csrc directory (default: this tree's)")
+    ap.add_argument("--base", help="the other csrc directories, comma-separated (default: "
+                                   "this tree's)")
     ap.add_argument("--base-combine", choices=("cuda", "triton"), default="cuda",
                     help="the combine the base merges its splits with")
     ap.add_argument("--merge", action="store_true",
@@ -134,21 +139,25 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("ab_csrc: needs an sm_90 GPU (the wgmma kernels)")
         return
-    base = Path(args.base).resolve() if args.base else None
-    if base is not None and not (base / "sm90_wgmma.cuh").is_file():
-        raise SystemExit(f"ab_csrc: {base} has no sm90_wgmma.cuh (a copy of the csrc folder)")
+    bases = [Path(b).resolve() for b in args.base.split(",")] if args.base else [None]
+    for base in bases:
+        if base is not None and not (base / "sm90_wgmma.cuh").is_file():
+            raise SystemExit(f"ab_csrc: {base} has no sm90_wgmma.cuh (a copy of the csrc folder)")
     dev = torch.device("cuda")
-    sets = kernel_sets(base, args.base_combine == "cuda", args.merge)
+    sets = kernel_sets(bases, args.base_combine == "cuda", args.merge)
     rows = [shape_row(sets, *s, args.reps, dev) for s in parse_shapes(args.shapes)]
     def cell(key):
         def f(r):
             v = r.get(key, "-")
             return f"{v:.3f}" if isinstance(v, float) else v
         return f
-    cols = [(k, cell(k)) for k in ("shape", "variant", "base_range", "new_range", "new/base",
-                                   "fi", "fi/new", "TBps_new", "err_base", "err_new")]
+    names = [n for n in sets if n != "new"]
+    keys = (["shape", "variant"] + [f"{n}_range" for n in names] + ["new_range"]
+            + [f"new/{n}" for n in names] + ["fi", "fi/new", "TBps_new"]
+            + [f"err_{n}" for n in names] + ["err_new"])
+    cols = [(k, cell(k)) for k in keys]
     print(f"\nµs per call in a CUDA graph (min of {args.reps} alternating runs; base: "
-          f"{base or 'this tree'}, {args.base_combine} combine"
+          f"{', '.join(str(b or 'this tree') for b in bases)}, {args.base_combine} combine"
           f"{'; new: the merge inside the grid' if args.merge else ''})")
     print(md_table(cols, rows))
 

@@ -1,7 +1,7 @@
 """One attention call's two kernels on the global timer: the split kernel ``W`` and the combine.
 
     python benchmarks/bench_call_timeline.py [--ctx 32768] [--bs 1] [--splits 128]
-        [--triton-combine | --merge]
+        [--triton-combine | --merge] [--csrc DIR]
 
 Why: at batch 1 ctx 32k (issue 4's last open goal: >= 2.5 TB/s, 15.1 µs) a call is the split
 kernel plus the combine, and ``bench_mla_breakdown.py`` times the combine alone at ~3 µs
@@ -14,7 +14,12 @@ the last call: when each kernel's programs entered, were released by the PDL wai
 next call's split kernel's (the period is the graph's µs per call). ``--merge``: ``W`` merges
 its splits inside its grid (``mla_decode_wgmma.GRID_MERGE``, ``csrc/sm90_grid_merge.cuh``) and
 the merge's steps are stamped too (stores done, arrived, barrier open, loads in; docs/bench_mla.md
-v17). GPU only (sm_90, nvcc).
+v17). The rows ``split last tile: ...`` break the last tile's compute into its steps (Q K
+done, the warpgroups' S halves added, P^T stored after the softmax, P V done; stamped by
+thread 0, so after the barriers that follow each step; v18). The global timer advances in
+0.256 µs steps on the H200. ``--csrc DIR`` stamps ``W`` from a copy of the sources (a
+variant tree, e.g. one that prefetches into L2 before the PDL wait) instead of this tree's.
+GPU only (sm_90, nvcc).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import triton.language as tl
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_cta_phases import GM_WORD0, SPECS, phases, stamped_source  # noqa: E402
+import bench_cta_phases as cta  # noqa: E402
 
 from mla_spec.kernels import mla_decode_combine as mc  # noqa: E402
 from mla_spec.kernels import mla_decode_wgmma as mw  # noqa: E402
@@ -77,6 +82,8 @@ class _StampedLaunch:
 
 def _row(name: str, t: torch.Tensor) -> str:
     t = t[~torch.isnan(t)]
+    if not len(t):  # e.g. tile3 when a CTA streams fewer than four tiles
+        return f"| {name} | - | - | - |"
     return f"| {name} | {t.min():.2f} | {t.median():.2f} | {t.max():.2f} |"
 
 
@@ -91,6 +98,8 @@ def main(argv=None) -> None:
     ap.add_argument("--triton-combine", action="store_true",
                     help="merge with the Triton combine and stamp it too (default: the CUDA "
                          "combine, not stamped)")
+    ap.add_argument("--csrc", help="stamp W from this copy of the csrc folder (default: this "
+                                   "tree's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("bench_call_timeline: needs an sm_90 GPU (the wgmma kernels)")
@@ -100,8 +109,8 @@ def main(argv=None) -> None:
     real = mc._combine_kernel
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "W_stamped.cu"
-        path.write_text(stamped_source("W", CSRC))
-        kernel = CudaKernel(str(path), SPECS["W"]["name"], arch="sm_90a")
+        path.write_text(cta.stamped_source("W", Path(args.csrc).resolve() if args.csrc else CSRC))
+        kernel = CudaKernel(str(path), cta.SPECS["W"]["name"], arch="sm_90a")
         keep = mw.COMBINE_CUDA, mw.GRID_MERGE
         try:
             mc._combine_kernel = _StampedLaunch(stamps)
@@ -109,7 +118,7 @@ def main(argv=None) -> None:
             mw.GRID_MERGE = args.merge
             merged = mw.grid_merges(mw.WgmmaKind().key(torch.bfloat16), args.splits,
                                     args.splits * args.bs, 32, dev)
-            us, us_st, rel, _, raw = phases("W", kernel, args.ctx, args.bs, args.splits, dev,
+            us, us_st, rel, _, raw = cta.phases("W", kernel, args.ctx, args.bs, args.splits, dev,
                                             raw=True)
         finally:
             mc._combine_kernel, (mw.COMBINE_CUDA, mw.GRID_MERGE) = real, keep
@@ -117,18 +126,25 @@ def main(argv=None) -> None:
     cs = cs[cs[:, 0] != 0].double()
     t0 = float(raw[:, 0].min())
     c = (cs - t0) / 1e3
-    names = SPECS["W"]["phases"]
+    names = cta.SPECS["W"]["phases"]
     comb = "Triton combine (stamped)" if args.triton_combine else "CUDA combine"
     if merged:
         comb = "the merge inside its grid (split merged)"
-    print(f"\nW + {comb}, H 32 q 1 bf16, bs {args.bs}, ctx {args.ctx}, {args.splits} splits: "
+    src = f" from {args.csrc}" if args.csrc else ""
+    print(f"\nW{src} + {comb}, H 32 q 1 bf16, bs {args.bs}, ctx {args.ctx}, {args.splits} splits: "
           f"{us_st:.2f} µs per call in a graph, W stamped ({us:.2f} unstamped); µs after the "
           "split kernel's first entry, the last call of the graph")
     print("| event | min | median | max |\n|---|---|---|---|")
-    for ev in ("entry", "begun", "prod0", "tile0", "loopend", "end", "merged"):
+    for ev in ("entry", "begun", "prod0", "tile0", "tile1", "tile2", "tile3", "loopend", "end",
+               "merged"):
         print(_row(f"split {ev}", rel[:, names.index(ev)]))
-    gm = raw[:, GM_WORD0:GM_WORD0 + 4].double()
-    gm[raw[:, GM_WORD0:GM_WORD0 + 4] == 0] = float("nan")
+    lt = raw[:, cta.LT_WORD0:cta.LT_WORD0 + 4].double()
+    lt[raw[:, cta.LT_WORD0:cta.LT_WORD0 + 4] == 0] = float("nan")
+    lt = (lt - t0) / 1e3
+    for i, ev in enumerate(cta.LAST_TILE_STEPS):
+        print(_row(f"split last tile: {ev}", lt[:, i]))
+    gm = raw[:, cta.GM_WORD0:cta.GM_WORD0 + 4].double()
+    gm[raw[:, cta.GM_WORD0:cta.GM_WORD0 + 4] == 0] = float("nan")
     gm = (gm - t0) / 1e3
     for i, ev in enumerate(("stores done", "arrived (not last)", "barrier open", "loads in")):
         if not torch.isnan(gm[:, i]).all():

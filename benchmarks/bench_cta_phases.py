@@ -31,7 +31,9 @@ stored). ``W`` (H 32 q 1 on a bf16 cache; batch 1 ctx 32k is ``--bs 1 --ctx 3276
 first four tiles landed), ``loopend``, ``staged`` (O in the fp32 staging), ``finished``
 (the rows' factors and lse), ``end`` (rows stored), ``merged`` (its share of the merge inside
 the grid done, when ``mla_decode_wgmma.GRID_MERGE`` is on; the merge's own steps go to the
-words from ``GM_WORD0`` on through ``GM_STAMP``). GPU only (sm_90 and nvcc).
+words from ``GM_WORD0`` on through ``GM_STAMP``; the last tile's steps, ``LAST_TILE_STEPS``,
+to the words from ``LT_WORD0`` on, printed by ``bench_call_timeline.py``). GPU only (sm_90 and
+nvcc).
 """
 
 from __future__ import annotations
@@ -64,12 +66,19 @@ _ENTRY = ("const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;\n",
 
 
 #: words of a CTA's row of the stamp buffer: its phases and tile count, then from GM_WORD0 the
-#: steps of W's merge inside the grid (GM_STAMP in csrc/sm90_grid_merge.cuh)
-WORDS, GM_WORD0 = 24, 16
+#: steps of W's merge inside the grid (GM_STAMP in csrc/sm90_grid_merge.cuh), from LT_WORD0
+#: W's last tile: Q K done, the S halves added, P^T stored, P V done (LAST_TILE_STEPS)
+WORDS, GM_WORD0, LT_WORD0 = 24, 16, 20
+LAST_TILE_STEPS = ("Q K done", "S halves added", "P^T stored", "P V done")
 _GM_STAMP = ("#define GM_STAMP(i) asm volatile(\"mov.u64 %0, %%globaltimer;\" : \"=l\"("
              "(reinterpret_cast<unsigned long long*>(const_cast<__nv_bfloat16*>(wp.m.kv)) + "
              f"((blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x) * {WORDS})"
              f"[{GM_WORD0} + (i)]) :: \"memory\")\n")
+
+
+def _last_tile_stamp(k: int) -> str:
+    """W's step k of its last tile, by thread 0, into word LT_WORD0 + k (through GM_STAMP)."""
+    return f"    if (tid == 0 && it + 1 == w.ntiles) GM_STAMP({LT_WORD0 - GM_WORD0 + k});\n"
 
 
 def _dump(n: int) -> str:
@@ -154,6 +163,10 @@ SPECS = {
              "  if (tid == 0) { st_[0] = st0_; st_[1] = gtime(); }\n"),
             ("named_barrier(1, NT);  // the queries are in shared memory (consumer warps only "
              "from here)\n", "  if (tid == 0) st_[4] = gtime();\n"),
+            ("    wgmma_commit();\n    wgmma_wait0();\n", _last_tile_stamp(0)),
+            ("    add_other_half(s, xmine, xother);\n", _last_tile_stamp(1)),
+            ("    named_barrier(1, NT);  // P^T complete\n", _last_tile_stamp(2)),
+            ("    });  // then the stage is free\n", _last_tile_stamp(3)),
             ("    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);\n",
              "    if (it < 4 && tid == 0) st_[5 + it] = gtime();\n"),
             ("  stage_o<NA>(ost, o, wg, wq, g, t4);\n  named_barrier(1, NT);\n",

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from mla_spec.quant.fp8 import FP8_DTYPE
@@ -56,7 +57,8 @@ def test_cta_phase_stamps_find_their_anchors_and_compile():
                "st_[5] = ", "st_[6 + wg] = ", "st_[8] = ", "st_[9] = "],
         "W": ["st_[0] = st0_", "st_[1] = ", "st_[2] = ", "st_[3] = ", "st_[4] = ",
               "st_[5 + it] = ", "st_[9] = ", "st_[10] = ", "st_[11] = ", "st_[12] = ",
-              "st_[13] = ", "#define GM_STAMP(i)"],
+              "st_[13] = ", "#define GM_STAMP(i)", "GM_STAMP(4);", "GM_STAMP(5);",
+              "GM_STAMP(6);", "GM_STAMP(7);"],
     }
     assert [len(bp.SPECS[k]["phases"]) for k in ("WE2", "WR", "W")] == [12, 10, 14]
     nvcc = os.environ.get("MLA_SPEC_NVCC")
@@ -113,3 +115,22 @@ def test_ncu_stall_table_parses_the_source_page():
     assert hot[1]["sass"] == "LDS R22, [R8+0x38020]" and hot[1]["reasons"][0] == ("barrier", 55)
     text = ns.report(shares, hot)
     assert "| wait | 92.4% |" in text and "`LDS R22, [R8+0x38020]`" in text
+
+
+def test_variant_trees_apply_to_this_tree(tmp_path):
+    """benchmarks/variant_trees.py patches copies of the kernel sources at fixed anchors: each
+    variant must still find its anchors in this tree and change its files, and a moved anchor
+    must fail loudly (a silent no-op would time the unchanged tree as the variant)."""
+    vt = _load("variant_trees")
+    for name, edits in vt.VARIANTS.items():
+        d = vt.make_tree(tmp_path, name)
+        for fname, _, new in edits:
+            assert new in (d / fname).read_text(), (name, fname)
+        changed = {f for f, _, _ in edits}
+        for f in changed:
+            assert (d / f).read_text() != (vt.CSRC / f).read_text(), (name, f)
+    src = tmp_path / "moved"
+    vt.shutil.copytree(vt.CSRC, src)
+    (src / "mla_combine.cu").write_text("// no trigger here\n")
+    with pytest.raises(ValueError, match="anchor moved"):
+        vt.make_tree(tmp_path / "out", "ec", csrc=src)

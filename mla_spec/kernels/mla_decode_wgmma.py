@@ -51,7 +51,8 @@ _SOURCES = {32: ("mla_wgmma_sm90.cu", 288), 16: ("mla_wgmma_sm90.cu", 288),
             64: ("mla_wgmma64_sm90.cu", 384)}
 WGMMA_BLOCK_M = tuple(_SOURCES)
 #: (rows per CTA, l2 prefetch) pairs compiled for a bf16 cache: ``prefetch`` puts the split's
-#: first tiles into L2 before the PDL wait (suffix ``p``)
+#: first tiles into L2 before the PDL wait (suffix ``p``; no default takes it: slower at every
+#: shape measured, and the tiles it asks for still arrive at the HBM pace, docs/bench_mla.md v18)
 WGMMA_KERNELS = ((32, False), (16, False), (64, False), (32, True), (64, True))
 #: rows per CTA compiled for an e4m3 cache (suffix ``_f8``; no prefetch)
 WGMMA_FP8_BLOCK_M = (32, 16, 64)

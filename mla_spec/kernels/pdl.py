@@ -27,7 +27,10 @@ statement):
    rows are written by the kernel just before) and compute everything else after the wait:
    0.1-1.8 µs per call at batch 1 (H200, sixth session). Prefetching a weight kernel's whole
    slice the same way was tried and measured slower (the DECODE layer 119.9 -> 132.6 µs:
-   the prefetches compete with the kernel's own loads), so the weight kernels do not.
+   the prefetches compete with the kernel's own loads), so the weight kernels do not. The
+   CUDA wgmma kernels keep it off (their ``p`` builds have it): at batch 1 ctx 32k every form
+   of it (tensor, bulk, per line) made a call 0.3-5.8 µs slower, and tiles prefetched 6 µs
+   ahead still arrived at the HBM pace (H200, twentieth session, docs/bench_mla.md v18).
 5. *The attention split kernels trigger late.* They wait first (:func:`gdc_wait`) but let the
    next grid (the split combine) launch only after their KV loop (:func:`gdc_launch`). With
    the trigger at the start, the combine's programs were launched at once and sat resident
