@@ -23,7 +23,10 @@ moved), timed against this tree in one run (docs/bench_mla.md v18: none was kept
   with ``pf2`` / ``pf4``;
 - ``headd`` / ``pf2d`` / ``pfl2d``: the producer waits 6 µs after the PDL wait before its
   first load, without / with the prefetch (a prefetched tile in L2 would land at once);
-- ``qk2``: ``W``'s Q K as two independent accumulator chains (even and odd k16 steps).
+- ``qk2``: ``W``'s Q K as two independent accumulator chains (even and odd k16 steps);
+- ``lazy``: ``W``'s running max moves only when a tile's max passes it by more than 8 (log2
+  units), so O is rarely rescaled after the first tile; ``lazyex2``: and the softmax's exp2
+  as ``ex2.approx.ftz``.
 """
 
 from __future__ import annotations
@@ -89,6 +92,21 @@ _QK2_CALL = (_W, "    float s[NA];\n    zero_acc(s);\n    wgmma_fence();\n"
              "    wgmma_commit();\n    wgmma_wait0();\n#pragma unroll\n"
              "    for (int i = 0; i < NA; ++i) s[i] += s2[i];\n")
 
+# the running max moves only when a tile's max passes it by more than 8 (log2 units): P <= 2^8,
+# O is rescaled (and alpha's exp2 run) only then; exact up to rounding (W only: WE8 scales P by
+# 256 into e4m3)
+_LAZY_TPL = (_HDR, "template <int NC>\n__device__ __forceinline__ bool tile_softmax(",
+             "template <int NC, int TAU = 0>\n__device__ __forceinline__ bool tile_softmax(")
+_LAZY_MAX = (_HDR, "    m_use[c] = v == -INFINITY ? 0.f : v;\n"
+             "    alpha[c] = exp2f(m_r[c] - m_use[c]);\n",
+             "    if (TAU > 0 && v <= m_r[c] + TAU) v = m_r[c];\n"
+             "    m_use[c] = v == -INFINITY ? 0.f : v;\n"
+             "    alpha[c] = v != m_r[c] ? exp2f(m_r[c] - m_use[c]) : 1.f;\n")
+_LAZY_CALL = (_W, "tile_softmax<NC>(s, m_r, l_r, alpha, red + wg * 4 * BM, BM, t4);",
+              "tile_softmax<NC, 8>(s, m_r, l_r, alpha, red + wg * 4 * BM, BM, t4);")
+_EX2 = (_HDR, "      s[i] = exp2f(s[i] - m_use[c]);\n",
+        '      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(s[i]) : "f"(s[i] - m_use[c]));\n')
+
 #: variant name -> its (file, old text, new text) replacements, applied in order
 VARIANTS: dict[str, tuple] = {
     "pf1": (_PF_ON, _tiles(1)),
@@ -103,6 +121,8 @@ VARIANTS: dict[str, tuple] = {
     "pf2d": (_PF_ON, _DELAY),
     "pfl2d": (_PF_ON, _LANES_OUT, _LANES, _DELAY),
     "qk2": (_QK2_FN, _QK2_CALL),
+    "lazy": (_LAZY_TPL, _LAZY_MAX, _LAZY_CALL),
+    "lazyex2": (_LAZY_TPL, _LAZY_MAX, _LAZY_CALL, _EX2),
 }
 
 
