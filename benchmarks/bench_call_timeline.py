@@ -146,6 +146,8 @@ def main(argv=None) -> None:
     gm = raw[:, cta.GM_WORD0:cta.GM_WORD0 + 4].double()
     gm[raw[:, cta.GM_WORD0:cta.GM_WORD0 + 4] == 0] = float("nan")
     gm = (gm - t0) / 1e3
+    # the last CTA to arrive does not stamp "arrived": its word is an earlier replay's
+    gm[:, 1][gm[:, 1] < gm[:, 0]] = float("nan")
     for i, ev in enumerate(("stores done", "arrived (not last)", "barrier open", "loads in")):
         if not torch.isnan(gm[:, i]).all():
             print(_row(f"merge: {ev}", gm[:, i]))
