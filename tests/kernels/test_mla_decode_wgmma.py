@@ -4,8 +4,9 @@ through its whole matrix of lengths, q_len, H, pages and index dtypes).
 
 CPU: the parameter struct's layout against the source, the compiled instantiations against
 ``WGMMA_BLOCK_M``, shared memory within the H200's 227 KB, an nvcc compile for sm_90a when nvcc
-is present, the refusal messages. GPU: contexts up to 32k with up to 128 splits, and the bf16
-cache's tail slots past kv_len holding NaN (they must be masked, never multiplied in).
+is present, the refusal messages. GPU: contexts up to 32k with up to 128 splits, the bf16
+cache's tail slots past kv_len holding NaN (they must be masked, never multiplied in), and
+scores whose running max moves late and far.
 """
 
 from __future__ import annotations
@@ -140,6 +141,38 @@ def test_long_contexts_and_nan_tails(name, lens, splits):
     assert torch.isfinite(out).all()
     err = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
     assert err.item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["W", "W16"])
+@pytest.mark.parametrize("splits", [1, 4, 128])
+def test_scores_that_pass_the_running_max_late(name, splits):
+    """The online softmax across tiles and splits when the max moves late and far: a token
+    with a score ~30 log2 units above the rest deep in the context (head 3), scores rising ~2.5
+    units a tile along the whole context (head 5: the running max moves at every tile) and a
+    spike in the last token (head 7) must all give the reference's output and lse (random
+    scores move the max mostly in the first tiles). The twentieth session's softmax step
+    without the max reduction (docs/bench_mla.md v18) passed it too."""
+    n = 8192
+    qn, qp, kv, r2t, rpi, kl = _long_case([n], 32, 64, seed=7 + splits, nan_tail=False)
+    slots = r2t[0, :n].long()
+    q3 = torch.cat([qn[0, 3], qp[0, 3]]).float()
+    kv[slots[5000]] = (q3 * 30 / (q3.norm() ** 2 * SM * 1.4427)).to(kv.dtype) + kv[slots[5000]]
+    q5 = torch.cat([qn[0, 5], qp[0, 5]]).float()
+    ramp = torch.arange(n, device=kv.device).float() / 64 * 2.5
+    kv[slots] += (ramp[:, None] * q5 / (q5.norm() ** 2 * SM * 1.4427)).to(kv.dtype)
+    q7 = torch.cat([qn[0, 7], qp[0, 7]]).float()
+    kv[slots[n - 1]] += (q7 * 40 / (q7.norm() ** 2 * SM * 1.4427)).to(kv.dtype)
+    ref, lse_ref = mla_decode_ref(qn, qp, kv, r2t, rpi, kl, SM, q_len=1, return_lse=True)
+    out, lse = mla_decode_paged(qn, qp, kv, r2t, rpi, kl, SM, page_size=64, q_len=1,
+                                num_splits=splits, config=PAGED_VARIANTS[name], max_kv=n,
+                                return_lse=True)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    for h in range(32):
+        err = (out[0, h].float() - ref[0, h].float()).abs().max() / ref[0, h].float().abs().max()
+        assert err.item() < 1e-2, h
+    assert torch.allclose(lse.float(), lse_ref.float(), atol=2e-2, rtol=1e-3)
 
 
 def test_tensor_map_rejects_what_tma_cannot_take():
