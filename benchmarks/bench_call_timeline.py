@@ -87,6 +87,13 @@ def _row(name: str, t: torch.Tensor) -> str:
     return f"| {name} | {t.min():.2f} | {t.median():.2f} | {t.max():.2f} |"
 
 
+def _stamp_words(raw: torch.Tensor, word0: int, t0: float) -> torch.Tensor:
+    """The four stamp words from ``word0`` of every CTA, µs after ``t0`` (NaN: not stamped)."""
+    w = raw[:, word0:word0 + 4].double()
+    w[w == 0] = float("nan")
+    return (w - t0) / 1e3
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ctx", type=int, default=32768)
@@ -138,14 +145,10 @@ def main(argv=None) -> None:
     for ev in ("entry", "begun", "prod0", "tile0", "tile1", "tile2", "tile3", "loopend", "end",
                "merged"):
         print(_row(f"split {ev}", rel[:, names.index(ev)]))
-    lt = raw[:, cta.LT_WORD0:cta.LT_WORD0 + 4].double()
-    lt[raw[:, cta.LT_WORD0:cta.LT_WORD0 + 4] == 0] = float("nan")
-    lt = (lt - t0) / 1e3
+    lt = _stamp_words(raw, cta.LT_WORD0, t0)
     for i, ev in enumerate(cta.LAST_TILE_STEPS):
         print(_row(f"split last tile: {ev}", lt[:, i]))
-    gm = raw[:, cta.GM_WORD0:cta.GM_WORD0 + 4].double()
-    gm[raw[:, cta.GM_WORD0:cta.GM_WORD0 + 4] == 0] = float("nan")
-    gm = (gm - t0) / 1e3
+    gm = _stamp_words(raw, cta.GM_WORD0, t0)
     # the last CTA to arrive does not stamp "arrived": its word is an earlier replay's
     gm[:, 1][gm[:, 1] < gm[:, 0]] = float("nan")
     for i, ev in enumerate(("stores done", "arrived (not last)", "barrier open", "loads in")):

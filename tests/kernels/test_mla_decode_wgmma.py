@@ -156,13 +156,15 @@ def test_scores_that_pass_the_running_max_late(name, splits):
     n = 8192
     qn, qp, kv, r2t, rpi, kl = _long_case([n], 32, 64, seed=7 + splits, nan_tail=False)
     slots = r2t[0, :n].long()
-    q3 = torch.cat([qn[0, 3], qp[0, 3]]).float()
-    kv[slots[5000]] = (q3 * 30 / (q3.norm() ** 2 * SM * 1.4427)).to(kv.dtype) + kv[slots[5000]]
-    q5 = torch.cat([qn[0, 5], qp[0, 5]]).float()
+
+    def unit(h):  # a KV row direction that adds one log2 unit to head h's score
+        q = torch.cat([qn[0, h], qp[0, h]]).float()
+        return q / (q.norm() ** 2 * SM * 1.4427)
+
+    kv[slots[5000]] += (30 * unit(3)).to(kv.dtype)
     ramp = torch.arange(n, device=kv.device).float() / 64 * 2.5
-    kv[slots] += (ramp[:, None] * q5 / (q5.norm() ** 2 * SM * 1.4427)).to(kv.dtype)
-    q7 = torch.cat([qn[0, 7], qp[0, 7]]).float()
-    kv[slots[n - 1]] += (q7 * 40 / (q7.norm() ** 2 * SM * 1.4427)).to(kv.dtype)
+    kv[slots] += (ramp[:, None] * unit(5)).to(kv.dtype)
+    kv[slots[n - 1]] += (40 * unit(7)).to(kv.dtype)
     ref, lse_ref = mla_decode_ref(qn, qp, kv, r2t, rpi, kl, SM, q_len=1, return_lse=True)
     out, lse = mla_decode_paged(qn, qp, kv, r2t, rpi, kl, SM, page_size=64, q_len=1,
                                 num_splits=splits, config=PAGED_VARIANTS[name], max_kv=n,
