@@ -3,6 +3,7 @@
     python benchmarks/ab_csrc.py --base DIR[,DIR2,...] [--shapes bf16:32x1:32768,...] [--reps 3]
     python benchmarks/ab_csrc.py --base-combine triton   # this tree, the Triton combine as base
     python benchmarks/ab_csrc.py --merge   # W merging inside its grid vs the combine kernel
+    python benchmarks/ab_csrc.py --early   # the first KV tile before the PDL wait vs after
 
 Why: a change to a header the wgmma kernels share (``csrc/sm90_wgmma.cuh``: a CTA's start, the
 query loads, the stores) moves every variant a little, often less than two calls on two
@@ -18,7 +19,10 @@ peer. Each tree's output is checked against the reference first (the e4m3 kernel
 twin: queries rounded per row). ``--base-combine triton`` makes the base merge its splits with
 the Triton combine (``mla_decode_wgmma.COMBINE_CUDA`` off; with or without ``--base``);
 ``--merge`` makes this tree's calls merge their splits inside the split grid where they can
-(``mla_decode_wgmma.GRID_MERGE`` on) and the base's in a combine kernel.
+(``mla_decode_wgmma.GRID_MERGE`` on) and the base's in a combine kernel; ``--early`` makes
+this tree's calls load their first KV tile before the PDL wait (``mla_decode_wgmma.EARLY_KV``:
+the graph's calls meet its contract) and the base's after it (without ``--base``, the base
+is this tree).
 GPU only (sm_90, nvcc); a table last.
 """
 
@@ -50,28 +54,31 @@ DEFAULT_SHAPES = ("bf16:32x1:32768,bf16:32x1:4096:32,fp8:32x1:4096:32,fp8:32x1:3
 
 
 def kernel_sets(bases: list[Path | None], base_cuda_combine: bool = True,
-                new_merge: bool = False) -> dict[str, tuple]:
+                new_merge: bool = False, new_early: bool = False) -> dict[str, tuple]:
     """{"new" | "base" | "base2" ...: (_KERNELS, _CLUSTER_KERNELS, combine kernels,
-    COMBINE_CUDA, GRID_MERGE)}: each base tree's kernels built from the same file and function
-    names under its folder (None: this tree's)."""
+    _EARLY_KERNELS, COMBINE_CUDA, GRID_MERGE, EARLY_KV)}: each base tree's kernels built from
+    the same file and function names under its folder (None: this tree's)."""
     def rebuild(ks, base):
         if base is None:
             return dict(ks)
         return {k: CudaKernel(str(base / v.src.name), v.name, arch=v.arch) for k, v in ks.items()}
     sets = {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS), dict(mcc._KERNELS),
-                    mw.COMBINE_CUDA, new_merge or mw.GRID_MERGE)}
+                    dict(mw._EARLY_KERNELS), mw.COMBINE_CUDA, new_merge or mw.GRID_MERGE,
+                    new_early or mw.EARLY_KV)}
     for i, base in enumerate(bases):
         sets["base" + (str(i + 1) if i else "")] = (
             rebuild(mw._KERNELS, base), rebuild(mw._CLUSTER_KERNELS, base),
-            rebuild(mcc._KERNELS, base), base_cuda_combine, False)
+            rebuild(mcc._KERNELS, base), rebuild(mw._EARLY_KERNELS, base), base_cuda_combine,
+            False, False)
     return sets
 
 
 def use(sets, name: str) -> None:
-    for table, ks in zip((mw._KERNELS, mw._CLUSTER_KERNELS, mcc._KERNELS), sets[name][:3]):
+    for table, ks in zip((mw._KERNELS, mw._CLUSTER_KERNELS, mcc._KERNELS, mw._EARLY_KERNELS),
+                         sets[name][:4]):
         table.clear()
         table.update(ks)
-    mw.COMBINE_CUDA, mw.GRID_MERGE = sets[name][3:]
+    mw.COMBINE_CUDA, mw.GRID_MERGE, mw.EARLY_KV = sets[name][4:]
 
 
 def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
@@ -133,6 +140,9 @@ def main(argv=None) -> None:
     ap.add_argument("--merge", action="store_true",
                     help="this tree merges its splits inside the grid where it can (the base "
                          "never does)")
+    ap.add_argument("--early", action="store_true",
+                    help="this tree's calls load their first KV tile before the PDL wait "
+                         "(mla_decode_wgmma.EARLY_KV; the base's never do)")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="kv:HxQ:ctx[:bs],...")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
@@ -144,7 +154,7 @@ def main(argv=None) -> None:
         if base is not None and not (base / "sm90_wgmma.cuh").is_file():
             raise SystemExit(f"ab_csrc: {base} has no sm90_wgmma.cuh (a copy of the csrc folder)")
     dev = torch.device("cuda")
-    sets = kernel_sets(bases, args.base_combine == "cuda", args.merge)
+    sets = kernel_sets(bases, args.base_combine == "cuda", args.merge, args.early)
     rows = [shape_row(sets, *s, args.reps, dev) for s in parse_shapes(args.shapes)]
     def cell(key):
         def f(r):
@@ -158,7 +168,8 @@ def main(argv=None) -> None:
     cols = [(k, cell(k)) for k in keys]
     print(f"\nµs per call in a CUDA graph (min of {args.reps} alternating runs; base: "
           f"{', '.join(str(b or 'this tree') for b in bases)}, {args.base_combine} combine"
-          f"{'; new: the merge inside the grid' if args.merge else ''})")
+          f"{'; new: the merge inside the grid' if args.merge else ''}"
+          f"{'; new: early KV loads' if args.early else ''})")
     print(md_table(cols, rows))
 
 

@@ -105,7 +105,8 @@ SPECS = {
                 "wg1end", "mrg0", "scales", "end"],
         after=[
             ("namespace {\n", _GTIME), _ENTRY,
-            ("NS>(wp, split, mb, b, tid, full, empty, w, qload)) return;\n",
+            (("w, qload, kv_s))\n    return;\n",
+              "NS>(wp, split, mb, b, tid, full, empty, w, qload)) return;\n"),
              "  if (tid == 0) { st_[0] = st0_; st_[1] = gtime(); }\n"),
             ("store_queries_e4m3(qload, q_s, qmax, tid);\n", "  if (tid == 0) st_[4] = gtime();\n"),
             ("mbar_wait(&full[stage], (it / NS) & 1);\n",
@@ -159,7 +160,8 @@ SPECS = {
         after=[
             ("namespace {\n", _GTIME),
             (_ENTRY[0], _ENTRY[1] + "  if (tid == 0) st_[5] = st_[6] = st_[7] = st_[8] = 0;\n"),
-            ("if (!cta_begin<BM, L2PF>(wp, split, mb, b, tid, full, empty, w, qload)) return;\n",
+            (("w, qload, kv_s))\n    return;\n",
+              "if (!cta_begin<BM, L2PF>(wp, split, mb, b, tid, full, empty, w, qload)) return;\n"),
              "  if (tid == 0) { st_[0] = st0_; st_[1] = gtime(); }\n"),
             ("named_barrier(1, NT);  // the queries are in shared memory (consumer warps only "
              "from here)\n", "  if (tid == 0) st_[4] = gtime();\n"),
@@ -196,10 +198,13 @@ def stamped_source(kernel: str = "WE2", csrc: Path = CSRC) -> str:
     header change)."""
     spec = SPECS[kernel]
     src = (csrc / spec["source"]).read_text()
-    for anchor, text in spec["after"]:
-        if src.count(anchor) != 1:
-            raise RuntimeError(f"anchor moved in {spec['source']}: {anchor!r}")
-        src = src.replace(anchor, anchor + text)
+    for anchors, text in spec["after"]:
+        # an anchor may have forms (a tuple): this tree's and an older tree's (--csrc)
+        found = [a for a in ((anchors,) if isinstance(anchors, str) else anchors)
+                 if src.count(a) == 1]
+        if not found:
+            raise RuntimeError(f"anchor moved in {spec['source']}: {anchors!r}")
+        src = src.replace(found[0], found[0] + text)
     for old, new in spec["replace"]:
         if src.count(old) != 1:
             raise RuntimeError(f"anchor moved in {spec['source']}: {old!r}")
@@ -235,11 +240,18 @@ def phases(kernel: str, stamped: CudaKernel, ctx: int, bs: int, splits: int, dev
         return m, part, part_lse
 
     us = graph_time(calls)
+    # with early_kv (MLA_SPEC_EARLY_KV=1) the call runs the kernel's _ek build: stamp it too
+    real_ek = mw._EARLY_KERNELS.get(spec["key"])
     try:
         mw._KERNELS[spec["key"]], mw.split_params = stamped, stamping_split_params
+        if real_ek is not None:
+            mw._EARLY_KERNELS[spec["key"]] = CudaKernel(str(stamped.src), stamped.name + "_ek",
+                                                        arch=stamped.arch)
         us_stamped = graph_time(calls)  # the last call's stamps stay in the buffer
     finally:
         mw._KERNELS[spec["key"]], mw.split_params = real, real_split_params
+        if real_ek is not None:
+            mw._EARLY_KERNELS[spec["key"]] = real_ek
     st = stamps.cpu()
     st = st[st[:, 0] != 0]
     t = st[:, :n].double()

@@ -39,7 +39,7 @@ from pathlib import Path
 CSRC = Path(__file__).resolve().parent.parent / "mla_spec" / "kernels" / "csrc"
 _W, _HDR, _COMB = "mla_wgmma_sm90.cu", "sm90_wgmma.cuh", "mla_combine.cu"
 
-_PF_ON = (_W, "MLA_WGMMA(32, false, KV_BF16, )\n", "MLA_WGMMA(32, true, KV_BF16, )\n")
+_PF_ON = (_W, "MLA_WGMMA(32, false, KV_BF16, , false)\n", "MLA_WGMMA(32, true, KV_BF16, , false)\n")
 _PF_LOOP = "        for (int t = 0; t < STAGES && t < pw.ntiles; ++t) {\n"
 _PF_BOXES = ("#pragma unroll\n"
              "          for (int c = 0; c < NCH; ++c) tma_prefetch_2d(&p.kv_map, c * 64, slot0);\n")
@@ -63,14 +63,12 @@ _LANES = (_HDR, "          const int slot0 = r2t_row[t * BN];\n" + _PF_BOXES,
           "              p.m.kv + static_cast<long long>(r2t_row[t * BN]) * DK);\n"
           "          for (int l = tid & 31; l < BN * DK * 2 / 128; l += 32)\n"
           '            asm volatile("prefetch.global.L2 [%0];\\n" ::"l"(line0 + l * 128));\n')
-_DELAY = (_HDR, "  const int* r2t_row = p.m.r2t + w.req * p.m.s_r2t + w.lo;\n"
-          "  for (int it = 0; it < w.ntiles; ++it) {\n",
+_DELAY = (_HDR, "  for (int it = w.early; it < w.ntiles; ++it) {\n",
           "  {\n    unsigned long long t0, t1;\n"
           '    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));\n'
           '    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t1)); } while (t1 - t0 < '
           "6000ull);\n  }\n"
-          "  const int* r2t_row = p.m.r2t + w.req * p.m.s_r2t + w.lo;\n"
-          "  for (int it = 0; it < w.ntiles; ++it) {\n")
+          "  for (int it = w.early; it < w.ntiles; ++it) {\n")
 _QK2_FN = (_W, "template <int BM, bool F16>\n__device__ __forceinline__ void qk_half(",
            "template <int BM, bool F16>\n"
            "__device__ __forceinline__ void qk_half2(float (&s)[BM / 2], float (&s2)[BM / 2],\n"

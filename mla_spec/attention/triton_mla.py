@@ -48,14 +48,19 @@ class TritonMLABackend(MLABackend):
     fp16), ``e4m3_probs`` (default True: those kernels may round the softmax weights to e4m3
     too, for e4m3 P V MMAs, as TRT-LLM-gen does; False keeps them in fp16). The errors they
     add: ``quant.fp8.fp8_query_attention_error_bound`` and
-    ``fp8_probability_attention_error_bound``."""
+    ``fp8_probability_attention_error_bound``. ``early_kv`` (default False): in the fixed-row
+    modes the wgmma kernels (H200) load their first KV tile before their PDL wait, overlapping
+    the kernel ahead of them (batch 1 ctx 32k: fp8 ~4%, bf16 ~1% a call; docs/bench_mla.md
+    v19). Turn it on only where the layer's KV store writes just the step's rows (each
+    request's last ``q_len``) and the page table and lengths were written at the step's start,
+    as in a decode loop; not where a whole cache is written just before the call."""
 
     name = "triton"
 
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
                  num_splits: int | None = None, fp8_dot: int = 0,
                  config: MLAKernelConfig | PagedConfig | None = None, kernel: str = "auto",
-                 e4m3_queries: bool = True, e4m3_probs: bool = True):
+                 e4m3_queries: bool = True, e4m3_probs: bool = True, early_kv: bool = False):
         super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
         if kernel not in _KERNELS:
             raise ValueError(f"kernel {kernel!r}: choose one of {', '.join(_KERNELS)}")
@@ -63,6 +68,7 @@ class TritonMLABackend(MLABackend):
             raise ValueError("a PagedConfig needs kernel='paged' or 'auto'")
         self.num_splits, self.fp8_dot, self.config = num_splits, fp8_dot, config
         self.e4m3_queries, self.e4m3_probs = e4m3_queries, e4m3_probs
+        self.early_kv = bool(early_kv)
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 4)
         pool = kv_pool
@@ -129,7 +135,7 @@ class TritonMLABackend(MLABackend):
                 q_nope, q_pe, kv_flat, self.req_to_token, plan.req_pool_indices, plan.kv_lens,
                 self.softmax_scale, page_size=pool.page_size, max_kv=plan.max_kv,
                 num_splits=plan.extra["paged_splits"], config=plan.extra["paged_config"],
-                **common)
+                early_kv=self.early_kv and not plan.extra["ragged"], **common)
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)
                else default_config((plan.fixed_q or plan.max_q) * self.num_heads,
                                    q_nope.dtype, pool.dtype, self.device))

@@ -237,7 +237,8 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                      max_q: int | None = None, max_kv: int | None = None,
                      num_splits: int | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, config: PagedConfig | None = None,
-                     num_sms: int | None = None, counters: torch.Tensor | None = None):
+                     num_sms: int | None = None, counters: torch.Tensor | None = None,
+                     early_kv: bool | None = None):
     """Paged fast path of :func:`mla_spec.kernels.mla_decode.mla_decode` (same result).
 
     Parameters
@@ -252,6 +253,11 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         ``fused`` runs the sibling kernel of ``mla_decode_vsplit``
     counters : int32 zeros ``>= bs * m_blocks * vsplit`` for the fused combine (default: a
         cached per-device buffer)
+    early_kv : the wgmma kernels load their first KV tile before their PDL wait (default
+        ``mla_decode_wgmma.EARLY_KV``, off). Only when ``kv_lens``, the page table and every KV
+        row but each request's last ``q_len`` were written before the kernel ahead of this
+        call began (a decode step: its store writes just the step's rows); see
+        ``mla_decode_wgmma.launch_wgmma_mla``. Other kernels ignore it.
 
     Returns
     -------
@@ -308,7 +314,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                 float(sm_scale) * float(k_scale) * _LOG2E, v_scale)
         if cfg.wgmma:
             launch_wgmma_mla(*args, q_len=q_len, m_blocks=m_blocks, num_splits=num_splits,
-                             kind=cfg)
+                             kind=cfg, early_kv=early_kv)
         else:
             launch_cuda_mla(*args, q_len=q_len, m_blocks=m_blocks, num_splits=num_splits,
                             tile=tile)

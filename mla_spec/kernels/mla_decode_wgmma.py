@@ -27,6 +27,7 @@ Why it exists: see the ``.cu`` files' headers. Its torch twin is ``mla_decode_re
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -97,6 +98,18 @@ _MERGE_KEYS = frozenset(k for k, v in _KERNELS.items() if v.src.name == _SOURCES
 #: at once: under MPS or a green context that holds fewer SMs than the device reports, its
 #: CTAs would wait for ones that cannot start (the kernel traps after ~4 s)
 GRID_MERGE = False
+#: Tiles a split CTA loads into shared memory before its PDL wait when a call asks for it
+#: (``launch_wgmma_mla(early_kv=True)``, ``produce_early`` in ``csrc/sm90_wgmma.cuh``). One: the
+#: first stage only; all the stages measured slower than none (the flood of loads slowed the
+#: previous call's combine; H200, ``benchmarks/ab_csrc.py --early``, docs/bench_mla.md v19).
+EARLY_KV_TILES = 1
+#: ... and only at this many splits or more (batch 1 at long contexts), where it measured
+#: 1.4-5.4% faster (bf16 ctx 16k / 32k, fp8 16k / 32k, 128 splits); with fewer it measured
+#: +0.4-3.5% (fp8 batch 1 ctx 4k at 32 splits, bs 32 ctx 4k at 4, bs 128 ctx 1k at 1)
+EARLY_KV_MIN_SPLITS = 64
+#: The calls' default for ``early_kv`` (``MLA_SPEC_EARLY_KV=1`` turns it on at import): off, as
+#: it is sound only under a contract the kernel cannot check in full (see ``launch_wgmma_mla``)
+EARLY_KV = os.environ.get("MLA_SPEC_EARLY_KV", "0") not in ("0", "", "false", "False")
 #: the most 16-chunk passes a CTA's share of the merge may take (:func:`grid_merges`)
 MERGE_MAX_PASSES = 2
 #: the 32-row kernels with e4m3 Q K MMAs and V from registers (an e4m3 cache only): 288
@@ -107,6 +120,13 @@ _KERNELS[(32, False, True, False, True, False, False)] = CudaKernel(
 _KERNELS.update({(32, False, True, False, True, True, pv8): CudaKernel(
     _E4M3PP_SOURCE, f"mla_wgmma_e4m3pp{'8' if pv8 else ''}_m32", arch="sm_90a")
     for pv8 in (False, True)})
+#: The builds that load a CTA's first KV tile before the PDL wait (suffix ``_ek``, keys as
+#: ``_KERNELS``'; ``launch_wgmma_mla(early_kv=True)``): the batch-1 defaults ``W`` (bf16 or e4m3
+#: cache) and ``WE2`` / ``WE8``. Other kernels ignore ``early_kv``.
+_EARLY_KERNELS = {k: CudaKernel(v.src.name, v.name + "_ek", arch="sm_90a")
+                  for k, v in _KERNELS.items()
+                  if v.name in ("mla_wgmma_m32", "mla_wgmma_m32_f8", "mla_wgmma_e4m3pp_m32",
+                                "mla_wgmma_e4m3pp8_m32")}
 #: its stages (40 KB each: five 128-dim boxes of 64 tokens' bytes)
 _E4M3_STAGES, _E4M3_TILE = 4, 5 * _BN * 128
 
@@ -136,7 +156,7 @@ class _WgParams(ctypes.Structure):
     TMA descriptor, the merge's barrier counters or null (64-byte aligned: 384 bytes)."""
 
     _fields_ = [("m", _Params), ("kv_map", ctypes.c_ubyte * 128), ("merge", ctypes.c_void_p),
-                ("pad", ctypes.c_ubyte * 56)]
+                ("early_kv", ctypes.c_int), ("pad", ctypes.c_ubyte * 52)]
 
 
 _MAPS: dict[tuple[int, int, int, bool, bool], bytes] = {}
@@ -215,11 +235,20 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
-                     num_splits: int, kind) -> None:
+                     num_splits: int, kind, early_kv: bool | None = None) -> None:
     """Run the split kernel of ``kind`` (a :class:`WgmmaKind` or a ``PagedConfig``; and the
     combine when ``num_splits > 1``, unless its splits merge in a cluster,
     :func:`clusters_splits`, or inside the grid, :func:`grid_merges`) into ``out`` / ``lse`` (see
-    :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments)."""
+    :func:`mla_spec.kernels.mla_decode_paged.mla_decode_paged` for the arguments).
+
+    ``early_kv`` (default :data:`EARLY_KV`): each split CTA of the kernels that have such a
+    build (``_EARLY_KERNELS``; the others ignore it), at :data:`EARLY_KV_MIN_SPLITS` splits or
+    more, loads its first :data:`EARLY_KV_TILES` KV tiles before its PDL wait, while the kernel
+    ahead of it still runs (never a tile holding one of a request's last ``q_len`` rows). Only
+    for a caller that knows that ``kv_lens``, ``req_pool_indices``, ``req_to_token`` and every
+    other KV row were written before that kernel began, as in a decode step, whose store writes
+    just the step's rows. The kernel reads the tiles' slots again after the wait and traps (a
+    CUDA error) if they moved; rows rewritten in place cannot be seen."""
     kind = WgmmaKind.of(kind)
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
             out.stride(1) % 4 or out.data_ptr() % 8:
@@ -239,7 +268,10 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat, kind.e4m3_mma), 128)
     if merge:
         p.merge = arrival_counters(groups, q_nope.device).data_ptr()
-    (_CLUSTER_KERNELS if cluster else _KERNELS)[key](
+    early = (EARLY_KV if early_kv is None else early_kv) and key in _EARLY_KERNELS \
+        and not cluster and num_splits >= EARLY_KV_MIN_SPLITS
+    p.early_kv = EARLY_KV_TILES if early else 0
+    (_CLUSTER_KERNELS if cluster else _EARLY_KERNELS if early else _KERNELS)[key](
         (num_splits, m_blocks, req_pool_indices.numel()), kind.threads, kind.smem, p,
         q_nope.device, pdl=pdl_on(q_nope), cluster=num_splits if cluster else 1)
     if num_splits > 1 and not cluster and not merge:

@@ -31,6 +31,9 @@ statement):
    CUDA wgmma kernels keep it off (their ``p`` builds have it): at batch 1 ctx 32k every form
    of it (tensor, bulk, per line) made a call 0.3-5.8 µs slower, and tiles prefetched 6 µs
    ahead still arrived at the HBM pace (H200, twentieth session, docs/bench_mla.md v18).
+   Instead, when the caller asks (``early_kv``, a contract on what the kernels ahead wrote:
+   ``mla_decode_wgmma.launch_wgmma_mla``), their ``_ek`` builds load the first KV tile into
+   shared memory before the wait: batch 1 ctx 32k 2.5-5% faster (v19).
 5. *The attention split kernels trigger late.* They wait first (:func:`gdc_wait`) but let the
    next grid (the split combine) launch only after their KV loop (:func:`gdc_launch`). With
    the trigger at the start, the combine's programs were launched at once and sat resident

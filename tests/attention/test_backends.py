@@ -137,13 +137,19 @@ def test_out_path_and_trtllm_page_size():
 
 
 @pytest.mark.gpu
-def test_triton_cuda_graph_replay():
+@pytest.mark.parametrize("kvd", [torch.bfloat16, FP8_DTYPE])
+@pytest.mark.parametrize("early_kv", [False, True])
+def test_triton_cuda_graph_replay(early_kv, kvd):
+    # early_kv: the replayed calls load their first KV tile before the PDL wait (the scene's
+    # cache was written long before); the same bits as the eager call without it
     sc = make_scene(ForwardMode.TARGET_VERIFY, [100, 700], [4, 4], num_heads=16,
-                    num_draft_tokens=4, kv_dtype=FP8_DTYPE, q_dtype=torch.bfloat16,
+                    num_draft_tokens=4, kv_dtype=kvd, q_dtype=torch.bfloat16,
                     page_size=64, device="cuda")
-    be = _make("triton", sc)
+    eager = _make("triton", sc)
+    eager.plan(sc.batch)
+    eager = eager.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+    be = _make("triton", sc, early_kv=early_kv)
     be.plan(sc.batch)
-    eager = be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
     out = torch.empty_like(eager)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -261,3 +267,26 @@ def test_triton_backend_passes_the_e4m3_queries_choice_on(monkeypatch):
                         req_to_token=sc.req_pool, e4m3_probs=False)  # WE8 -> WE2
     be.plan(sc.batch)
     assert seen == [(True, True), (False, True), (True, False)]
+
+
+def test_triton_backend_asks_for_early_kv_loads_only_when_told_and_rows_are_fixed(monkeypatch):
+    # early_kv (default off) reaches mla_decode_paged in the fixed-row modes; the ragged ones
+    # (v1 draft extend, extend) never ask, whatever the option
+    import mla_spec.attention.triton_mla as tm
+
+    seen = []
+    real = tm.mla_decode_paged
+
+    def spy(*a, **k):
+        seen.append(k["early_kv"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(tm, "mla_decode_paged", spy)
+    for mode in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+        sc = make_scene(mode, [5, 9], [1, 2], num_heads=3, num_draft_tokens=2, page_size=8,
+                        kv_dtype=torch.bfloat16, q_dtype=torch.bfloat16, **DIMS)
+        for flag in (False, True):
+            be = _make("triton", sc, early_kv=flag)
+            be.plan(sc.batch)
+            be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+    assert seen == [False, True, False, True, False, False]

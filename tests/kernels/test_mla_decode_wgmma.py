@@ -43,6 +43,8 @@ def test_params_layout_matches_source():
     assert mw._WgParams.m.offset == 0
     merge = re.search(r"offsetof\(WgParams, merge\) == (\d+)", HDR.read_text()).group(1)
     assert mw._WgParams.merge.offset == int(merge)
+    early = re.search(r"offsetof\(WgParams, early_kv\) == (\d+)", HDR.read_text()).group(1)
+    assert mw._WgParams.early_kv.offset == int(early)
 
 
 def _built():
@@ -72,6 +74,25 @@ def test_instantiations_match_source():
     assert "void __launch_bounds__(NT + 128, 1)" in rows_src
     for f8 in ("", "_f8"):
         assert f"MLA_WGMMA_ROWS(mla_wgmma_rows64{f8}, " in rows_src
+
+
+def test_early_builds_exist_for_the_batch_one_defaults():
+    # each _ek build is instantiated in its source with EARLY on, and its plain twin with it off
+    assert {v.name for v in mw._EARLY_KERNELS.values()} == {
+        "mla_wgmma_m32_ek", "mla_wgmma_m32_f8_ek", "mla_wgmma_e4m3pp_m32_ek",
+        "mla_wgmma_e4m3pp8_m32_ek"}
+    for key, kern in mw._EARLY_KERNELS.items():
+        src = kern.src.read_text()
+        plain = mw._KERNELS[key].name
+        if kern.src == SRC:
+            suffix = plain.removeprefix("mla_wgmma_m32")
+            assert f"MLA_WGMMA(32, false, KV_{'FP8' if suffix else 'BF16'}, {suffix}_ek, true)" \
+                in src
+            assert f"MLA_WGMMA(32, false, KV_{'FP8' if suffix else 'BF16'}, {suffix}, false)" \
+                in src
+        else:
+            assert re.search(rf"MLA_WGMMA_E4M3PP\({kern.name}, (true|false), true\)", src)
+            assert re.search(rf"MLA_WGMMA_E4M3PP\({plain}, (true|false), false\)", src)
 
 
 def test_cpu_is_refused_with_a_reason():
@@ -175,6 +196,43 @@ def test_scores_that_pass_the_running_max_late(name, splits):
         err = (out[0, h].float() - ref[0, h].float()).abs().max() / ref[0, h].float().abs().max()
         assert err.item() < 1e-2, h
     assert torch.allclose(lse.float(), lse_ref.float(), atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kvd", [("W", "bf16"), ("W16", "bf16"), ("W64", "bf16"),
+                                      ("WR", "bf16"), ("W", "fp8"), ("WR", "fp8"),
+                                      ("WE", "fp8"), ("WE2", "fp8"), ("WE8", "fp8")])
+@pytest.mark.parametrize("q_len,splits", [(1, 1), (1, 5), (3, 1), (3, 4)])
+def test_early_kv_loads_give_the_same_bits(name, kvd, q_len, splits, monkeypatch):
+    """early_kv (the first tile loaded before the PDL wait, never one holding a request's last
+    q_len rows; every tile a CTA has stages for with EARLY_KV_TILES raised): the same output
+    and lse, bit for bit, as loading after the wait, over requests of 0, 1, 63, 64, 65, 130
+    and 5000 tokens (the step's rows inside the first tile, on a tile's edge, past the
+    stages), calls back to back so that each overlaps the one before."""
+    lens, h = [0, 1, 63, 64, 65, 130, 5000], 16
+    if kvd == "fp8":
+        qn, qp, kv, r2t, rpi, kl = _fp8_case(lens, h, q_len, 64, seed=11 + q_len)
+        scales = dict(k_scale=0.25, v_scale=0.7)
+    else:
+        qn, qp, kv, r2t, rpi, kl = _long_case(lens, h, 64, seed=11 + q_len, nan_tail=True)
+        scales = {}
+        if q_len > 1:
+            g = torch.Generator().manual_seed(5)
+            qn = torch.randn(len(lens) * q_len, h, DV, generator=g).to(torch.bfloat16).cuda()
+            qp = torch.randn(len(lens) * q_len, h, DPE, generator=g).to(torch.bfloat16).cuda()
+    monkeypatch.setattr(mw, "EARLY_KV_MIN_SPLITS", 1)
+    got = []
+    for early, tiles in ((False, 1), (True, 1), (True, 1), (True, 4), (True, 4)):
+        monkeypatch.setattr(mw, "EARLY_KV_TILES", tiles)
+        got.append(mla_decode_paged(
+            qn, qp, kv, r2t, rpi, kl, SM, page_size=64, q_len=q_len, num_splits=splits,
+            config=PAGED_VARIANTS[name], max_kv=max(lens), return_lse=True, early_kv=early,
+            **scales))
+    torch.cuda.synchronize()
+    out0, lse0 = got[0]
+    assert torch.isfinite(out0).all()
+    for out, lse in got[1:]:
+        assert torch.equal(out, out0) and torch.equal(lse, lse0)
 
 
 def test_tensor_map_rejects_what_tma_cannot_take():

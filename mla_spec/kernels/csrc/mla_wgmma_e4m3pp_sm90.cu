@@ -44,7 +44,7 @@ __device__ __forceinline__ float4 o_quad(const float (&o)[8][NA], int c, int q, 
                      o[2 * q + 1][i0 + 2] * k);
 }
 
-template <bool PV8>
+template <bool PV8, bool EARLY>
 __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const MlaParams& p = wp.m;
   extern __shared__ unsigned char smem_raw[];
@@ -64,7 +64,9 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
   QueryLoad<BM> qload;
-  if (!cta_begin<BM, false, NS>(wp, split, mb, b, tid, full, empty, w, qload)) return;
+  constexpr int EARLY_KV = EARLY ? KV_E4M3 : -1;  // produce_early (sm90_wgmma.cuh)
+  if (!cta_begin<BM, false, NS, EARLY_KV>(wp, split, mb, b, tid, full, empty, w, qload, kv_s))
+    return;
   if (tid >= NT) {  // the producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (tid == NT) produce<KV_E4M3>(wp, w, kv_s, full, empty);
@@ -220,12 +222,14 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(NT + 128, 1)
-    mla_wgmma_e4m3pp_m32(const __grid_constant__ WgParams p) {
-  mla_wgmma_e4m3pp<false>(p);
-}
+#define MLA_WGMMA_E4M3PP(NAME, PV8, EARLY)                                                    \
+  extern "C" __global__ void __launch_bounds__(NT + 128, 1)                                  \
+      NAME(const __grid_constant__ WgParams p) {                                             \
+    mla_wgmma_e4m3pp<PV8, EARLY>(p);                                                         \
+  }
 
-extern "C" __global__ void __launch_bounds__(NT + 128, 1)
-    mla_wgmma_e4m3pp8_m32(const __grid_constant__ WgParams p) {
-  mla_wgmma_e4m3pp<true>(p);
-}
+MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp_m32, false, false)
+MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp8_m32, true, false)
+// the first tile into shared memory before the PDL wait (produce_early: WgParams::early_kv)
+MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp_m32_ek, false, true)
+MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp8_m32_ek, true, true)

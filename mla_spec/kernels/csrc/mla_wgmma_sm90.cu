@@ -43,7 +43,7 @@ __device__ __forceinline__ void qk_half(float (&s)[BM / 2], uint64_t a_desc, uin
   }
 }
 
-template <int BM, bool L2PF, int KV>
+template <int BM, bool L2PF, int KV, bool EARLY>
 __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const MlaParams& p = wp.m;
   using T = KvTraits<KV>;
@@ -66,7 +66,9 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
   QueryLoad<BM> qload;
-  if (!cta_begin<BM, L2PF>(wp, split, mb, b, tid, full, empty, w, qload)) return;
+  constexpr int EARLY_KV = EARLY ? KV : -1;  // produce_early (sm90_wgmma.cuh)
+  if (!cta_begin<BM, L2PF, STAGES, EARLY_KV>(wp, split, mb, b, tid, full, empty, w, qload, kv_s))
+    return;
   if (tid >= NT) {  // the producer warp
     if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);
     return;
@@ -140,14 +142,18 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
 
 }  // namespace
 
-#define MLA_WGMMA(BM, L2PF, KV, SUFFIX)                                                       \
+#define MLA_WGMMA(BM, L2PF, KV, SUFFIX, EARLY)                                                \
   extern "C" __global__ void __launch_bounds__(NT + 32, 1)                                   \
       mla_wgmma_m##BM##SUFFIX(const __grid_constant__ WgParams p) {                          \
-    mla_wgmma<BM, L2PF, KV>(p);                                                              \
+    mla_wgmma<BM, L2PF, KV, EARLY>(p);                                                       \
   }
 
-MLA_WGMMA(32, false, KV_BF16, )
-MLA_WGMMA(16, false, KV_BF16, )
-MLA_WGMMA(32, true, KV_BF16, p)  // the first tiles into L2 before the PDL wait
-MLA_WGMMA(32, false, KV_FP8, _f8)   // an e4m3 cache (sm90_fp8.cuh)
-MLA_WGMMA(16, false, KV_FP8, _f8)
+MLA_WGMMA(32, false, KV_BF16, , false)
+MLA_WGMMA(16, false, KV_BF16, , false)
+MLA_WGMMA(32, true, KV_BF16, p, false)  // the first tiles into L2 before the PDL wait
+MLA_WGMMA(32, false, KV_FP8, _f8, false)   // an e4m3 cache (sm90_fp8.cuh)
+MLA_WGMMA(16, false, KV_FP8, _f8, false)
+// the first tile into shared memory before the PDL wait (produce_early: WgParams::early_kv);
+// builds of their own, so that the others carry none of its code (v19)
+MLA_WGMMA(32, false, KV_BF16, _ek, true)
+MLA_WGMMA(32, false, KV_FP8, _f8_ek, true)

@@ -47,9 +47,12 @@ struct alignas(64) WgParams {
   TmaMap kv_map;
   int* merge;   // null, or the split barriers' counters of the merge inside the grid
                 // (sm90_grid_merge.cuh)
+  int early_kv;  // tiles the producer loads before the PDL wait (produce_early), at most
+                 // its stages; 0: none
 };
 static_assert(sizeof(WgParams) == 384 && offsetof(WgParams, kv_map) == 192 &&
-              offsetof(WgParams, merge) == 320, "layout");
+              offsetof(WgParams, merge) == 320 && offsetof(WgParams, early_kv) == 328,
+              "layout");
 
 namespace {
 
@@ -107,6 +110,8 @@ __device__ __forceinline__ void stsm_x4(uint32_t addr, uint32_t r0, uint32_t r1,
 struct CtaWork {
   int n_rows, m0, kv_len, lo, hi, ntiles;
   long long req;
+  int early;     // the producer lane: tiles it issued before the PDL wait (produce_early)
+  int eslot[4];  // and their first slots
 };
 
 // the end of a row's causal window: row r (= i * H + h, query token i) sees the KV positions
@@ -130,6 +135,49 @@ __device__ __forceinline__ void cta_range(const MlaParams& p, int split, int b, 
   w.ntiles = w.hi > w.lo ? (w.hi - w.lo + BN - 1) / BN : 0;
 }
 
+// a tile's TMA boxes (nine [64 tok, 64 dim], or five of 128 dims for KV_E4M3) into stage
+// `stage`, completing on full[stage] (a KV_FP8 tile: into the stage's upper half, see
+// sm90_fp8.cuh)
+template <int KV>
+__device__ __forceinline__ void issue_tile(const WgParams& p, unsigned char* kv_s, uint64_t* full,
+                                           int stage, int slot0) {
+  using T = KvTraits<KV>;
+  mbar_expect_tx(&full[stage], T::tile_bytes);
+#pragma unroll
+  for (int c = 0; c < T::nbox; ++c)
+    tma_load_2d(kv_s + stage * T::stage_bytes + T::land + c * T::box_bytes, &p.kv_map,
+                c * T::box_dims, slot0, &full[stage]);
+}
+
+// The producer lane, before the PDL wait: the split's first WgParams::early_kv tiles (at most
+// the stages) into their stages, as long as a tile holds only KV rows older than this step
+// (positions < kv_len - q_len). Why: the next call's CTAs enter while the previous call's
+// combine runs and wait with the HBM idle (~1.5 µs a call at batch 1 ctx 32k, docs/bench_mla.md
+// v18); an L2 prefetch there did not fill it, a TMA load into shared memory cannot be dropped.
+// One tile: all the stages (2 x 72 KB bf16, 4 x 40 KB e4m3) flooded the memory system while
+// the previous call's combine still read its partials, and the calls got slower (v19).
+// Sound only under the launcher's contract (mla_decode_wgmma.launch_wgmma_mla, early_kv): the
+// metadata (kv_lens, req_pool_indices, req_to_token) and every KV row but a request's last
+// q_len were written before the kernel ahead of this one began. produce() reads the slots
+// again after the wait and traps if they moved.
+template <int BM, int KV>
+__device__ __forceinline__ void produce_early(const WgParams& p, int split, int b, CtaWork& w,
+                                              unsigned char* kv_s, uint64_t* full) {
+  static_assert(KvTraits<KV>::stages <= 4, "CtaWork::eslot");
+  CtaWork e = w;
+  cta_range<BM>(p.m, split, b, e);
+  const int* r2t_row = p.m.r2t + e.req * p.m.s_r2t + e.lo;
+  const int old_end = e.kv_len - p.m.q_len;
+  w.early = 0;
+#pragma unroll
+  for (int n = 0; n < KvTraits<KV>::stages; ++n)  // unrolled: eslot stays in registers
+    if (w.early == n && n < p.early_kv && n < e.ntiles && e.lo + (n + 1) * BN <= old_end) {
+      w.eslot[n] = r2t_row[n * BN];
+      issue_tile<KV>(p, kv_s, full, n, w.eslot[n]);
+      w.early = n + 1;
+    }
+}
+
 // Named barrier B_START: the stage barriers are initialized (the producer warps arrive, the
 // consumer warps wait; ids 1-5 are the kernels' own)
 constexpr int B_START = 15;
@@ -145,11 +193,13 @@ constexpr int B_START = 15;
 // load went out 0.8 µs later at batch 1 ctx 32k: bench_cta_phases.py, docs/bench_mla.md v16).
 // False when the row block is past the request's rows (the whole CTA exits, before any
 // barrier).
-template <int BM, bool L2PF, int NSTAGE = STAGES>
+template <int BM, bool L2PF, int NSTAGE = STAGES, int KV = -1>
 __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, int b, int tid,
-                                          uint64_t* full, uint64_t* empty, CtaWork& w) {
+                                          uint64_t* full, uint64_t* empty, CtaWork& w,
+                                          unsigned char* kv_s) {
   w.n_rows = p.m.q_len * p.m.H;
   w.m0 = mb * BM;
+  w.early = 0;
   if (w.m0 >= w.n_rows) return false;
   if (tid >= NT) {
     if (tid == NT) {
@@ -170,6 +220,8 @@ __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, 
           for (int c = 0; c < NCH; ++c) tma_prefetch_2d(&p.kv_map, c * 64, slot0);
         }
       }
+      if constexpr (KV >= 0)
+        if (p.early_kv > 0) produce_early<BM, KV>(p, split, b, w, kv_s, full);
     }
     __syncwarp();
     named_arrive(B_START, blockDim.x);
@@ -242,35 +294,42 @@ __device__ __forceinline__ void zero_acc(float (&a)[M][N]) {
 // issued by the consumer warps (stored by them once the producer has split off); the consumer
 // warps leave once the stage barriers are initialized, the producer warps at once (cta_start).
 // False when the row block is past the request's rows (the whole CTA exits)
-template <int BM, bool L2PF, int NSTAGE = STAGES>
+template <int BM, bool L2PF, int NSTAGE = STAGES, int KV = -1>
 __device__ __forceinline__ bool cta_begin(const WgParams& wp, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w,
-                                          QueryLoad<BM>& qload) {
-  if (!cta_start<BM, L2PF, NSTAGE>(wp, split, mb, b, tid, full, empty, w)) return false;
+                                          QueryLoad<BM>& qload, unsigned char* kv_s = nullptr) {
+  if (!cta_start<BM, L2PF, NSTAGE, KV>(wp, split, mb, b, tid, full, empty, w, kv_s))
+    return false;
   if (tid < NT) qload.issue(wp.m, b, w.m0, w.n_rows, tid);  // beside the index loads
   cta_range<BM>(wp.m, split, b, w);
   if (tid < NT) named_barrier(B_START, blockDim.x);
   return true;
 }
 
-// producer warp, lane 0: a tile's TMA boxes (nine [64 tok, 64 dim], or five of 128 dims for
-// KV_E4M3) into a stage as soon as the consumer warps have released it (empty), completing on
-// full (a KV_FP8 tile: into the stage's upper half, see sm90_fp8.cuh)
+// producer warp, lane 0: the split's tiles into the stages as soon as the consumer warps have
+// released them (empty), after the w.early ones produce_early issued; those are checked
+// against the metadata as it is now (a change means the launcher's contract was broken: the
+// CTA traps, and the launch fails rather than return attention over rows it did not mean)
 template <int KV>
 __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, unsigned char* kv_s,
                                         uint64_t* full, uint64_t* empty) {
-  using T = KvTraits<KV>;
-  constexpr int NS = T::stages;
+  constexpr int NS = KvTraits<KV>::stages;
   const int* r2t_row = p.m.r2t + w.req * p.m.s_r2t + w.lo;
-  for (int it = 0; it < w.ntiles; ++it) {
+  for (int it = w.early; it < w.ntiles; ++it) {
     const int stage = it % NS;
-    const int slot0 = r2t_row[it * BN];
+    const int slot0 = r2t_row[it * BN];  // before the wait: its round trip hides behind it
     if (it >= NS) mbar_wait(&empty[stage], ((it / NS) - 1) & 1);
-    mbar_expect_tx(&full[stage], T::tile_bytes);
+    issue_tile<KV>(p, kv_s, full, stage, slot0);
+  }
+  // the check after the loads: nothing in front of the first one on the path that times a
+  // call (code run once runs from a cold instruction cache, v12); a trap fails the launch
+  // all the same
+  if (__builtin_expect(w.early > 0, 0)) {
 #pragma unroll
-    for (int c = 0; c < T::nbox; ++c)
-      tma_load_2d(kv_s + stage * T::stage_bytes + T::land + c * T::box_bytes, &p.kv_map,
-                  c * T::box_dims, slot0, &full[stage]);
+    for (int it = 0; it < NS; ++it)
+      if (it < w.early &&
+          (r2t_row[it * BN] != w.eslot[it] || w.lo + (it + 1) * BN > w.kv_len - p.m.q_len))
+        __trap();
   }
 }
 
