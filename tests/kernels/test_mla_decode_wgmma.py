@@ -71,9 +71,8 @@ def test_instantiations_match_source():
         assert mw.wgmma_smem(bm) <= 227 * 1024
     assert mw.wgmma_smem(64, rows_m=True) <= 227 * 1024
     rows_src = SRC_ROWS.read_text()
-    assert "void __launch_bounds__(NT + 128, 1)" in rows_src
     for f8 in ("", "_f8"):
-        assert f"MLA_WGMMA_ROWS(mla_wgmma_rows64{f8}, " in rows_src
+        assert f"WGMMA_ENTRY(mla_wgmma_rows64{f8}, NT + 128, " in rows_src
 
 
 def test_early_builds_exist_for_the_batch_one_defaults():
@@ -91,8 +90,9 @@ def test_early_builds_exist_for_the_batch_one_defaults():
             assert f"MLA_WGMMA(32, false, KV_{'FP8' if suffix else 'BF16'}, {suffix}, false)" \
                 in src
         else:
-            assert re.search(rf"MLA_WGMMA_E4M3PP\({kern.name}, (true|false), true\)", src)
-            assert re.search(rf"MLA_WGMMA_E4M3PP\({plain}, (true|false), false\)", src)
+            assert re.search(rf"WGMMA_ENTRY\({kern.name}, NT \+ 128, \w+<(true|false), true>\)",
+                             src)
+            assert re.search(rf"WGMMA_ENTRY\({plain}, NT \+ 128, \w+<(true|false), false>\)", src)
 
 
 def test_cpu_is_refused_with_a_reason():
@@ -465,7 +465,7 @@ def test_cluster_merge_is_taken_where_it_can_be():
     assert not mw.clusters_splits((32, False, False, False, False, False), 2)  # W: not built
     src = SRC_ROWS.read_text()
     for kern in mw._CLUSTER_KERNELS.values():
-        assert kern.src == SRC_ROWS and f"MLA_WGMMA_ROWS({kern.name}, " in src
+        assert kern.src == SRC_ROWS and f"WGMMA_ENTRY({kern.name}, NT + 128, " in src
 
 
 @pytest.mark.gpu

@@ -181,11 +181,10 @@ def test_host_constants_match_the_source():
     hdr = HDR.read_text()
     assert int(re.search(r"stages = e4m3 \? (\d+)", hdr).group(1)) == mw._E4M3_STAGES
     assert int(re.search(r"nbox = e4m3 \? (\d+)", hdr).group(1)) * 64 * 128 == mw._E4M3_TILE
-    assert re.search(r"__launch_bounds__\(NT \+ 32, 1\)\s+mla_wgmma_e4m3_m32\(", SRC.read_text())
+    assert "WGMMA_ENTRY(mla_wgmma_e4m3_m32, NT + 32, mla_wgmma_e4m3)" in SRC.read_text()
     assert mw._SOURCES[32][1] == 288
-    pp = SRC_PP.read_text()
-    assert re.search(r"__launch_bounds__\(NT \+ 128, 1\)[\s\\]+NAME\(", pp)
-    assert "MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp_m32, false, false)" in pp
+    assert "WGMMA_ENTRY(mla_wgmma_e4m3pp_m32, NT + 128, mla_wgmma_e4m3pp<false, false>)" in \
+        SRC_PP.read_text()
     assert mw.wgmma_smem(32, e4m3_mma=True) <= 227 * 1024
     assert mw.wgmma_smem(32, e4m3_mma=True, pingpong=True) <= 227 * 1024
     cfg = PAGED_VARIANTS["WE"]
@@ -338,7 +337,8 @@ def test_we8_zeroes_exactly_the_v_tail():
 def test_we8_is_built_and_named():
     cfg = PAGED_VARIANTS["WE8"]
     assert cfg.e4m3_pv and cfg.pingpong and cfg.tag.endswith("E28")
-    assert "MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp8_m32, true, false)" in SRC_PP.read_text()
+    assert "WGMMA_ENTRY(mla_wgmma_e4m3pp8_m32, NT + 128, mla_wgmma_e4m3pp<true, false>)" in \
+        SRC_PP.read_text()
     assert (32, False, True, False, True, True, True) in mw._KERNELS
     with pytest.raises(ValueError, match="e4m3_pv is an option of the pingpong"):
         type(cfg)(32, 64, 8, 2, cuda=True, wgmma=True, e4m3_mma=True, e4m3_pv=True)

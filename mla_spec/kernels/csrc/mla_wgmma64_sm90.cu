@@ -144,11 +144,8 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
 }  // namespace
 
 // 3 warpgroups: registers are allocated per warpgroup, and 64 rows of O^T take 128 per thread
-#define MLA_WGMMA64(L2PF, KV, SUFFIX)                                                       \
-  extern "C" __global__ void __launch_bounds__(NT + 128, 1)                                \
-      mla_wgmma_m64##SUFFIX(const __grid_constant__ WgParams p) {                          \
-    mla_wgmma64<L2PF, KV>(p);                                                              \
-  }
+#define MLA_WGMMA64(L2PF, KV, SUFFIX) \
+  WGMMA_ENTRY(mla_wgmma_m64##SUFFIX, NT + 128, mla_wgmma64<L2PF, KV>)
 
 MLA_WGMMA64(false, KV_BF16, )
 MLA_WGMMA64(true, KV_BF16, p)  // the first tiles into L2 before the PDL wait

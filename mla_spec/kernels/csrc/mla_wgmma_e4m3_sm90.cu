@@ -157,7 +157,4 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(NT + 32, 1)
-    mla_wgmma_e4m3_m32(const __grid_constant__ WgParams p) {
-  mla_wgmma_e4m3(p);
-}
+WGMMA_ENTRY(mla_wgmma_e4m3_m32, NT + 32, mla_wgmma_e4m3)

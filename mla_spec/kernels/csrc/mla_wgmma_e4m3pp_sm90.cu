@@ -222,14 +222,8 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
 
 }  // namespace
 
-#define MLA_WGMMA_E4M3PP(NAME, PV8, EARLY)                                                    \
-  extern "C" __global__ void __launch_bounds__(NT + 128, 1)                                  \
-      NAME(const __grid_constant__ WgParams p) {                                             \
-    mla_wgmma_e4m3pp<PV8, EARLY>(p);                                                         \
-  }
-
-MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp_m32, false, false)
-MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp8_m32, true, false)
+WGMMA_ENTRY(mla_wgmma_e4m3pp_m32, NT + 128, mla_wgmma_e4m3pp<false, false>)
+WGMMA_ENTRY(mla_wgmma_e4m3pp8_m32, NT + 128, mla_wgmma_e4m3pp<true, false>)
 // the first tile into shared memory before the PDL wait (produce_early: WgParams::early_kv)
-MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp_m32_ek, false, true)
-MLA_WGMMA_E4M3PP(mla_wgmma_e4m3pp8_m32_ek, true, true)
+WGMMA_ENTRY(mla_wgmma_e4m3pp_m32_ek, NT + 128, mla_wgmma_e4m3pp<false, true>)
+WGMMA_ENTRY(mla_wgmma_e4m3pp8_m32_ek, NT + 128, mla_wgmma_e4m3pp<true, true>)

@@ -350,12 +350,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
 // the kernels: a bf16 cache, or an e4m3 one widened to fp16 in shared memory (sm90_fp8.cuh; fp16
 // MMAs), each also as 2 splits in clusters of (2, 1, 1) CTAs merging in distributed shared
 // memory (CLUSTER above; suffix _cl)
-#define MLA_WGMMA_ROWS(NAME, KV, CLUSTER)                                              \
-  extern "C" __global__ void __launch_bounds__(NT + 128, 1)                           \
-      NAME(const __grid_constant__ WgParams p) {                                       \
-    mla_wgmma_rows<KV, CLUSTER>(p);                                                    \
-  }
-MLA_WGMMA_ROWS(mla_wgmma_rows64, KV_BF16, false)
-MLA_WGMMA_ROWS(mla_wgmma_rows64_f8, KV_FP8, false)
-MLA_WGMMA_ROWS(mla_wgmma_rows64_cl, KV_BF16, true)
-MLA_WGMMA_ROWS(mla_wgmma_rows64_f8_cl, KV_FP8, true)
+WGMMA_ENTRY(mla_wgmma_rows64, NT + 128, mla_wgmma_rows<KV_BF16, false>)
+WGMMA_ENTRY(mla_wgmma_rows64_f8, NT + 128, mla_wgmma_rows<KV_FP8, false>)
+WGMMA_ENTRY(mla_wgmma_rows64_cl, NT + 128, mla_wgmma_rows<KV_BF16, true>)
+WGMMA_ENTRY(mla_wgmma_rows64_f8_cl, NT + 128, mla_wgmma_rows<KV_FP8, true>)

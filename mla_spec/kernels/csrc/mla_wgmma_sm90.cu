@@ -142,11 +142,8 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
 
 }  // namespace
 
-#define MLA_WGMMA(BM, L2PF, KV, SUFFIX, EARLY)                                                \
-  extern "C" __global__ void __launch_bounds__(NT + 32, 1)                                   \
-      mla_wgmma_m##BM##SUFFIX(const __grid_constant__ WgParams p) {                          \
-    mla_wgmma<BM, L2PF, KV, EARLY>(p);                                                       \
-  }
+#define MLA_WGMMA(BM, L2PF, KV, SUFFIX, EARLY) \
+  WGMMA_ENTRY(mla_wgmma_m##BM##SUFFIX, NT + 32, mla_wgmma<BM, L2PF, KV, EARLY>)
 
 MLA_WGMMA(32, false, KV_BF16, , false)
 MLA_WGMMA(16, false, KV_BF16, , false)

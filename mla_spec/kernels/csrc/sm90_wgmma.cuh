@@ -54,6 +54,15 @@ static_assert(sizeof(WgParams) == 384 && offsetof(WgParams, kv_map) == 192 &&
               offsetof(WgParams, merge) == 320 && offsetof(WgParams, early_kv) == 328,
               "layout");
 
+// The extern "C" entry NAME(WgParams) of a split kernel: THREADS threads (the launcher's
+// mla_decode_wgmma.WgmmaKind.threads), one CTA an SM, running the device function given last
+// (a template instance: its commas pass through __VA_ARGS__)
+#define WGMMA_ENTRY(NAME, THREADS, ...)                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, 1)                                   \
+      NAME(const __grid_constant__ WgParams p) {                                             \
+    __VA_ARGS__(p);                                                                          \
+  }
+
 namespace {
 
 using namespace sm90;
