@@ -95,6 +95,51 @@ def test_early_builds_exist_for_the_batch_one_defaults():
             assert re.search(rf"WGMMA_ENTRY\({plain}, NT \+ 128, \w+<(true|false), false>\)", src)
 
 
+def test_launch_takes_the_early_build_only_where_asked_built_and_split_enough(monkeypatch):
+    # the launcher's choice on the host, with recording stand-ins for the kernels: the _ek build
+    # and early_kv = EARLY_KV_TILES only when the call asks (or EARLY_KV does), the kernel has
+    # such a build, its splits do not merge in a cluster, and there are EARLY_KV_MIN_SPLITS
+    # splits or more; 0 (and the plain build) otherwise
+    seen = []
+
+    def fake(table):
+        return {k: (lambda *a, t=table, k=k, **kw: seen.append((t, k, a[3].early_kv)))
+                for k in getattr(mw, table)}
+
+    for table in ("_KERNELS", "_EARLY_KERNELS", "_CLUSTER_KERNELS"):
+        monkeypatch.setattr(mw, table, fake(table))
+    monkeypatch.setattr(mw, "_tensor_map", lambda *a, **k: bytes(128))
+    monkeypatch.setattr(mw, "grid_merges", lambda *a, **k: False)
+    for f in ("combine_splits", "combine_splits_fast"):
+        monkeypatch.setattr(mw, f, lambda *a, **k: None)
+
+    def call(kind, kvd, splits, early, h=32):
+        qn, qp = torch.randn(1, h, DV).bfloat16(), torch.randn(1, h, DPE).bfloat16()
+        kv = torch.zeros(128, DV + DPE).to(kvd)
+        out = torch.empty(1, h, DV, dtype=torch.bfloat16)
+        r2t, rpi, kl = (torch.zeros(1, 128, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                        torch.full((1,), 100, dtype=torch.int32))
+        seen.clear()
+        mw.launch_wgmma_mla(qn, qp, kv, r2t, rpi, kl, out, None, 1.0, 1.0, q_len=1, m_blocks=1,
+                            num_splits=splits, kind=kind, early_kv=early)
+        (table, key, tiles), = seen
+        assert key == mw.WgmmaKind.of(kind).key(kvd)
+        return table, tiles
+
+    w, we8 = PAGED_VARIANTS["W"], PAGED_VARIANTS["WE8"]
+    n = mw.EARLY_KV_MIN_SPLITS
+    assert call(w, torch.bfloat16, n, True) == ("_EARLY_KERNELS", mw.EARLY_KV_TILES)
+    assert call(w, FP8_DTYPE, n * 2, True) == ("_EARLY_KERNELS", mw.EARLY_KV_TILES)
+    assert call(we8, FP8_DTYPE, n, True) == ("_EARLY_KERNELS", mw.EARLY_KV_TILES)
+    assert call(w, torch.bfloat16, n - 1, True) == ("_KERNELS", 0)
+    assert call(w, torch.bfloat16, n, False) == ("_KERNELS", 0)
+    assert call(w, torch.bfloat16, n, None) == ("_KERNELS", 0)  # EARLY_KV: off by default
+    monkeypatch.setattr(mw, "EARLY_KV", True)
+    assert call(w, torch.bfloat16, n, None) == ("_EARLY_KERNELS", mw.EARLY_KV_TILES)
+    assert call(PAGED_VARIANTS["W16"], torch.bfloat16, n, True) == ("_KERNELS", 0)  # no build
+    assert call(PAGED_VARIANTS["WR"], torch.bfloat16, 2, True, h=128) == ("_CLUSTER_KERNELS", 0)
+
+
 def test_cpu_is_refused_with_a_reason():
     q = torch.zeros(1, 2, DV, dtype=torch.bfloat16)
     qp = torch.zeros(1, 2, DPE, dtype=torch.bfloat16)
