@@ -7,12 +7,20 @@ import os
 
 import torch
 
-__all__ = ["cuda_capability", "default_device", "sm_count", "triton_interpreting", "use_triton"]
+__all__ = ["cuda_capability", "default_device", "env_flag", "sm_count", "triton_interpreting",
+           "use_triton"]
 
 
 def default_device() -> torch.device:
     """``cuda`` when a GPU is visible, else ``cpu``."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """The on / off switch in environment variable ``name``: unset gives ``default``; "0", "",
+    "false" and "False" are off, anything else on (the kernels' ``MLA_SPEC_*`` switches, read
+    once at import)."""
+    return os.environ.get(name, "1" if default else "0") not in ("0", "", "false", "False")
 
 
 def triton_interpreting() -> bool:

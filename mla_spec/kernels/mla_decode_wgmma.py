@@ -27,12 +27,11 @@ Why it exists: see the ``.cu`` files' headers. Its torch twin is ``mla_decode_re
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass, fields
 
 import torch
 
-from mla_spec.device import cuda_capability, sm_count
+from mla_spec.device import cuda_capability, env_flag, sm_count
 from mla_spec.kernels.arrival import arrival_counters
 from mla_spec.kernels.cuda_driver import CudaKernel, tensor_map_2d
 from mla_spec.kernels.mla_decode_combine import combine_splits
@@ -109,7 +108,7 @@ EARLY_KV_TILES = 1
 EARLY_KV_MIN_SPLITS = 64
 #: The calls' default for ``early_kv`` (``MLA_SPEC_EARLY_KV=1`` turns it on at import): off, as
 #: it is sound only under a contract the kernel cannot check in full (see ``launch_wgmma_mla``)
-EARLY_KV = os.environ.get("MLA_SPEC_EARLY_KV", "0") not in ("0", "", "false", "False")
+EARLY_KV = env_flag("MLA_SPEC_EARLY_KV", False)
 #: the most 16-chunk passes a CTA's share of the merge may take (:func:`grid_merges`)
 MERGE_MAX_PASSES = 2
 #: the 32-row kernels with e4m3 Q K MMAs and V from registers (an e4m3 cache only): 288

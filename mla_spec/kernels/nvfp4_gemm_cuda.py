@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 
-from mla_spec.device import sm_count
+from mla_spec.device import env_flag, sm_count
 from mla_spec.kernels.arrival import arrival_counters
 from mla_spec.kernels.cuda_driver import CudaKernel, cuda_kernels_available
 from mla_spec.kernels.nvfp4_configs import (
@@ -40,7 +39,7 @@ __all__ = ["CudaMmaConfig", "CUDA_MMA_AUTO", "CUDA_MMA_BUILT", "CUDA_MMA_MAX_M",
 CUDA_MMA_MAX_M = 16
 #: ``nvfp4_gemm`` picks this kernel by itself (``cuda_auto_config``) where it can run the call;
 #: ``MLA_SPEC_NVFP4_CUDA=0`` turns that off at import (explicit configs still run it)
-CUDA_MMA_AUTO = os.environ.get("MLA_SPEC_NVFP4_CUDA", "1") not in ("0", "", "false", "False")
+CUDA_MMA_AUTO = env_flag("MLA_SPEC_NVFP4_CUDA", True)
 #: unmeasured shapes take the kernel for this many tokens (it won at 2-8 tokens on all four
 #: measured shapes; the packed GEMV keeps 1 token, mmab 9-16 on three of them)
 CUDA_MMA_AUTO_M = range(2, 9)

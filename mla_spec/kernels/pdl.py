@@ -48,22 +48,20 @@ statement):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from mla_spec.device import cuda_capability
+from mla_spec.device import cuda_capability, env_flag
 
 __all__ = ["L2_PREFETCH", "PDL", "gdc_enter", "gdc_launch", "gdc_wait", "l2pf_on", "pdl_kwargs",
            "pdl_on", "prefetch_l2"]
 
 #: On by default on sm_90+ (read at every launch). ``MLA_SPEC_PDL=0`` turns it off at import.
-PDL = os.environ.get("MLA_SPEC_PDL", "1") not in ("0", "", "false", "False")
+PDL = env_flag("MLA_SPEC_PDL", True)
 #: The attention kernels prefetch their first KV tiles into L2 before the PDL wait (rule 4); read
 #: at every launch, ``MLA_SPEC_L2PF=0`` turns it off at import.
-L2_PREFETCH = os.environ.get("MLA_SPEC_L2PF", "1") not in ("0", "", "false", "False")
+L2_PREFETCH = env_flag("MLA_SPEC_L2PF", True)
 
 
 def pdl_on(t: torch.Tensor) -> bool:
