@@ -144,6 +144,18 @@ __device__ __forceinline__ void cta_range(const MlaParams& p, int split, int b, 
   w.ntiles = w.hi > w.lo ? (w.hi - w.lo + BN - 1) / BN : 0;
 }
 
+// the request's req_to_token row from the split's first position: tile t starts at slot
+// split_slots(p, w)[t * BN] (a tile is 64 consecutive slots of one page)
+__device__ __forceinline__ const int* split_slots(const MlaParams& p, const CtaWork& w) {
+  return p.r2t + w.req * p.s_r2t + w.lo;
+}
+
+// whether the split's tile t holds only KV rows older than this step (positions below
+// kv_len - q_len: written before the kernel ahead began, under early_kv's contract)
+__device__ __forceinline__ bool tile_predates_step(const MlaParams& p, const CtaWork& w, int t) {
+  return w.lo + (t + 1) * BN <= w.kv_len - p.q_len;
+}
+
 // a tile's TMA boxes (nine [64 tok, 64 dim], or five of 128 dims for KV_E4M3) into stage
 // `stage`, completing on full[stage] (a KV_FP8 tile: into the stage's upper half, see
 // sm90_fp8.cuh)
@@ -175,12 +187,10 @@ __device__ __forceinline__ void produce_early(const WgParams& p, int split, int 
   static_assert(KvTraits<KV>::stages <= 4, "CtaWork::eslot");
   CtaWork e = w;
   cta_range<BM>(p.m, split, b, e);
-  const int* r2t_row = p.m.r2t + e.req * p.m.s_r2t + e.lo;
-  const int old_end = e.kv_len - p.m.q_len;
-  w.early = 0;
+  const int* r2t_row = split_slots(p.m, e);
 #pragma unroll
   for (int n = 0; n < KvTraits<KV>::stages; ++n)  // unrolled: eslot stays in registers
-    if (w.early == n && n < p.early_kv && n < e.ntiles && e.lo + (n + 1) * BN <= old_end) {
+    if (w.early == n && n < p.early_kv && n < e.ntiles && tile_predates_step(p.m, e, n)) {
       w.eslot[n] = r2t_row[n * BN];
       issue_tile<KV>(p, kv_s, full, n, w.eslot[n]);
       w.early = n + 1;
@@ -222,7 +232,7 @@ __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, 
       if (L2PF) {
         CtaWork pw = w;
         cta_range<BM>(p.m, split, b, pw);
-        const int* r2t_row = p.m.r2t + pw.req * p.m.s_r2t + pw.lo;
+        const int* r2t_row = split_slots(p.m, pw);
         for (int t = 0; t < STAGES && t < pw.ntiles; ++t) {
           const int slot0 = r2t_row[t * BN];
 #pragma unroll
@@ -323,7 +333,7 @@ template <int KV>
 __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, unsigned char* kv_s,
                                         uint64_t* full, uint64_t* empty) {
   constexpr int NS = KvTraits<KV>::stages;
-  const int* r2t_row = p.m.r2t + w.req * p.m.s_r2t + w.lo;
+  const int* r2t_row = split_slots(p.m, w);
   for (int it = w.early; it < w.ntiles; ++it) {
     const int stage = it % NS;
     const int slot0 = r2t_row[it * BN];  // before the wait: its round trip hides behind it
@@ -336,8 +346,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, uns
   if (__builtin_expect(w.early > 0, 0)) {
 #pragma unroll
     for (int it = 0; it < NS; ++it)
-      if (it < w.early &&
-          (r2t_row[it * BN] != w.eslot[it] || w.lo + (it + 1) * BN > w.kv_len - p.m.q_len))
+      if (it < w.early && (r2t_row[it * BN] != w.eslot[it] || !tile_predates_step(p.m, w, it)))
         __trap();
   }
 }
