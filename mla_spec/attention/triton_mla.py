@@ -50,10 +50,10 @@ class TritonMLABackend(MLABackend):
     add: ``quant.fp8.fp8_query_attention_error_bound`` and
     ``fp8_probability_attention_error_bound``. ``early_kv`` (default False): in the fixed-row
     modes the wgmma kernels (H200) load their first KV tile before their PDL wait, overlapping
-    the kernel ahead of them (batch 1 ctx 32k: fp8 ~4%, bf16 ~1% a call; docs/bench_mla.md
-    v19). Turn it on only where the layer's KV store writes just the step's rows (each
-    request's last ``q_len``) and the page table and lengths were written at the step's start,
-    as in a decode loop; not where a whole cache is written just before the call."""
+    the kernel ahead of them (batch 1 ctx 16k-32k: 2.5-5.4% a call; docs/bench_mla.md v19).
+    Turn it on only where the layer's KV store writes just the step's rows (each request's
+    last ``q_len``) and the page table and lengths were written at the step's start, as in a
+    decode loop; not where a whole cache is written just before the call."""
 
     name = "triton"
 

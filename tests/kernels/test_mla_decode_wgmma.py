@@ -253,7 +253,8 @@ def test_early_kv_loads_give_the_same_bits(name, kvd, q_len, splits, monkeypatch
     q_len rows; every tile a CTA has stages for with EARLY_KV_TILES raised): the same output
     and lse, bit for bit, as loading after the wait, over requests of 0, 1, 63, 64, 65, 130
     and 5000 tokens (the step's rows inside the first tile, on a tile's edge, past the
-    stages), calls back to back so that each overlaps the one before."""
+    stages), calls back to back so that each overlaps the one before. W (bf16, e4m3 cache),
+    WE2 and WE8 run their _ek builds; W16, W64, WR and WE have none and must ignore it."""
     lens, h = [0, 1, 63, 64, 65, 130, 5000], 16
     if kvd == "fp8":
         qn, qp, kv, r2t, rpi, kl = _fp8_case(lens, h, q_len, 64, seed=11 + q_len)
