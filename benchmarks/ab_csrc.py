@@ -4,7 +4,6 @@
     python benchmarks/ab_csrc.py --base-combine triton   # this tree, the Triton combine as base
     python benchmarks/ab_csrc.py --merge   # W merging inside its grid vs the combine kernel
     python benchmarks/ab_csrc.py --early   # the first KV tile before the PDL wait vs after
-    python benchmarks/ab_csrc.py --flags   # the flagged combine vs the combine kernel
 
 Why: a change to a header the wgmma kernels share (``csrc/sm90_wgmma.cuh``: a CTA's start, the
 query loads, the stores) moves every variant a little, often less than two calls on two
@@ -22,9 +21,8 @@ the Triton combine (``mla_decode_wgmma.COMBINE_CUDA`` off; with or without ``--b
 ``--merge`` makes this tree's calls merge their splits inside the split grid where they can
 (``mla_decode_wgmma.GRID_MERGE`` on) and the base's in a combine kernel; ``--early`` makes
 this tree's calls load their first KV tile before the PDL wait (``mla_decode_wgmma.EARLY_KV``:
-the graph's calls meet its contract) and the base's after it; ``--flags`` makes this tree's
-calls merge ``W``'s splits in the flagged combine (``mla_decode_wgmma.FLAG_COMBINE``) and the
-base's in the combine kernel (without ``--base``, the base is this tree).
+the graph's calls meet its contract) and the base's after it (without ``--base``, the base
+is this tree; ``DIR:early`` makes one base's calls load early too).
 GPU only (sm_90, nvcc); a table last.
 """
 
@@ -57,37 +55,33 @@ DEFAULT_SHAPES = ("bf16:32x1:32768,bf16:32x1:4096:32,fp8:32x1:4096:32,fp8:32x1:3
 
 def kernel_sets(bases: list[Path | None], base_cuda_combine: bool = True,
                 new_merge: bool = False, new_early: bool = False,
-                new_flags: bool = False, base_opts: tuple[set, ...] = ()) -> dict[str, tuple]:
+                base_opts: tuple[set, ...] = ()) -> dict[str, tuple]:
     """{"new" | "base" | "base2" ...: (_KERNELS, _CLUSTER_KERNELS, combine kernels,
-    _EARLY_KERNELS, flagged combine kernels, COMBINE_CUDA, GRID_MERGE, EARLY_KV, FLAG_COMBINE)}:
-    each base tree's kernels built from the same file and function names under its folder
-    (None: this tree's); ``base_opts[i]``: "flags" (base i merges W's splits in its flagged
-    combine), "early" (its calls load their first tile before the PDL wait)."""
+    _EARLY_KERNELS, COMBINE_CUDA, GRID_MERGE, EARLY_KV)}: each base tree's kernels built from
+    the same file and function names under its folder (None: this tree's); ``base_opts[i]``
+    holding "early": base i's calls load their first tile before the PDL wait."""
     def rebuild(ks, base):
         if base is None:
             return dict(ks)
         return {k: CudaKernel(str(base / v.src.name), v.name, arch=v.arch) for k, v in ks.items()}
     sets = {"new": (dict(mw._KERNELS), dict(mw._CLUSTER_KERNELS), dict(mcc._KERNELS),
-                    dict(mw._EARLY_KERNELS), dict(mcc._FLAGGED_KERNELS), mw.COMBINE_CUDA,
-                    new_merge or mw.GRID_MERGE, new_early or mw.EARLY_KV,
-                    new_flags or mw.FLAG_COMBINE)}
+                    dict(mw._EARLY_KERNELS), mw.COMBINE_CUDA, new_merge or mw.GRID_MERGE,
+                    new_early or mw.EARLY_KV)}
     for i, base in enumerate(bases):
         opts = base_opts[i] if i < len(base_opts) else set()
-        flags = "flags" in opts
         sets["base" + (str(i + 1) if i else "")] = (
             rebuild(mw._KERNELS, base), rebuild(mw._CLUSTER_KERNELS, base),
-            rebuild(mcc._KERNELS, base), rebuild(mw._EARLY_KERNELS, base),
-            rebuild(mcc._FLAGGED_KERNELS, base) if flags else dict(mcc._FLAGGED_KERNELS),
-            base_cuda_combine, False, "early" in opts, flags)
+            rebuild(mcc._KERNELS, base), rebuild(mw._EARLY_KERNELS, base), base_cuda_combine,
+            False, "early" in opts)
     return sets
 
 
 def use(sets, name: str) -> None:
-    for table, ks in zip((mw._KERNELS, mw._CLUSTER_KERNELS, mcc._KERNELS, mw._EARLY_KERNELS,
-                          mcc._FLAGGED_KERNELS), sets[name][:5]):
+    for table, ks in zip((mw._KERNELS, mw._CLUSTER_KERNELS, mcc._KERNELS, mw._EARLY_KERNELS),
+                         sets[name][:4]):
         table.clear()
         table.update(ks)
-    mw.COMBINE_CUDA, mw.GRID_MERGE, mw.EARLY_KV, mw.FLAG_COMBINE = sets[name][5:]
+    mw.COMBINE_CUDA, mw.GRID_MERGE, mw.EARLY_KV = sets[name][4:]
 
 
 def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
@@ -143,8 +137,8 @@ def shape_row(sets, kvd, h, q, ctx, bs, reps, dev) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", help="the other csrc directories, comma-separated (default: "
-                                   "this tree's); DIR:flags merges W's splits in that tree's "
-                                   "flagged combine, DIR:early loads early, DIR:flags:early")
+                                   "this tree's); DIR:early: that base's calls load their "
+                                   "first KV tile before the PDL wait")
     ap.add_argument("--base-combine", choices=("cuda", "triton"), default="cuda",
                     help="the combine the base merges its splits with")
     ap.add_argument("--merge", action="store_true",
@@ -153,9 +147,6 @@ def main(argv=None) -> None:
     ap.add_argument("--early", action="store_true",
                     help="this tree's calls load their first KV tile before the PDL wait "
                          "(mla_decode_wgmma.EARLY_KV; the base's never do)")
-    ap.add_argument("--flags", action="store_true",
-                    help="this tree's calls merge W's splits in the flagged combine "
-                         "(mla_decode_wgmma.FLAG_COMBINE; the base's never do)")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="kv:HxQ:ctx[:bs],...")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
@@ -165,12 +156,14 @@ def main(argv=None) -> None:
     entries = [e.split(":") for e in args.base.split(",")] if args.base else [[""]]
     base_opts = tuple(set(e[1:]) for e in entries)
     bases = [Path(e[0]).resolve() if e[0] else None for e in entries]
+    unknown = set().union(*base_opts) - {"early"}
+    if unknown:
+        raise SystemExit(f"ab_csrc: unknown base option(s) {sorted(unknown)} (DIR[:early])")
     for base in bases:
         if base is not None and not (base / "sm90_wgmma.cuh").is_file():
             raise SystemExit(f"ab_csrc: {base} has no sm90_wgmma.cuh (a copy of the csrc folder)")
     dev = torch.device("cuda")
-    sets = kernel_sets(bases, args.base_combine == "cuda", args.merge, args.early, args.flags,
-                       base_opts)
+    sets = kernel_sets(bases, args.base_combine == "cuda", args.merge, args.early, base_opts)
     rows = [shape_row(sets, *s, args.reps, dev) for s in parse_shapes(args.shapes)]
     def cell(key):
         def f(r):
@@ -185,8 +178,7 @@ def main(argv=None) -> None:
     print(f"\nµs per call in a CUDA graph (min of {args.reps} alternating runs; base: "
           f"{', '.join(str(b or 'this tree') for b in bases)}, {args.base_combine} combine"
           f"{'; new: the merge inside the grid' if args.merge else ''}"
-          f"{'; new: early KV loads' if args.early else ''}"
-          f"{'; new: the flagged combine' if args.flags else ''})")
+          f"{'; new: early KV loads' if args.early else ''})")
     print(md_table(cols, rows))
 
 

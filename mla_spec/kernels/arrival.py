@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["arrival_counters", "split_flags"]
+__all__ = ["arrival_counters"]
 
 #: the smallest buffer cached (256 KB: 64 Ki pieces, e.g. 2048 requests x 32 row blocks)
 MIN_COUNTERS = 1 << 16
@@ -39,25 +39,4 @@ def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
     if buf is not None:
         _OUTGROWN.append(buf)
     buf = _CACHE[device] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
-    return buf
-
-
-_FLAGS: dict[torch.device, torch.Tensor] = {}
-_FLAGS_OUTGROWN: list[torch.Tensor] = []
-
-
-def split_flags(n: int, device: torch.device) -> torch.Tensor:
-    """An int32 buffer of at least ``n`` ints on ``device`` for the split flags of the flagged
-    combine (``csrc/mla_combine.cu``). Not zeroed: each split CTA lowers its own flag after its
-    PDL wait, before the combine that reads it can start. Cached per device, and a capture
-    that needs more gets a fresh one that is not cached (as :func:`arrival_counters`)."""
-    device = torch.device(device)
-    buf = _FLAGS.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.empty(max(n, 1), dtype=torch.int32, device=device)
-    if buf is not None:
-        _FLAGS_OUTGROWN.append(buf)
-    buf = _FLAGS[device] = torch.empty(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
     return buf

@@ -13,7 +13,6 @@ CUDA kernel where it runs (a CUDA device of sm_90 or newer, nvcc) and measured f
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import torch
 
@@ -21,9 +20,8 @@ from mla_spec.kernels.cuda_driver import CudaKernel, cuda_kernels_available
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.pdl import pdl_on
 
-__all__ = ["FLAG_STRIDE", "SplitFlags", "combine_cuda_preferred", "combine_cuda_supported",
-           "combine_groups", "combine_splits_cuda", "combine_splits_fast",
-           "combine_splits_flagged"]
+__all__ = ["combine_cuda_preferred", "combine_cuda_supported", "combine_groups",
+           "combine_splits_cuda", "combine_splits_fast"]
 
 _SRC = "mla_combine.cu"
 _DV = 512
@@ -31,30 +29,12 @@ _GROUPS = (2, 4, 8, 16, 32)  # split groups a row (G); a CTA takes 32 / G rows
 _KMAX = 4  # splits a thread loads in its one round (more: a second, serial loop)
 _KERNELS = {(bf16, g): CudaKernel(_SRC, f"mla_combine_{'bf16' if bf16 else 'f32'}_g{g}")
             for bf16 in (True, False) for g in _GROUPS}
-#: the flagged combine (bf16 partials; ``combine_flagged`` in the source), by G
-_FLAGGED_KERNELS = {g: CudaKernel(_SRC, f"mla_combine_fl_bf16_g{g}") for g in _GROUPS}
-#: ints from one split flag to the next (``SPLIT_FLAG_STRIDE`` in ``csrc/sm90_common.cuh``)
-FLAG_STRIDE = 32
 
 
 class _CombineParams(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("part", "part_lse", "out", "lse")] + \
         [(n, ctypes.c_longlong) for n in ("s_ps", "s_ls", "s_o_t", "s_o_h")] + \
-        [(n, ctypes.c_int) for n in ("rows", "H", "S", "pad")] + \
-        [("flags", ctypes.c_void_p)] + \
-        [(n, ctypes.c_int) for n in ("n_rows", "bm", "m_blocks", "pad2")]
-
-
-@dataclass(frozen=True)
-class SplitFlags:
-    """Where the flagged combine finds the split grid's flags: ``flags`` (int32, one per
-    split CTA, :data:`FLAG_STRIDE` apart, ``[requests][m_blocks][splits]``), the grid's rows
-    a request (``n_rows``), rows a row block (``block_rows``) and row blocks a request."""
-
-    flags: torch.Tensor
-    n_rows: int
-    block_rows: int
-    m_blocks: int
+        [(n, ctypes.c_int) for n in ("rows", "H", "S", "pad")]
 
 
 def combine_groups(num_splits: int) -> int:
@@ -104,9 +84,8 @@ def combine_splits_cuda(part: torch.Tensor, part_lse: torch.Tensor, out: torch.T
 
 
 def _launch(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor | None, flags: SplitFlags | None = None) -> None:
-    """The CUDA combine on tensors :func:`combine_cuda_supported` took (the flagged one with
-    ``flags``)."""
+            lse: torch.Tensor | None) -> None:
+    """The CUDA combine on tensors :func:`combine_cuda_supported` took."""
     s, rows, _ = part.shape
     n, h, _ = out.shape
     if rows != n * h:
@@ -118,38 +97,8 @@ def _launch(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
                        lse.data_ptr() if lse is not None else None,
                        part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
                        rows, h, s, 0)
-    kernel = _KERNELS[(part.dtype == torch.bfloat16, g)]
-    if flags is not None:
-        p.flags, p.n_rows, p.bm, p.m_blocks = (flags.flags.data_ptr(), flags.n_rows,
-                                               flags.block_rows, flags.m_blocks)
-        kernel = _FLAGGED_KERNELS[g]
-    kernel((-(-rows // (32 // g)), _DV // 64, 1), 256, 0, p, part.device, pdl=pdl_on(part))
-
-
-def combine_splits_flagged(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                           lse: torch.Tensor | None, flags: SplitFlags) -> None:
-    """The flagged combine (``combine_flagged`` in ``csrc/mla_combine.cu``): the same result
-    as :func:`combine_splits_cuda` (up to the order of its fp32 sums) for bf16 partials, merged
-    as each split CTA raises its flag. Only right after a split kernel that raises ``flags``
-    (``mla_decode_wgmma.launch_wgmma_mla`` pairs them): it reads the partials before that grid
-    has ended, and a flag never raised traps after ~4 s. ValueError when the CUDA combine does
-    not take these tensors or the partials are not bf16."""
-    why = combine_cuda_supported(part, part_lse, out, lse)
-    if why is None and part.dtype != torch.bfloat16:
-        why = "the flagged combine takes bf16 partials"
-    if why:
-        raise ValueError(why)
-    rows = part.shape[1]
-    if flags.n_rows < 1 or rows % flags.n_rows or flags.block_rows < 1 or \
-            flags.m_blocks * flags.block_rows < flags.n_rows:
-        raise ValueError(f"the split grid's {flags.m_blocks} row blocks of {flags.block_rows} "
-                         f"rows must cover its {flags.n_rows} rows a request, a divisor of the "
-                         f"partials' {rows} rows")
-    need = rows // flags.n_rows * flags.m_blocks * part.shape[0] * FLAG_STRIDE
-    if flags.flags.dtype != torch.int32 or flags.flags.numel() < need or \
-            flags.flags.device != part.device:
-        raise ValueError(f"the split flags must be int32 on {part.device}, at least {need} ints")
-    _launch(part, part_lse, out, lse, flags)
+    _KERNELS[(part.dtype == torch.bfloat16, g)](
+        (-(-rows // (32 // g)), _DV // 64, 1), 256, 0, p, part.device, pdl=pdl_on(part))
 
 
 def combine_cuda_preferred(num_splits: int, rows: int) -> bool:

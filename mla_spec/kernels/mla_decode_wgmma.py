@@ -32,17 +32,10 @@ from dataclasses import dataclass, fields
 import torch
 
 from mla_spec.device import cuda_capability, env_flag, sm_count
-from mla_spec.kernels.arrival import arrival_counters, split_flags
+from mla_spec.kernels.arrival import arrival_counters
 from mla_spec.kernels.cuda_driver import CudaKernel, tensor_map_2d
 from mla_spec.kernels.mla_decode_combine import combine_splits
-from mla_spec.kernels.mla_decode_combine_cuda import (
-    FLAG_STRIDE,
-    SplitFlags,
-    combine_cuda_preferred,
-    combine_cuda_supported,
-    combine_splits_fast,
-    combine_splits_flagged,
-)
+from mla_spec.kernels.mla_decode_combine_cuda import combine_splits_fast
 from mla_spec.kernels.mla_decode_cuda import _Params, call_supported, split_params
 from mla_spec.kernels.pdl import pdl_on
 from mla_spec.quant.fp8 import FP8_DTYPE
@@ -104,12 +97,6 @@ _MERGE_KEYS = frozenset(k for k, v in _KERNELS.items() if v.src.name == _SOURCES
 #: at once: under MPS or a green context that holds fewer SMs than the device reports, its
 #: CTAs would wait for ones that cannot start (the kernel traps after ~4 s)
 GRID_MERGE = False
-#: The kernels that raise split flags for the flagged combine when the launcher passes them
-#: (``split_done`` in ``csrc/sm90_wgmma.cuh``): ``W``, bf16 or e4m3 cache, every build
-_FLAG_KEYS = _MERGE_KEYS
-#: True: where the CUDA combine merges ``W``'s bf16 partials (:func:`flags_combine`), the
-#: flagged one does, launched while the split grid still stores its rows
-FLAG_COMBINE = env_flag("MLA_SPEC_FLAG_COMBINE", False)
 #: Tiles a split CTA loads into shared memory before its PDL wait when a call asks for it
 #: (``launch_wgmma_mla(early_kv=True)``, ``produce_early`` in ``csrc/sm90_wgmma.cuh``). One: the
 #: first stage only; all the stages measured slower than none (the flood of loads slowed the
@@ -160,18 +147,15 @@ def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False,
         return base + 2 * block_m * 4
     if block_m == 64:
         return base + 8 * 32 * 4 + 2 * block_m * 4
-    # ... and W's split-flag mbarrier (csrc/sm90_wgmma.cuh, split_flag_init)
-    return base + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4 + 16
+    return base + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4
 
 
 class _WgParams(ctypes.Structure):
     """``WgParams`` of ``csrc/sm90_wgmma.cuh``: the split kernels' parameters, the cache's
-    TMA descriptor, the merge's barrier counters or null, the early tiles, the split flags or
-    null (64-byte aligned: 384 bytes)."""
+    TMA descriptor, the merge's barrier counters or null (64-byte aligned: 384 bytes)."""
 
     _fields_ = [("m", _Params), ("kv_map", ctypes.c_ubyte * 128), ("merge", ctypes.c_void_p),
-                ("early_kv", ctypes.c_int), ("flags", ctypes.c_void_p),
-                ("pad", ctypes.c_ubyte * 40)]
+                ("early_kv", ctypes.c_int), ("pad", ctypes.c_ubyte * 52)]
 
 
 _MAPS: dict[tuple[int, int, int, bool, bool], bytes] = {}
@@ -283,32 +267,14 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
     ctypes.memmove(p.kv_map, _tensor_map(kv_flat, kind.e4m3_mma), 128)
     if merge:
         p.merge = arrival_counters(groups, q_nope.device).data_ptr()
-    flags = None
-    if num_splits > 1 and not cluster and not merge and \
-            flags_combine(key, part, part_lse, out, lse):
-        flags = SplitFlags(split_flags(groups * num_splits * FLAG_STRIDE, q_nope.device),
-                           q_len * q_nope.shape[1], kind.block_m, m_blocks)
-        p.flags = flags.flags.data_ptr()
     early = (EARLY_KV if early_kv is None else early_kv) and key in _EARLY_KERNELS \
         and not cluster and num_splits >= EARLY_KV_MIN_SPLITS
     p.early_kv = EARLY_KV_TILES if early else 0
     (_CLUSTER_KERNELS if cluster else _EARLY_KERNELS if early else _KERNELS)[key](
         (num_splits, m_blocks, req_pool_indices.numel()), kind.threads, kind.smem, p,
         q_nope.device, pdl=pdl_on(q_nope), cluster=num_splits if cluster else 1)
-    if flags is not None:
-        combine_splits_flagged(part, part_lse, out, lse, flags)
-    elif num_splits > 1 and not cluster and not merge:
+    if num_splits > 1 and not cluster and not merge:
         (combine_splits_fast if COMBINE_CUDA else combine_splits)(part, part_lse, out, lse)
-
-
-def flags_combine(key, part, part_lse, out, lse) -> bool:
-    """True when kernel ``key``'s splits (more than one) merge in the flagged combine
-    (:data:`FLAG_COMBINE`): ``W`` (:data:`_FLAG_KEYS`) with bf16 partials, where the CUDA
-    combine would merge them (:func:`~mla_spec.kernels.mla_decode_combine_cuda.
-    combine_cuda_preferred` and supported)."""
-    return (FLAG_COMBINE and COMBINE_CUDA and key in _FLAG_KEYS and part.dtype == torch.bfloat16
-            and combine_cuda_preferred(part.shape[0], part.shape[1])
-            and combine_cuda_supported(part, part_lse, out, lse) is None)
 
 
 def clusters_splits(key, num_splits: int) -> bool:

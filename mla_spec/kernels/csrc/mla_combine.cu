@@ -18,7 +18,6 @@
 // (div_small); out rows 16-byte aligned (one 16-byte store a thread).
 #include <cuda_bf16.h>
 #include <math.h>
-#include <stddef.h>
 
 #include "sm90_common.cuh"
 
@@ -29,11 +28,9 @@ struct CombineParams {
   float* lse;              // [rows] natural log, or null
   long long s_ps, s_ls, s_o_t, s_o_h;
   int rows, H, S, pad;
-  const int* flags;        // combine_flagged: the split grid's flags [requests][row blocks][S]
-  int n_rows, bm, m_blocks, pad2;  // and its rows a request, rows a row block, row blocks
 };
 // mla_decode_combine_cuda._CombineParams mirrors this layout
-static_assert(sizeof(CombineParams) == 104 && offsetof(CombineParams, flags) == 80, "layout");
+static_assert(sizeof(CombineParams) == 80, "layout");
 
 namespace {
 
@@ -42,21 +39,19 @@ using namespace sm90;
 constexpr int DV = 512, NT = 256, COLS = 64, CPT = 8;  // columns per CTA / per thread
 constexpr int KMAX = 4;                                // a thread's splits per load round
 
-// CG: through L2 only (the flagged combine reads partials stored while it runs), else the
-// read-only path
-template <bool BF16, bool CG = false>
+template <bool BF16>
 __device__ __forceinline__ void load8(const CombineParams& p, long long s, long long row, int col,
                                       float (&v)[CPT]) {
   const long long off = s * p.s_ps + row * DV + col;
   if constexpr (BF16) {
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(p.part) + off);
-    const uint4 x = CG ? __ldcg(src) : __ldg(src);
+    const uint4 x = __ldg(reinterpret_cast<const uint4*>(
+        static_cast<const __nv_bfloat16*>(p.part) + off));
     const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) v[2 * i] = bf16_lo(w[i]), v[2 * i + 1] = bf16_hi(w[i]);
   } else {
     const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(p.part) + off);
-    const float4 a = CG ? __ldcg(src) : __ldg(src), b = CG ? __ldcg(src + 1) : __ldg(src + 1);
+    const float4 a = __ldg(src), b = __ldg(src + 1);
     v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z,
     v[7] = b.w;
   }
@@ -69,21 +64,6 @@ __device__ __forceinline__ void add_split(float (&acc)[CPT], float& den, float w
   den += w;
 #pragma unroll
   for (int i = 0; i < CPT; ++i) acc[i] += w > 0.f ? w * v[i] : 0.f;
-}
-
-// a row's 8 merged columns (and its natural lse, from column 0's thread): acc / den, zeros
-// and -inf when every split was empty (den 0); m: the max log2-sum-exp the sums are taken at
-__device__ __forceinline__ void store_row(const CombineParams& p, int row, int col,
-                                          const float (&acc)[CPT], float den, float m) {
-  const float inv = den > 0.f ? 1.f / den : 0.f;
-  uint32_t h2[CPT / 2];
-#pragma unroll
-  for (int i = 0; i < CPT / 2; ++i) h2[i] = pack_bf16(acc[2 * i] * inv, acc[2 * i + 1] * inv);
-  const int t = div_small(row, p.H);
-  *reinterpret_cast<uint4*>(p.out + t * p.s_o_t + static_cast<long long>(row - t * p.H) * p.s_o_h +
-                            col) = make_uint4(h2[0], h2[1], h2[2], h2[3]);
-  if (p.lse != nullptr && col == 0)
-    p.lse[row] = den > 0.f ? (m + log2f(den)) * 0.6931471805599453f : -INFINITY;
 }
 
 template <bool BF16, int G>
@@ -159,108 +139,15 @@ __device__ __forceinline__ void combine(const CombineParams& p) {
     }
   }
   if (!live || g != 0) return;
-  store_row(p, row, col, acc, den, m);
-}
-
-// The flagged combine: launched while the split grid still stores its rows (split_trigger in
-// sm90_wgmma.cuh), it merges each split as soon as its CTA's flag is up rather than once the
-// whole grid has ended and its memory is flushed. Why: at batch 1 ctx 32k (128 splits x 32
-// rows) the combine kernel's PDL release came ~0.5 µs after the split grid's last store and its
-// program took 2.6-3.1 µs more, mostly the L2 round trips of all 4 MB of partials at once
-// (docs/bench_mla.md v16); here most partials are merged while the last CTAs still run, and
-// after the last flag a thread has at most its last splits to load. Same threads and columns as
-// combine(); each thread keeps a running (max, sum, 8 columns) instead of one max first, and
-// adds its splits in split order whatever order their flags go up in (a split up early waits
-// for the ones before it), so that a call gives the same bits every time. The lanes c8 < KMAX of a group poll its KMAX splits of a round (relaxed loads, then
-// one acquire fence for the ones up); loads go through L2 (.cg): a line cached in L1 before
-// another CTA's rows of it were stored must not be read. Rule 1 of kernels/pdl.py does not
-// hold here: the launcher pairs it only with a split kernel that raises the flags. It lets the
-// next grid launch at once, as combine() does after its wait (triggered after the merge, the
-// next split kernel's CTAs entered only when this grid was nearly done, and their start was no
-// longer hidden: +2.5 µs a call at batch 1 ctx 32k), and waits for the split grid's end before
-// its own (griddep_wait): when a kernel after it is released, the split grid has ended too. A flag not up within ~4 s traps (a launch error, not a hang).
-template <bool BF16, int G>
-__device__ __forceinline__ void combine_flagged(const CombineParams& p) {
-  constexpr int R = 32 / G, TPR = COLS / CPT * G, WPR = TPR > 32 ? TPR / 32 : 1;
-  __shared__ float acc_s[R][WPR][COLS];
-  __shared__ float den_s[R][WPR], max_s[R][WPR];
-  const int tid = threadIdx.x, lane = tid % 32, c8 = tid % (COLS / CPT);
-  const int g = (tid / (COLS / CPT)) % G, rl = tid / TPR, row = blockIdx.x * R + rl;
-  const int col = blockIdx.y * COLS + c8 * CPT;
-  const bool live = row < p.rows;
-  const int b = live ? div_small(row, p.n_rows) : 0;
-  const int* fl = p.flags + (static_cast<long long>(b) * p.m_blocks +
-                             div_small(row - b * p.n_rows, p.bm)) * p.S * SPLIT_FLAG_STRIDE;
-  // the next grid may launch once every CTA of this one is resident (the split grid's next
-  // call: its CTAs enter, load their first tile with early_kv and wait for this grid's end)
-  griddep_launch();
-  float m = -INFINITY, den = 0.f, acc[CPT] = {};
-  const unsigned long long t0 = global_ns();
-#pragma unroll 1
-  for (int s0 = g; s0 - g < p.S; s0 += KMAX * G) {  // a round: splits s0 + k G, k < KMAX
-    unsigned pend = 0;
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  uint32_t h2[CPT / 2];
 #pragma unroll
-    for (int k = 0; k < KMAX; ++k) pend |= (live && s0 + k * G < p.S) ? 1u << k : 0u;
-    while (__any_sync(0xffffffffu, pend != 0)) {
-      const bool up = c8 < KMAX && ((pend >> c8) & 1) &&
-                      ld_relaxed_gpu(fl + (s0 + c8 * G) * SPLIT_FLAG_STRIDE) != 0;
-      unsigned ready = (__ballot_sync(0xffffffffu, up) >> (lane & ~7)) & pend;
-      ready &= ~(ready + (pend & -pend));  // the splits up from the first pending one on, in order
-      if (ready == 0) {
-        if (pend != 0 && global_ns() - t0 > 4000000000ull) __trap();
-        continue;
-      }
-      fence_acq_rel_gpu();  // behind the flags seen up: their CTAs' partials
-      float l[KMAX], v[KMAX][CPT];
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k)
-        if ((ready >> k) & 1) {
-          const int s = s0 + k * G;
-          l[k] = __ldcg(p.part_lse + s * p.s_ls + row);
-          load8<BF16, true>(p, s, row, col, v[k]);
-        }
-#pragma unroll
-      for (int k = 0; k < KMAX; ++k)
-        if ((ready >> k) & 1) {  // one split at a time, in split order: the same bits every run
-          const float mx = fmaxf(m, l[k]), mu = mx == -INFINITY ? 0.f : mx;
-          const float a = exp2f(m - mu);
-          den *= a;
-#pragma unroll
-          for (int i = 0; i < CPT; ++i) acc[i] *= a;
-          add_split(acc, den, exp2f(l[k] - mu), v[k]);
-          m = mx;
-        }
-      pend &= ~ready;
-    }
-  }
-  griddep_wait();  // the split grid has ended (so has it once this grid has: pdl.py rule 3)
-  // the groups' states: over this warp's by shuffles, then (G >= 8) over the row's warps
-#pragma unroll
-  for (int o = COLS / CPT; o < 32 && o < TPR; o *= 2) {
-    float acc2[CPT];
-#pragma unroll
-    for (int i = 0; i < CPT; ++i) acc2[i] = __shfl_xor_sync(0xffffffffu, acc[i], o);
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), d2 = __shfl_xor_sync(0xffffffffu, den, o);
-    merge_into(m, den, acc, m2, d2, acc2);
-  }
-  if constexpr (WPR > 1) {
-    const int wr = (tid / 32) % WPR;
-    if (lane < COLS / CPT) {
-#pragma unroll
-      for (int i = 0; i < CPT; ++i) acc_s[rl][wr][c8 * CPT + i] = acc[i];
-      if (c8 == 0) den_s[rl][wr] = den, max_s[rl][wr] = m;
-    }
-    __syncthreads();
-    if (wr != 0 || lane >= COLS / CPT) return;
-    for (int w = 1; w < WPR; ++w) {
-      float acc2[CPT];
-#pragma unroll
-      for (int i = 0; i < CPT; ++i) acc2[i] = acc_s[rl][w][c8 * CPT + i];
-      merge_into(m, den, acc, max_s[rl][w], den_s[rl][w], acc2);
-    }
-  }
-  if (!live || g != 0) return;
-  store_row(p, row, col, acc, den, m);
+  for (int i = 0; i < CPT / 2; ++i) h2[i] = pack_bf16(acc[2 * i] * inv, acc[2 * i + 1] * inv);
+  const int t = div_small(row, p.H);
+  *reinterpret_cast<uint4*>(p.out + t * p.s_o_t + static_cast<long long>(row - t * p.H) * p.s_o_h +
+                            col) = make_uint4(h2[0], h2[1], h2[2], h2[3]);
+  if (p.lse != nullptr && col == 0)
+    p.lse[row] = den > 0.f ? (m + log2f(den)) * 0.6931471805599453f : -INFINITY;
 }
 
 }  // namespace
@@ -268,12 +155,6 @@ __device__ __forceinline__ void combine_flagged(const CombineParams& p) {
 #define MLA_COMBINE(BF16, G, NAME)                                                  \
   extern "C" __global__ void __launch_bounds__(NT) NAME(const __grid_constant__ CombineParams p) { \
     combine<BF16, G>(p);                                                            \
-  }
-
-// bf16 partials only: the split kernel that raises the flags (W) writes bf16 at 32 rows
-#define MLA_COMBINE_FLAGGED(G, NAME)                                                \
-  extern "C" __global__ void __launch_bounds__(NT) NAME(const __grid_constant__ CombineParams p) { \
-    combine_flagged<true, G>(p);                                                    \
   }
 
 MLA_COMBINE(true, 32, mla_combine_bf16_g32)
@@ -286,8 +167,3 @@ MLA_COMBINE(false, 16, mla_combine_f32_g16)
 MLA_COMBINE(false, 8, mla_combine_f32_g8)
 MLA_COMBINE(false, 4, mla_combine_f32_g4)
 MLA_COMBINE(false, 2, mla_combine_f32_g2)
-MLA_COMBINE_FLAGGED(32, mla_combine_fl_bf16_g32)
-MLA_COMBINE_FLAGGED(16, mla_combine_fl_bf16_g16)
-MLA_COMBINE_FLAGGED(8, mla_combine_fl_bf16_g8)
-MLA_COMBINE_FLAGGED(4, mla_combine_fl_bf16_g4)
-MLA_COMBINE_FLAGGED(2, mla_combine_fl_bf16_g2)

@@ -60,7 +60,6 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   float* rowv = red + 8 * BM;                               // [2][BM] v_scale / l, maxima
   uint64_t* full = reinterpret_cast<uint64_t*>(rowv + 2 * BM);  // [STAGES] tile landed
   uint64_t* empty = full + STAGES;                              // [STAGES] 8 warps done
-  uint64_t* lowered = empty + STAGES;                           // the split flag is down
 
   const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
@@ -68,12 +67,10 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   CtaWork w;
   QueryLoad<BM> qload;
   constexpr int EARLY_KV = EARLY ? KV : -1;  // produce_early (sm90_wgmma.cuh)
-  if (tid == NT + 1) split_flag_init(wp, lowered);
   if (!cta_begin<BM, L2PF, STAGES, EARLY_KV>(wp, split, mb, b, tid, full, empty, w, qload, kv_s))
     return;
   if (tid >= NT) {  // the producer warp
     if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);
-    if (lane == 1) split_flag_lower(wp, split, b, lowered);
     return;
   }
   qload.template store<T::f16>(q_s, tid);
@@ -124,7 +121,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
       if (T::f16 && it + 1 < w.ntiles) ready_tile<KV>(kv_s, full, it + 1, w.lo, w.hi, tid);
     });  // then the stage is free
   }
-  split_trigger(wp, tid, lowered);  // the combine may launch now
+  griddep_launch();  // the combine may launch now (it waits for this grid to finish)
 
   // l over the tile rows (lanes g) and warps of warpgroup 0, then v_scale / l and lse per row
   sum_over_g<NC>(l_r);
@@ -137,7 +134,6 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
-  split_done(wp, split, b, tid, 1);
   if (wp.merge != nullptr) {
     if (p.part_bf16) grid_merge<BM, true>(wp, w, split, b, tid, 1, ost);
     else grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);

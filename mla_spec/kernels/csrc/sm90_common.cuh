@@ -3,7 +3,6 @@
 // (cuda_driver.compile_cubin hashes every .cuh here into a kernel's cache key.)
 #pragma once
 #include <cuda_bf16.h>
-#include <math.h>
 #include <stdint.h>
 
 namespace sm90 {
@@ -140,62 +139,6 @@ __device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
-}
-
-// memory order across CTAs and grids (the split barriers of sm90_grid_merge.cuh, the split
-// flags of the flagged combine: mla_combine.cu)
-__device__ __forceinline__ int ld_acquire_gpu(const int* a) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(a) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_release_gpu(int* a, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(a), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ int atom_add_acq_rel_gpu(int* a, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
-               : "=r"(old) : "l"(a), "r"(v) : "memory");
-  return old;
-}
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
-}
-
-// ints from one split flag to the next (one 128-byte line each: the flagged combine's threads poll
-// them, and 128 flags in 4 lines made 4 L2 slices take every poll); mla_decode_combine_cuda.
-// FLAG_STRIDE mirrors it
-constexpr int SPLIT_FLAG_STRIDE = 32;
-
-__device__ __forceinline__ int ld_relaxed_gpu(const int* a) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(a) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void st_relaxed_gpu(int* a, int v) {
-  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(a), "r"(v) : "memory");
-}
-
-__device__ __forceinline__ void fence_acq_rel_gpu() {
-  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
-}
-
-// a split merge's running state (m: max log2-sum-exp, den: weight sum, acc: 8 columns) and another
-// one's as one: both rescaled to the larger max
-__device__ __forceinline__ void merge_into(float& m, float& den, float (&acc)[8], float m2,
-                                           float den2, const float (&acc2)[8]) {
-  const float mx = fmaxf(m, m2), mu = mx == -INFINITY ? 0.f : mx;
-  const float a = exp2f(m - mu), c = exp2f(m2 - mu);
-  den = den * a + den2 * c;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = acc[i] * a + acc2[i] * c;
-  m = mx;
 }
 
 }  // namespace sm90

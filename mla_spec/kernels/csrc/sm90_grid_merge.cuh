@@ -37,6 +37,29 @@
 
 namespace {
 
+__device__ __forceinline__ int ld_acquire_gpu(const int* a) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(a) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_gpu(int* a, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(a), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ int atom_add_acq_rel_gpu(int* a, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n"
+               : "=r"(old) : "l"(a), "r"(v) : "memory");
+  return old;
+}
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
 // one thread of each of the `arrivals` CTAs sharing `count`, after a CTA barrier behind its
 // threads' stores (the release of the add covers them: cumulativity); true for the last one,
 // which opens the barrier
@@ -99,6 +122,17 @@ __device__ __forceinline__ void unpack8(const Raw8<BF16>& r, float (&v)[8]) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(u[i]);
   }
+}
+
+// (m, den, acc) and the partial (m2, den2, acc2) as one: both rescaled to the larger max
+__device__ __forceinline__ void merge_into(float& m, float& den, float (&acc)[8], float m2,
+                                           float den2, const float (&acc2)[8]) {
+  const float mx = fmaxf(m, m2), mu = mx == -INFINITY ? 0.f : mx;
+  const float a = exp2f(m - mu), c = exp2f(m2 - mu);
+  den = den * a + den2 * c;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = acc[i] * a + acc2[i] * c;
+  m = mx;
 }
 
 // After store_rows (every thread of the NT consumer threads; bar: a named barrier of theirs;

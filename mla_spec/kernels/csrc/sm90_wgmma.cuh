@@ -49,11 +49,9 @@ struct alignas(64) WgParams {
                 // (sm90_grid_merge.cuh)
   int early_kv;  // tiles the producer loads before the PDL wait (produce_early), at most
                  // its stages; 0: none
-  int* flags;    // null, or the split flags the flagged combine waits on (split_trigger)
 };
 static_assert(sizeof(WgParams) == 384 && offsetof(WgParams, kv_map) == 192 &&
-              offsetof(WgParams, merge) == 320 && offsetof(WgParams, early_kv) == 328 &&
-              offsetof(WgParams, flags) == 336,
+              offsetof(WgParams, merge) == 320 && offsetof(WgParams, early_kv) == 328,
               "layout");
 
 // The extern "C" entry NAME(WgParams) of a split kernel: THREADS threads (the launcher's
@@ -492,57 +490,6 @@ __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w,
       for (h += RS; h >= p.H; h -= p.H) dst += wrap;
     }
   }
-}
-
-// Split flags, for the flagged combine (mla_combine.cu, combine_flagged), which starts as soon
-// as this grid lets it launch and merges each split as its flag goes up, instead of waiting for
-// the whole grid to end and its memory to be flushed. One int per CTA: [request][row block]
-// [split], SPLIT_FLAG_STRIDE apart. Lane 1 of the producer warp (idle otherwise) lowers it after
-// the PDL wait (the previous call's combine, which read it, has finished) and fences, so that
-// the lowering is visible GPU-wide before this CTA lets the combine launch (split_trigger
-// waits for it on the mbarrier `lowered`): the combine cannot start early enough to see the
-// previous call's raised flag. Thread 0 raises it with a release once the CTA's rows are stored
-// (split_done). No memset per call, and a CUDA graph replays it. (A first version lowered it
-// from thread 0 and fenced right before the trigger: the fence held the epilogue, +2.7 µs a
-// call at batch 1 ctx 32k.)
-__device__ __forceinline__ int* split_flag(const WgParams& wp, int split, int b) {
-  return wp.flags + ((static_cast<long long>(b) * gridDim.y + blockIdx.y) * wp.m.num_splits + split) *
-                        SPLIT_FLAG_STRIDE;
-}
-
-// producer lane 1, before cta_start's barrier (with flags): the mbarrier it arrives at
-__device__ __forceinline__ void split_flag_init(const WgParams& wp, uint64_t* lowered) {
-  if (wp.flags == nullptr) return;
-  mbar_init(lowered, 1);
-  mbar_fence_init();
-}
-
-// producer lane 1, after the PDL wait
-__device__ __forceinline__ void split_flag_lower(const WgParams& wp, int split, int b,
-                                                 uint64_t* lowered) {
-  if (wp.flags == nullptr) return;
-  st_relaxed_gpu(split_flag(wp, split, b), 0);
-  __threadfence();
-  mbar_arrive(lowered);
-}
-
-// after the KV loop, in place of every consumer thread's griddep_launch: with flags, thread 0
-// alone, once the flag is down
-__device__ __forceinline__ void split_trigger(const WgParams& wp, int tid, uint64_t* lowered) {
-  if (wp.flags == nullptr) {
-    griddep_launch();
-  } else if (tid == 0) {
-    mbar_wait(lowered, 0);
-    griddep_launch();
-  }
-}
-
-// after store_rows, every consumer thread (bar: a named barrier of theirs): the flag goes up
-// behind the CTA's stores (the release covers them: cumulativity through the barrier)
-__device__ __forceinline__ void split_done(const WgParams& wp, int split, int b, int tid, int bar) {
-  if (wp.flags == nullptr) return;
-  named_barrier(bar, NT);
-  if (tid == 0) st_release_gpu(split_flag(wp, split, b), 1);
 }
 
 // A thread's S^T (m64nN) fragments: value i sits at token row 16 warp + g + 8 ((i >> 1) & 1)
