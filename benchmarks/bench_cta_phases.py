@@ -29,12 +29,11 @@ split; the stamps of row block 0): ``entry``, ``begun``, ``prod0``, ``prodend``,
 stored). ``W`` (H 32 q 1 on a bf16 cache; batch 1 ctx 32k is ``--bs 1 --ctx 32768 --splits
 128``): ``entry``, ``begun``, ``prod0`` / ``prodend``, ``qstored``, ``tile0`` .. ``tile3`` (the
 first four tiles landed), ``loopend``, ``staged`` (O in the fp32 staging), ``finished``
-(the rows' factors and lse; with bf16 rows, ``csrc/sm90_rows_bf16.cuh``, staged and finished
-are one step: the rows normalized and staged as bf16), ``end`` (rows stored), ``merged`` (its
-share of the merge inside the grid done, when ``mla_decode_wgmma.GRID_MERGE`` is on; the
-merge's own steps go to the words from ``GM_WORD0`` on through ``GM_STAMP``; the last tile's
-steps, ``LAST_TILE_STEPS``, to the words from ``LT_WORD0`` on, printed by
-``bench_call_timeline.py``). GPU only (sm_90 and nvcc).
+(the rows' factors and lse), ``end`` (rows stored), ``merged`` (its share of the merge inside
+the grid done, when ``mla_decode_wgmma.GRID_MERGE`` is on; the merge's own steps go to the
+words from ``GM_WORD0`` on through ``GM_STAMP``; the last tile's steps, ``LAST_TILE_STEPS``,
+to the words from ``LT_WORD0`` on, printed by ``bench_call_timeline.py``). GPU only (sm_90 and
+nvcc).
 """
 
 from __future__ import annotations
@@ -80,14 +79,6 @@ _GM_STAMP = ("#define GM_STAMP(i) asm volatile(\"mov.u64 %0, %%globaltimer;\" : 
 def _last_tile_stamp(k: int) -> str:
     """W's step k of its last tile, by thread 0, into word LT_WORD0 + k (through GM_STAMP)."""
     return f"    if (tid == 0 && it + 1 == w.ntiles) GM_STAMP({LT_WORD0 - GM_WORD0 + k});\n"
-
-
-def _moved(anchor: str, by: int = 2) -> tuple[str, str]:
-    """W's anchor as this tree has it (its lines ``by`` spaces further in: the consumer warps'
-    code sits in a branch since the producer's warm pass, csrc/sm90_rows_bf16.cuh) and as an
-    older tree (--csrc) has it."""
-    pad = " " * by
-    return "".join(pad + ln if ln.strip() else ln for ln in anchor.splitlines(True)), anchor
 
 
 def _dump(n: int) -> str:
@@ -174,56 +165,31 @@ SPECS = {
              "  if (tid == 0) { st_[0] = st0_; st_[1] = gtime(); }\n"),
             ("named_barrier(1, NT);  // the queries are in shared memory (consumer warps only "
              "from here)\n", "  if (tid == 0) st_[4] = gtime();\n"),
-            (_moved("    wgmma_commit();\n    wgmma_wait0();\n"), _last_tile_stamp(0)),
-            (_moved("    add_other_half(s, xmine, xother);\n"), _last_tile_stamp(1)),
-            (_moved("    named_barrier(1, NT);  // P^T complete\n"), _last_tile_stamp(2)),
-            (_moved("    });  // then the stage is free\n"), _last_tile_stamp(3)),
-            (_moved("    if (!T::f16 || it == 0) "
-                    "ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);\n"),
+            ("    wgmma_commit();\n    wgmma_wait0();\n", _last_tile_stamp(0)),
+            ("    add_other_half(s, xmine, xother);\n", _last_tile_stamp(1)),
+            ("    named_barrier(1, NT);  // P^T complete\n", _last_tile_stamp(2)),
+            ("    });  // then the stage is free\n", _last_tile_stamp(3)),
+            ("    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);\n",
              "    if (it < 4 && tid == 0) st_[5 + it] = gtime();\n"),
-            (_moved("  stage_o<NA>(ost, o, wg, wq, g, t4);\n  named_barrier(1, NT);\n", 4),
+            ("  stage_o<NA>(ost, o, wg, wq, g, t4);\n  named_barrier(1, NT);\n",
              "  if (tid == 0) st_[10] = gtime();\n"),
-            (_moved("  finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);\n"
-                    "  named_barrier(1, NT);\n", 4), "  if (tid == 0) st_[11] = gtime();\n"),
-            # the bf16 rows (sm90_rows_bf16.cuh; this tree only): staged and finished are one
-            # step; the producer warp runs this code too (its warm pass), off barrier 1
-            (("  named_barrier(warm ? B_WARM : 1, warm ? 32 : NT);  // the rows are staged\n",
-              None), "  if (tid == 0) st_[10] = st_[11] = gtime();\n"),
-            (("  store_bf16_rows<BM>(p, w, split, b, q_s, tid, warm);\n", None),
-             "  if (!warm) named_barrier(1, NT);\n  if (tid == 0) st_[12] = gtime();\n"),
+            ("  finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);\n  named_barrier(1, NT);\n",
+             "  if (tid == 0) st_[11] = gtime();\n"),
         ],
         replace=[
             ("    if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);",
              "    if (lane == 0) { st_[2] = gtime(); produce<KV>(wp, w, kv_s, full, empty); "
              "st_[3] = gtime(); }"),
-            (_moved("  griddep_launch();  // the combine"),
+            ("  griddep_launch();  // the combine",
              "  if (tid == 0) st_[9] = gtime();\n  griddep_launch();  // the combine"),
-            (_moved("  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n", 4),
+            ("  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n",
              "  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n  named_barrier(1, NT);\n"
              "  if (tid == 0) st_[12] = gtime();\n"),
-            # the fp32 staging's end: this tree's (it returns) and an older tree's (the end)
-            (("      return;\n    }\n  }\n",
-              "grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);\n  }\n}\n"),
-             ("  if (tid == 0) st_[13] = gtime();\n" + _dump(14) + "      return;\n    }\n  }\n",
-              "grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);\n  }\n"
-              "  if (tid == 0) st_[13] = gtime();\n" + _dump(14) + "}\n")),
-            (("  write_rows_lse<BM>(p, w, split, b, red, rowv, tid);\n}\n", None),
-             ("  write_rows_lse<BM>(p, w, split, b, red, rowv, tid);\n"
-              "  if (tid == 0) st_[13] = gtime();\n" + _dump(14) + "}\n",)),
+            ("grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);\n  }\n}\n",
+             "grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);\n  }\n"
+             "  if (tid == 0) st_[13] = gtime();\n" + _dump(14) + "}\n"),
         ]),
 }
-
-
-def _find(src: str, anchors, where: str) -> int | None:
-    """Which form of an anchor (a string, or a tuple of forms: this tree's and an older
-    tree's; a trailing None: the anchor may be missing) the text holds once, or None."""
-    forms = (anchors,) if isinstance(anchors, str) else anchors
-    for i, a in enumerate(forms):
-        if a is not None and src.count(a) == 1:
-            return i
-    if forms[-1] is None:
-        return None
-    raise RuntimeError(f"anchor moved in {where}: {anchors!r}")
 
 
 def stamped_source(kernel: str = "WE2", csrc: Path = CSRC) -> str:
@@ -233,15 +199,16 @@ def stamped_source(kernel: str = "WE2", csrc: Path = CSRC) -> str:
     spec = SPECS[kernel]
     src = (csrc / spec["source"]).read_text()
     for anchors, text in spec["after"]:
-        i = _find(src, anchors, spec["source"])
-        if i is not None:
-            a = anchors if isinstance(anchors, str) else anchors[i]
-            src = src.replace(a, a + text)
+        # an anchor may have forms (a tuple): this tree's and an older tree's (--csrc)
+        found = [a for a in ((anchors,) if isinstance(anchors, str) else anchors)
+                 if src.count(a) == 1]
+        if not found:
+            raise RuntimeError(f"anchor moved in {spec['source']}: {anchors!r}")
+        src = src.replace(found[0], found[0] + text)
     for old, new in spec["replace"]:
-        i = _find(src, old, spec["source"])
-        if i is not None:
-            o = old if isinstance(old, str) else old[i]
-            src = src.replace(o, new if isinstance(new, str) else new[i])
+        if src.count(old) != 1:
+            raise RuntimeError(f"anchor moved in {spec['source']}: {old!r}")
+        src = src.replace(old, new)
     src = re.sub(r'#include "(\w+\.cuh)"', lambda m: f'#include "{csrc / m.group(1)}"', src)
     if kernel == "W":
         src = _GM_STAMP + src

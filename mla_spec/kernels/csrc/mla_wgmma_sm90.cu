@@ -26,7 +26,6 @@
 // 64 consecutive slots of one page), the cache a contiguous [slots, 576] bf16 tensor.
 #include "sm90_fp8.cuh"
 #include "sm90_grid_merge.cuh"
-#include "sm90_rows_bf16.cuh"
 
 namespace {
 
@@ -70,93 +69,75 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   constexpr int EARLY_KV = EARLY ? KV : -1;  // produce_early (sm90_wgmma.cuh)
   if (!cta_begin<BM, L2PF, STAGES, EARLY_KV>(wp, split, mb, b, tid, full, empty, w, qload, kv_s))
     return;
-  // O^T, and the NC query rows' running maxima and softmax sums this thread holds
-  float o[4][NA], m_r[NC], l_r[NC];
-  const bool rows_bf16 = wp.merge == nullptr && (p.part_bf16 || !p.split);
-  const bool warm = tid >= NT;
-  if (warm) {  // the producer warp
+  if (tid >= NT) {  // the producer warp
     if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);
-    if (!rows_bf16) return;
-    // then it runs the bf16 rows' code below with every store and barrier off, so that the
-    // consumers find it in the SM's instruction cache (sm90_rows_bf16.cuh)
-    __syncwarp();
-    zero_acc(o);
-    zero_acc(m_r);
-    zero_acc(l_r);
-  } else {
-    qload.template store<T::f16>(q_s, tid);
-    fence_proxy_async();
-    named_barrier(1, NT);  // the queries are in shared memory (consumer warps only from here)
-
-    // the NC query rows this thread holds (S^T / O^T column 8 jn + 2 t4 + e, index 2 jn + e)
-    int bound[NC];
-    const int min_bound = init_rows<NC>(p, w, 0, t4, bound, m_r, l_r);
-    zero_acc(o);
-    const uint32_t p_base = smem_u32(p_s);
-    const uint64_t q_desc = sw128_desc(smem_u32(q_s) + wg * 32, 16, 1024);
-    const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
-    const float scale = p.qk_scale_log2;
-    float4* xmine = reinterpret_cast<float4*>(xbuf) + wg * (NA / 4) * 128 + wt;
-    const float4* xother =
-        reinterpret_cast<const float4*>(xbuf) + (1 - wg) * (NA / 4) * 128 + wt;
-
-    for (int it = 0; it < w.ntiles; ++it) {
-      const int stage = it % STAGES, t0 = w.lo + it * BN;
-      const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
-      if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);
-      float s[NA];
-      zero_acc(s);
-      wgmma_fence();
-      qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
-      wgmma_commit();
-      wgmma_wait0();
-      add_other_half(s, xmine, xother);
-
-      // scale, causal / split mask, each query row's max over the tile's 64 tokens
-      tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, scale,
-                       red + (wg * 4 + wq) * BM, g, t4);
-      named_barrier(2 + wg, 128);
-      float alpha[NC];
-      const bool rescale = tile_softmax<NC>(s, m_r, l_r, alpha, red + wg * 4 * BM, BM, t4);
-      // P^T to shared memory by the warps of warpgroup w whose 16 tokens are w's half of the
-      // tile (both groups hold the same P)
-      uint32_t pk[NA / 2];
-#pragma unroll
-      for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<T::f16>(s[i], s[i + 1]);
-      if ((wq >> 1) == wg) store_pt<BM>(p_base, pk, 0, wq, lane);
-      rescale_cols(o, alpha, rescale);
-      fence_proxy_async();
-      named_barrier(1, NT);  // P^T complete
-      pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage], [&] {
-        if (T::f16 && it + 1 < w.ntiles) ready_tile<KV>(kv_s, full, it + 1, w.lo, w.hi, tid);
-      });  // then the stage is free
-    }
-    griddep_launch();  // the combine may launch now (it waits for this grid to finish)
-
-    if (!rows_bf16) {  // fp32 partials, or the merge inside the grid: through the fp32 staging
-      // l over the tile rows (lanes g) and warps of warpgroup 0, then v_scale / l and lse a row
-      sum_over_g<NC>(l_r);
-      named_barrier(1, NT);  // the KV stages and red are free
-      float* mrow = rowv + BM;  // [BM] the rows' running maxima (free after the loop)
-      if (wg == 0 && g == 0) put_row_sums<BM>(red, mrow, l_r, m_r, wq, t4);
-      float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
-      stage_o<NA>(ost, o, wg, wq, g, t4);
-      named_barrier(1, NT);
-      finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);
-      named_barrier(1, NT);
-      store_rows<BM>(p, w, split, b, ost, rowv, tid);
-      if (wp.merge != nullptr) {
-        if (p.part_bf16) grid_merge<BM, true>(wp, w, split, b, tid, 1, ost);
-        else grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);
-      }
-      return;
-    }
+    return;
   }
-  // the bf16 rows (sm90_rows_bf16.cuh): by the consumers, or the producer's warm pass
-  stage_bf16_rows<BM>(p, w, split, b, o, l_r, m_r, red, rowv, smem_u32(q_s), wg, wq, lane, warm);
-  named_barrier(warm ? B_WARM : 1, warm ? 32 : NT);  // the rows are staged
-  store_bf16_rows<BM>(p, w, split, b, q_s, tid, warm);
-  write_rows_lse<BM>(p, w, split, b, red, rowv, tid);
+  qload.template store<T::f16>(q_s, tid);
+  fence_proxy_async();
+  named_barrier(1, NT);  // the queries are in shared memory (consumer warps only from here)
+
+  // the NC query rows this thread holds (S^T / O^T column 8 * jn + 2 * t4 + e, index 2 jn + e)
+  int bound[NC];
+  float m_r[NC], l_r[NC];
+  const int min_bound = init_rows<NC>(p, w, 0, t4, bound, m_r, l_r);
+  float o[4][NA];
+  zero_acc(o);
+  const uint32_t p_base = smem_u32(p_s);
+  const uint64_t q_desc = sw128_desc(smem_u32(q_s) + wg * 32, 16, 1024);
+  const uint64_t p_desc = sw128_desc(p_base, 16, 1024);
+  const float scale = p.qk_scale_log2;
+  float4* xmine = reinterpret_cast<float4*>(xbuf) + wg * (NA / 4) * 128 + wt;
+  const float4* xother = reinterpret_cast<const float4*>(xbuf) + (1 - wg) * (NA / 4) * 128 + wt;
+
+  for (int it = 0; it < w.ntiles; ++it) {
+    const int stage = it % STAGES, t0 = w.lo + it * BN;
+    const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
+    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);
+    float s[NA];
+    zero_acc(s);
+    wgmma_fence();
+    qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
+    wgmma_commit();
+    wgmma_wait0();
+    add_other_half(s, xmine, xother);
+
+    // scale, causal / split mask, each query row's max over the tile's 64 tokens
+    tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, scale,
+                     red + (wg * 4 + wq) * BM, g, t4);
+    named_barrier(2 + wg, 128);
+    float alpha[NC];
+    const bool rescale = tile_softmax<NC>(s, m_r, l_r, alpha, red + wg * 4 * BM, BM, t4);
+    // P^T to shared memory by the warps of warpgroup w whose 16 tokens are w's half of the
+    // tile (both groups hold the same P)
+    uint32_t pk[NA / 2];
+#pragma unroll
+    for (int i = 0; i < NA; i += 2) pk[i / 2] = pack_h2<T::f16>(s[i], s[i + 1]);
+    if ((wq >> 1) == wg) store_pt<BM>(p_base, pk, 0, wq, lane);
+    rescale_cols(o, alpha, rescale);
+    fence_proxy_async();
+    named_barrier(1, NT);  // P^T complete
+    pv_tile<BM, T::f16>(o, kv_base, p_desc, wg, lane, &empty[stage], [&] {
+      if (T::f16 && it + 1 < w.ntiles) ready_tile<KV>(kv_s, full, it + 1, w.lo, w.hi, tid);
+    });  // then the stage is free
+  }
+  griddep_launch();  // the combine may launch now (it waits for this grid to finish)
+
+  // l over the tile rows (lanes g) and warps of warpgroup 0, then v_scale / l and lse per row
+  sum_over_g<NC>(l_r);
+  named_barrier(1, NT);  // the KV stages and red are free
+  float* mrow = rowv + BM;  // [BM] the rows' running maxima (free after the loop)
+  if (wg == 0 && g == 0) put_row_sums<BM>(red, mrow, l_r, m_r, wq, t4);
+  float* ost = reinterpret_cast<float*>(kv_s);  // O^T -> fp32 rows [BM][512]
+  stage_o<NA>(ost, o, wg, wq, g, t4);
+  named_barrier(1, NT);
+  finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);
+  named_barrier(1, NT);
+  store_rows<BM>(p, w, split, b, ost, rowv, tid);
+  if (wp.merge != nullptr) {
+    if (p.part_bf16) grid_merge<BM, true>(wp, w, split, b, tid, 1, ost);
+    else grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);
+  }
 }
 
 }  // namespace
