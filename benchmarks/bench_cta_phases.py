@@ -118,13 +118,12 @@ SPECS = {
             ("if (tid == NT) produce<KV_E4M3>(wp, w, kv_s, full, empty);",
              "if (tid == NT) { st_[2] = gtime(); produce<KV_E4M3>(wp, w, kv_s, full, empty); "
              "st_[3] = gtime(); }"),
-            ("  griddep_launch();\n",
-             "  if (wt == 0) st_[7 + wg] = gtime();\n  griddep_launch();\n"),
+            ("  // merge the warpgroups' partial rows",
+             "  if (wt == 0) st_[7 + wg] = gtime();\n  // merge the warpgroups' partial rows"),
             ("  float4* stage_o4", "  if (tid == 0) st_[10] = gtime();\n  float4* stage_o4"),
-            ("    store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);\n  }\n}\n",
+            ("    store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);\n  }\n",
              "    store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);\n  }\n"
-             "  named_barrier(B_PAIR, NT);\n  if (tid == 0) st_[11] = gtime();\n" + _dump(12)
-             + "}\n"),
+             "  named_barrier(B_PAIR, NT);\n  if (tid == 0) st_[11] = gtime();\n" + _dump(12)),
         ]),
     "WR": dict(
         source=mw._ROWS_SOURCE, key=(64, False, False, True, False, False, False),
@@ -180,8 +179,8 @@ SPECS = {
             ("    if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);",
              "    if (lane == 0) { st_[2] = gtime(); produce<KV>(wp, w, kv_s, full, empty); "
              "st_[3] = gtime(); }"),
-            ("  griddep_launch();  // the combine",
-             "  if (tid == 0) st_[9] = gtime();\n  griddep_launch();  // the combine"),
+            ("  // l over the tile rows (lanes g)",
+             "  if (tid == 0) st_[9] = gtime();\n  // l over the tile rows (lanes g)"),
             ("  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n",
              "  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n  named_barrier(1, NT);\n"
              "  if (tid == 0) st_[12] = gtime();\n"),

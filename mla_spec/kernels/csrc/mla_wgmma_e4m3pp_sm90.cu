@@ -162,7 +162,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
       mbar_arrive_lane0(&empty[stage], 2, lane);  // 4 warps stand for the 8 it counts
     }
   }
-  griddep_launch();
+  if (!p.split) griddep_launch();  // the next kernel may launch (pdl.py rule 5)
 
   // merge the warpgroups' partial rows: one thread per row works out its common max, softmax
   // sum and each group's share factor, both stage their normalized O shares in thread-private
@@ -218,6 +218,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
     else
       store_row16(p, w, split, b, frag_col(c, t4), 128 * wq + 16 * g, v);
   }
+  if (p.split) griddep_launch();  // the combine: after the stores (pdl.py rule 5)
 }
 
 }  // namespace
