@@ -121,7 +121,10 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
       if (T::f16 && it + 1 < w.ntiles) ready_tile<KV>(kv_s, full, it + 1, w.lo, w.hi, tid);
     });  // then the stage is free
   }
-  if (!p.split) griddep_launch();  // the next kernel may launch (pdl.py rule 5)
+  // the next kernel may launch: here when it is not the combine (one split, or the splits
+  // merged inside this grid), else after the stores (kernels/pdl.py rule 5)
+  const bool combine_next = p.split && wp.merge == nullptr;
+  if (!combine_next) griddep_launch();
 
   // l over the tile rows (lanes g) and warps of warpgroup 0, then v_scale / l and lse per row
   sum_over_g<NC>(l_r);
@@ -135,8 +138,8 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
   // the combine may launch now (it waits for this grid to finish): after the stores, not
-  // after the loop, 2-3% a call at batch 1 (kernels/pdl.py rule 5)
-  if (p.split) griddep_launch();
+  // after the loop, 1.4-3.1% a call at batch 1 (kernels/pdl.py rule 5)
+  if (combine_next) griddep_launch();
   if (wp.merge != nullptr) {
     if (p.part_bf16) grid_merge<BM, true>(wp, w, split, b, tid, 1, ost);
     else grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);
