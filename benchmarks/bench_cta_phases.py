@@ -143,8 +143,8 @@ SPECS = {
             ("if (tid == NT) produce<KV>(wp, w, kv_s, full, empty);",
              "if (tid == NT) { st_[2] = gtime(); produce<KV>(wp, w, kv_s, full, empty); "
              "st_[3] = gtime(); }"),
-            ("  griddep_launch();\n",
-             "  if (wt == 0) st_[6 + wg] = gtime();\n  griddep_launch();\n"),
+            ("  if (!combine_next) griddep_launch();\n",
+             "  if (wt == 0) st_[6 + wg] = gtime();\n  if (!combine_next) griddep_launch();\n"),
             ("    named_barrier(1, NT);\n    store_rows<BM>(p, w, split, b, ost, rowv, tid);\n",
              "    named_barrier(1, NT);\n    if (tid == 0) st_[8] = gtime();\n"
              "    store_rows<BM>(p, w, split, b, ost, rowv, tid);\n    named_barrier(1, NT);\n"
@@ -159,7 +159,8 @@ SPECS = {
         after=[
             ("namespace {\n", _GTIME),
             (_ENTRY[0], _ENTRY[1] + "  if (tid == 0) st_[5] = st_[6] = st_[7] = st_[8] = 0;\n"),
-            (("w, qload, kv_s))\n    return;\n",
+            (("qload,\n                                                  kv_s))\n    return;\n",
+              "w, qload, kv_s))\n    return;\n",
               "if (!cta_begin<BM, L2PF>(wp, split, mb, b, tid, full, empty, w, qload)) return;\n"),
              "  if (tid == 0) { st_[0] = st0_; st_[1] = gtime(); }\n"),
             ("named_barrier(1, NT);  // the queries are in shared memory (consumer warps only "
@@ -168,7 +169,10 @@ SPECS = {
             ("    add_other_half(s, xmine, xother);\n", _last_tile_stamp(1)),
             ("    named_barrier(1, NT);  // P^T complete\n", _last_tile_stamp(2)),
             ("    });  // then the stage is free\n", _last_tile_stamp(3)),
-            ("    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);\n",
+            # with box groups (W_GROUPS > 1): the tile's start, before its first group's wait
+            (("    if (NG == 1 && (!T::f16 || it == 0)) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, "
+              "tid);\n",
+              "    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);\n"),
              "    if (it < 4 && tid == 0) st_[5 + it] = gtime();\n"),
             ("  stage_o<NA>(ost, o, wg, wq, g, t4);\n  named_barrier(1, NT);\n",
              "  if (tid == 0) st_[10] = gtime();\n"),
@@ -176,9 +180,12 @@ SPECS = {
              "  if (tid == 0) st_[11] = gtime();\n"),
         ],
         replace=[
-            ("    if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);",
-             "    if (lane == 0) { st_[2] = gtime(); produce<KV>(wp, w, kv_s, full, empty); "
-             "st_[3] = gtime(); }"),
+            (("    if (lane == 0) produce<KV, NG>(wp, w, kv_s, full, empty);",
+              "    if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);"),
+             ("    if (lane == 0) { st_[2] = gtime(); produce<KV, NG>(wp, w, kv_s, full, empty); "
+              "st_[3] = gtime(); }",
+              "    if (lane == 0) { st_[2] = gtime(); produce<KV>(wp, w, kv_s, full, empty); "
+              "st_[3] = gtime(); }")),
             ("  // l over the tile rows (lanes g)",
              "  if (tid == 0) st_[9] = gtime();\n  // l over the tile rows (lanes g)"),
             ("  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n",
@@ -204,10 +211,13 @@ def stamped_source(kernel: str = "WE2", csrc: Path = CSRC) -> str:
         if not found:
             raise RuntimeError(f"anchor moved in {spec['source']}: {anchors!r}")
         src = src.replace(found[0], found[0] + text)
-    for old, new in spec["replace"]:
-        if src.count(old) != 1:
-            raise RuntimeError(f"anchor moved in {spec['source']}: {old!r}")
-        src = src.replace(old, new)
+    for olds, news in spec["replace"]:
+        # forms as above: (this tree's old, new), (an older tree's ...)
+        pairs = list(zip(olds, news)) if isinstance(olds, tuple) else [(olds, news)]
+        found = [(o, n) for o, n in pairs if src.count(o) == 1]
+        if not found:
+            raise RuntimeError(f"anchor moved in {spec['source']}: {olds!r}")
+        src = src.replace(*found[0])
     src = re.sub(r'#include "(\w+\.cuh)"', lambda m: f'#include "{csrc / m.group(1)}"', src)
     if kernel == "W":
         src = _GM_STAMP + src

@@ -79,9 +79,15 @@ _QK2_FN = (_W, "template <int BM, bool F16>\n__device__ __forceinline__ void qk_
            "    Wgmma<BM, 0, F16>::run(j & 1 ? s2 : s, a_desc + (a_off >> 4), "
            "b_desc + (b_off >> 4));\n  }\n}\n\n"
            "template <int BM, bool F16>\n__device__ __forceinline__ void qk_half(")
+# qk2 runs on the tile as one group of boxes (W_GROUPS 1)
+_ONE_GROUP = (_W, "#define W_GROUPS 3\n", "#define W_GROUPS 1\n")
 # the zeros must be written before the fence (an empty asm pins them), else ptxas injects waits
 _QK2_CALL = (_W, "    float s[NA];\n    zero_acc(s);\n    wgmma_fence();\n"
-             "    qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);\n"
+             "    if constexpr (NG == 1)\n"
+             "      qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);\n"
+             "    else\n"
+             "      qk_groups<BM, NG>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc, "
+             "full + stage * NG,\n                        (it / STAGES) & 1);\n"
              "    wgmma_commit();\n    wgmma_wait0();\n",
              "    float s[NA], s2[NA];\n    zero_acc(s);\n    zero_acc(s2);\n#pragma unroll\n"
              '    for (int i = 0; i < NA; ++i) asm volatile("" : "+f"(s2[i]), "+f"(s[i]));\n'
@@ -118,7 +124,7 @@ VARIANTS: dict[str, tuple] = {
     "headd": (_DELAY,),
     "pf2d": (_PF_ON, _DELAY),
     "pfl2d": (_PF_ON, _LANES_OUT, _LANES, _DELAY),
-    "qk2": (_QK2_FN, _QK2_CALL),
+    "qk2": (_ONE_GROUP, _QK2_FN, _QK2_CALL),
     "lazy": (_LAZY_TPL, _LAZY_MAX, _LAZY_CALL),
     "lazyex2": (_LAZY_TPL, _LAZY_MAX, _LAZY_CALL, _EX2),
 }

@@ -130,6 +130,11 @@ _EARLY_KERNELS = {k: CudaKernel(v.src.name, v.name + "_ek", arch="sm_90a")
 _E4M3_STAGES, _E4M3_TILE = 4, 5 * _BN * 128
 
 
+#: the stage barriers' room: a "full" barrier per box group (``W``'s ``W_GROUPS``, at most the
+#: tile's nine boxes) and an "empty" one per stage
+_MAX_BOX_GROUPS = 9
+
+
 def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False,
                pingpong: bool = False) -> int:
     """Dynamic shared memory of one CTA (as laid out in the ``.cu`` files): 1 KB of alignment
@@ -142,7 +147,8 @@ def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False,
         return (1024 + _E4M3_STAGES * _E4M3_TILE + 5 * block_m * 128 + block_m * 128
                 + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4
                 + 16 * _E4M3_STAGES)
-    base = 1024 + _STAGES * 9 * _BN * 128 + 9 * block_m * 128 + block_m * 128 + 16 * _STAGES
+    base = (1024 + _STAGES * 9 * _BN * 128 + 9 * block_m * 128 + block_m * 128
+            + 8 * _STAGES * (_MAX_BOX_GROUPS + 1))
     if rows_m:
         return base + 2 * block_m * 4
     if block_m == 64:

@@ -43,13 +43,14 @@ statement):
    weight kernels, does useful work while it waits: its early weight loads, rule 3); moving
    their trigger after the K loop measured slower (NVFP4 ``mmab`` at 8 tokens 28.4 -> 33.8 µs
    per call in a chain; ``benchmarks/bench_nvfp4.py --pinned``). Short kernels use
-   :func:`gdc_enter`. The CUDA wgmma kernels ``W`` and ``WE2`` / ``WE8`` trigger later still
-   when the combine kernel follows them: after their stores, so that the combine's programs are not
-   launched while the split CTAs still run their epilogue: 1.4-3.1% a call at batch 1 ctx
-   16k-32k (bf16 and FP8, H200, twenty-third session, docs/bench_mla.md v21). With one split,
-   or ``W``'s splits merged inside its grid (no combine: the dependent is the next layer's
-   kernel), they keep the trigger after the loop: after the stores, batch 128 ctx 1k was 0.8%
-   slower.
+   :func:`gdc_enter`. The CUDA wgmma split kernels (``W``, ``W64``, ``WE``, ``WR``, ``WE2`` /
+   ``WE8``) trigger later still when the combine kernel follows them: after their stores, so
+   that the combine's programs are not launched while the split CTAs still run their epilogue:
+   1.4-3.1% a call at batch 1 ctx 16k-32k for ``W`` and ``WE8`` (bf16 and FP8, H200,
+   twenty-third session, docs/bench_mla.md v21); ``WR`` at batch 1 unchanged (0.993-1.001,
+   v22). With one split, ``W``'s splits merged inside its grid or ``WR``'s inside its cluster
+   (no combine: the dependent is the next layer's kernel), they keep the trigger after the
+   loop: after the stores, batch 128 ctx 1k was 0.8% slower.
 """
 
 from __future__ import annotations

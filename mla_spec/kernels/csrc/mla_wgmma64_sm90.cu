@@ -119,7 +119,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
       if (T::f16 && it + 1 < w.ntiles) ready_tile<KV>(kv_s, full, it + 1, w.lo, w.hi, tid);
     });  // then the stage is free
   }
-  griddep_launch();
+  if (!p.split) griddep_launch();  // the next kernel; the combine after the stores (pdl.py rule 5)
 
   sum_over_g<NC>(l_r);
   named_barrier(1, NT);  // the KV stages and red are free
@@ -139,6 +139,7 @@ __device__ __forceinline__ void mla_wgmma64(const WgParams& wp) {
     }
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
+  if (p.split) griddep_launch();
 }
 
 }  // namespace

@@ -136,7 +136,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[stage]);
   }
-  griddep_launch();  // the combine may launch now (it waits for this grid to finish)
+  if (!p.split) griddep_launch();  // the next kernel; the combine after the stores (pdl.py rule 5)
 
   sum_over_g<NC>(l_r);
   named_barrier(1, NT);  // the KV stages and red are free
@@ -153,6 +153,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3(const WgParams& wp) {
   finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
+  if (p.split) griddep_launch();
 }
 
 }  // namespace

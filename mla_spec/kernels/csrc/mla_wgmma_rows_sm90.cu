@@ -281,7 +281,10 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
       }
     }
   }
-  griddep_launch();
+  // the next kernel may launch: here when it is not the combine (one split, or the cluster's
+  // merge), else after the stores (kernels/pdl.py rule 5)
+  const bool combine_next = p.split && !CLUSTER;
+  if (!combine_next) griddep_launch();
 
   named_barrier(1, NT);  // every MMA is done: the stages are free for the output staging
   float* ost = reinterpret_cast<float*>(kv_s);  // fp32 rows [64][OSTRIDE]
@@ -307,6 +310,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   if (!CLUSTER) {
     named_barrier(1, NT);
     store_rows<BM>(p, w, split, b, ost, rowv, tid);
+    if (combine_next) griddep_launch();
     return;
   }
   cluster_sync();  // both CTAs' rows, factors and lse are in

@@ -16,6 +16,11 @@
 // softmax; each owns 256 of the 512 output dims. A ninth warp produces: it issues a tile's TMA
 // loads (9 boxes of [64 tokens, 64 dims], one 8 KB swizzle-128B block per 64 dims) into a stage
 // as soon as the 8 consumer warps have released it (an "empty" mbarrier), two stages in all.
+// On a bf16 cache the nine boxes complete on three barriers (W_GROUPS), and Q K waits for each
+// group just before its k16 steps: a tile streams in over ~2 µs at batch 1 (a CTA's share of
+// the HBM), so most of Q K runs before its last box lands and the last tile's chain starts
+// later in its work (H200: batch 1 ctx 32k 0.961x, 16k 0.971x, bs 32 ctx 4k 0.995x, bs 128
+// ctx 1k 1.001x against one barrier a tile; nine groups 0.989x at 32k; docs/bench_mla.md v22).
 //
 // What it computes is exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache):
 // row r = i * H + h of request b sees KV positions j < kv_len - q_len + i + 1 and gets
@@ -43,6 +48,27 @@ __device__ __forceinline__ void qk_half(float (&s)[BM / 2], uint64_t a_desc, uin
   }
 }
 
+// qk_half with the tile's boxes in NG groups, each waited for just before its k16 steps (the
+// bf16 cache: Q K runs on the boxes that have landed while the rest of the tile streams in)
+template <int BM, int NG>
+__device__ __forceinline__ void qk_groups(float (&s)[BM / 2], uint64_t a_desc, uint64_t b_desc,
+                                          uint64_t* full_g, uint32_t parity) {
+#pragma unroll
+  for (int g = 0; g < NG; ++g) {
+    mbar_wait(&full_g[g], parity);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 18 * g / NG; j < 18 * (g + 1) / NG; ++j) {
+      const uint32_t a_off = (j >> 1) * BLK + (j & 1) * 64, b_off = (j >> 1) * BM * 128 + (j & 1) * 64;
+      Wgmma<BM, 0, false>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
+    }
+  }
+}
+
+#ifndef W_GROUPS
+#define W_GROUPS 3
+#endif
+
 template <int BM, bool L2PF, int KV, bool EARLY>
 __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const MlaParams& p = wp.m;
@@ -50,6 +76,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   static_assert(BM == 16 || BM == 32, "rows per CTA");
   constexpr int NA = BM / 2;  // accumulators of one m64nBM tile per thread
   constexpr int NC = BM / 4;  // query rows (S^T / O^T columns) a thread holds
+  constexpr int NG = KV == KV_BF16 ? W_GROUPS : 1;  // a tile's box groups (qk_groups)
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   unsigned char* kv_s = smem;                   // [STAGES][9][64 tok][128 B]
@@ -58,8 +85,8 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   float* xbuf = reinterpret_cast<float*>(p_s + BM * 128);  // [2 wg][NA / 4][128 thr][4]
   float* red = xbuf + 2 * NA * 128;                         // [8 warps][BM]
   float* rowv = red + 8 * BM;                               // [2][BM] v_scale / l, maxima
-  uint64_t* full = reinterpret_cast<uint64_t*>(rowv + 2 * BM);  // [STAGES] tile landed
-  uint64_t* empty = full + STAGES;                              // [STAGES] 8 warps done
+  uint64_t* full = reinterpret_cast<uint64_t*>(rowv + 2 * BM);  // [STAGES][NG] boxes landed
+  uint64_t* empty = full + STAGES * NG;                         // [STAGES] 8 warps done
 
   const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
@@ -67,10 +94,11 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   CtaWork w;
   QueryLoad<BM> qload;
   constexpr int EARLY_KV = EARLY ? KV : -1;  // produce_early (sm90_wgmma.cuh)
-  if (!cta_begin<BM, L2PF, STAGES, EARLY_KV>(wp, split, mb, b, tid, full, empty, w, qload, kv_s))
+  if (!cta_begin<BM, L2PF, STAGES, EARLY_KV, NG>(wp, split, mb, b, tid, full, empty, w, qload,
+                                                  kv_s))
     return;
   if (tid >= NT) {  // the producer warp
-    if (lane == 0) produce<KV>(wp, w, kv_s, full, empty);
+    if (lane == 0) produce<KV, NG>(wp, w, kv_s, full, empty);
     return;
   }
   qload.template store<T::f16>(q_s, tid);
@@ -93,14 +121,21 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   for (int it = 0; it < w.ntiles; ++it) {
     const int stage = it % STAGES, t0 = w.lo + it * BN;
     const uint32_t kv_base = smem_u32(kv_s + stage * TILE);
-    if (!T::f16 || it == 0) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);
+    if (NG == 1 && (!T::f16 || it == 0)) ready_tile<KV>(kv_s, full, it, w.lo, w.hi, tid);
     float s[NA];
     zero_acc(s);
     wgmma_fence();
-    qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
+    if constexpr (NG == 1)
+      qk_half<BM, T::f16>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc);
+    else
+      qk_groups<BM, NG>(s, sw128_desc(kv_base + wg * 32, 16, 1024), q_desc, full + stage * NG,
+                        (it / STAGES) & 1);
     wgmma_commit();
     wgmma_wait0();
     add_other_half(s, xmine, xother);
+    // both groups' Q K are done (add_other_half's barrier): the tile's V rows past hi may be
+    // zeroed now (fenced with P^T below)
+    if (NG > 1) zero_v_tail(kv_s + stage * TILE, w.hi - t0, tid);
 
     // scale, causal / split mask, each query row's max over the tile's 64 tokens
     tile_col_max<NC>(s, bound, t0 + BN > min_bound, t0 + wq * 16 + g, scale,

@@ -158,16 +158,20 @@ __device__ __forceinline__ bool tile_predates_step(const MlaParams& p, const Cta
 
 // a tile's TMA boxes (nine [64 tok, 64 dim], or five of 128 dims for KV_E4M3) into stage
 // `stage`, completing on full[stage] (a KV_FP8 tile: into the stage's upper half, see
-// sm90_fp8.cuh)
-template <int KV>
+// sm90_fp8.cuh); with NG > 1 groups of nbox / NG boxes, group g completing on
+// full[stage * NG + g], so that Q K can start on the boxes that have landed
+template <int KV, int NG = 1>
 __device__ __forceinline__ void issue_tile(const WgParams& p, unsigned char* kv_s, uint64_t* full,
                                            int stage, int slot0) {
   using T = KvTraits<KV>;
-  mbar_expect_tx(&full[stage], T::tile_bytes);
+  static_assert(T::nbox % NG == 0, "whole boxes a group");
+  constexpr int PER = T::nbox / NG;
+#pragma unroll
+  for (int g = 0; g < NG; ++g) mbar_expect_tx(&full[stage * NG + g], PER * T::box_bytes);
 #pragma unroll
   for (int c = 0; c < T::nbox; ++c)
     tma_load_2d(kv_s + stage * T::stage_bytes + T::land + c * T::box_bytes, &p.kv_map,
-                c * T::box_dims, slot0, &full[stage]);
+                c * T::box_dims, slot0, &full[stage * NG + c / PER]);
 }
 
 // The producer lane, before the PDL wait: the split's first WgParams::early_kv tiles (at most
@@ -181,7 +185,7 @@ __device__ __forceinline__ void issue_tile(const WgParams& p, unsigned char* kv_
 // metadata (kv_lens, req_pool_indices, req_to_token) and every KV row but a request's last
 // q_len were written before the kernel ahead of this one began. produce() reads the slots
 // again after the wait and traps if they moved.
-template <int BM, int KV>
+template <int BM, int KV, int NG = 1>
 __device__ __forceinline__ void produce_early(const WgParams& p, int split, int b, CtaWork& w,
                                               unsigned char* kv_s, uint64_t* full) {
   static_assert(KvTraits<KV>::stages <= 4, "CtaWork::eslot");
@@ -192,7 +196,7 @@ __device__ __forceinline__ void produce_early(const WgParams& p, int split, int 
   for (int n = 0; n < KvTraits<KV>::stages; ++n)  // unrolled: eslot stays in registers
     if (w.early == n && n < p.early_kv && n < e.ntiles && tile_predates_step(p.m, e, n)) {
       w.eslot[n] = r2t_row[n * BN];
-      issue_tile<KV>(p, kv_s, full, n, w.eslot[n]);
+      issue_tile<KV, NG>(p, kv_s, full, n, w.eslot[n]);
       w.early = n + 1;
     }
 }
@@ -212,7 +216,7 @@ constexpr int B_START = 15;
 // load went out 0.8 µs later at batch 1 ctx 32k: bench_cta_phases.py, docs/bench_mla.md v16).
 // False when the row block is past the request's rows (the whole CTA exits, before any
 // barrier).
-template <int BM, bool L2PF, int NSTAGE = STAGES, int KV = -1>
+template <int BM, bool L2PF, int NSTAGE = STAGES, int KV = -1, int NG = 1>
 __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w,
                                           unsigned char* kv_s) {
@@ -223,7 +227,7 @@ __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, 
   if (tid >= NT) {
     if (tid == NT) {
       for (int s = 0; s < NSTAGE; ++s) {
-        mbar_init(&full[s], 1);
+        for (int g = 0; g < NG; ++g) mbar_init(&full[s * NG + g], 1);
         mbar_init(&empty[s], NT / 32);
       }
       mbar_fence_init();
@@ -240,7 +244,7 @@ __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, 
         }
       }
       if constexpr (KV >= 0)
-        if (p.early_kv > 0) produce_early<BM, KV>(p, split, b, w, kv_s, full);
+        if (p.early_kv > 0) produce_early<BM, KV, NG>(p, split, b, w, kv_s, full);
     }
     __syncwarp();
     named_arrive(B_START, blockDim.x);
@@ -313,11 +317,11 @@ __device__ __forceinline__ void zero_acc(float (&a)[M][N]) {
 // issued by the consumer warps (stored by them once the producer has split off); the consumer
 // warps leave once the stage barriers are initialized, the producer warps at once (cta_start).
 // False when the row block is past the request's rows (the whole CTA exits)
-template <int BM, bool L2PF, int NSTAGE = STAGES, int KV = -1>
+template <int BM, bool L2PF, int NSTAGE = STAGES, int KV = -1, int NG = 1>
 __device__ __forceinline__ bool cta_begin(const WgParams& wp, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w,
                                           QueryLoad<BM>& qload, unsigned char* kv_s = nullptr) {
-  if (!cta_start<BM, L2PF, NSTAGE, KV>(wp, split, mb, b, tid, full, empty, w, kv_s))
+  if (!cta_start<BM, L2PF, NSTAGE, KV, NG>(wp, split, mb, b, tid, full, empty, w, kv_s))
     return false;
   if (tid < NT) qload.issue(wp.m, b, w.m0, w.n_rows, tid);  // beside the index loads
   cta_range<BM>(wp.m, split, b, w);
@@ -329,7 +333,7 @@ __device__ __forceinline__ bool cta_begin(const WgParams& wp, int split, int mb,
 // released them (empty), after the w.early ones produce_early issued; those are checked
 // against the metadata as it is now (a change means the launcher's contract was broken: the
 // CTA traps, and the launch fails rather than return attention over rows it did not mean)
-template <int KV>
+template <int KV, int NG = 1>
 __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, unsigned char* kv_s,
                                         uint64_t* full, uint64_t* empty) {
   constexpr int NS = KvTraits<KV>::stages;
@@ -338,7 +342,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, uns
     const int stage = it % NS;
     const int slot0 = r2t_row[it * BN];  // before the wait: its round trip hides behind it
     if (it >= NS) mbar_wait(&empty[stage], ((it / NS) - 1) & 1);
-    issue_tile<KV>(p, kv_s, full, stage, slot0);
+    issue_tile<KV, NG>(p, kv_s, full, stage, slot0);
   }
   // the check after the loads: nothing in front of the first one on the path that times a
   // call (code run once runs from a cold instruction cache, v12); a trap fails the launch
