@@ -27,6 +27,12 @@ moved), timed against this tree in one run (docs/bench_mla.md v18: none was kept
 - ``lazy``: ``W``'s running max moves only when a tile's max passes it by more than 8 (log2
   units), so O is rarely rescaled after the first tile; ``lazyex2``: and the softmax's exp2
   as ``ex2.approx.ftz``.
+
+Floors of the design (twenty-fourth session; not attention, so ``ab_csrc.py --base
+DIR:nocheck``): ``nomath``: ``W``'s consumers wait for each tile and release it without Q K,
+softmax or P V; ``nolast``: the same for the split's last tile only; ``noepi``: no O staging
+and no rows stored; ``nocomb``: the CUDA combine returns after its PDL wait; ``floor``:
+``nomath`` + ``noepi`` + ``nocomb`` (the KV stream, the two grids and their hand-offs).
 """
 
 from __future__ import annotations
@@ -111,6 +117,20 @@ _LAZY_CALL = (_W, "tile_softmax<NC>(s, m_r, l_r, alpha, red + wg * 4 * BM, BM, t
 _EX2 = (_HDR, "      s[i] = exp2f(s[i] - m_use[c]);\n",
         '      asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(s[i]) : "f"(s[i] - m_use[c]));\n')
 
+# Floors of the split-and-combine design (not attention: time with ``ab_csrc.py --base
+# DIR:nocheck``): what a call costs with a part of W's work compiled out
+_TILE_TOP = "    const int stage = it % STAGES, t0 = w.lo + it * BN;\n"
+_SKIP = ("      for (int g = 0; g < NG; ++g) mbar_wait(&full[stage * NG + g], (it / STAGES) & 1);\n"
+         "      __syncwarp();\n"
+         "      if (lane == 0) mbar_arrive(&empty[stage]);\n      continue;\n    }\n")
+_NOMATH = (_W, _TILE_TOP, _TILE_TOP + "    {\n" + _SKIP)
+_NOLAST = (_W, _TILE_TOP, _TILE_TOP + "    if (it == w.ntiles - 1) {\n" + _SKIP)
+_NOEPI = (_W, "  stage_o<NA>(ost, o, wg, wq, g, t4);\n  named_barrier(1, NT);\n"
+          "  finish_rows<BM>(p, w, split, b, red, mrow, rowv, tid);\n  named_barrier(1, NT);\n"
+          "  store_rows<BM>(p, w, split, b, ost, rowv, tid);\n", "")
+_NOCOMB = (_COMB, "  griddep_wait();\n  griddep_launch();\n",
+           "  griddep_wait();\n  griddep_launch();\n  if (p.rows >= 0) return;\n")
+
 #: variant name -> its (file, old text, new text) replacements, applied in order
 VARIANTS: dict[str, tuple] = {
     "pf1": (_PF_ON, _tiles(1)),
@@ -127,6 +147,11 @@ VARIANTS: dict[str, tuple] = {
     "qk2": (_ONE_GROUP, _QK2_FN, _QK2_CALL),
     "lazy": (_LAZY_TPL, _LAZY_MAX, _LAZY_CALL),
     "lazyex2": (_LAZY_TPL, _LAZY_MAX, _LAZY_CALL, _EX2),
+    "nomath": (_NOMATH,),
+    "nolast": (_NOLAST,),
+    "noepi": (_NOEPI,),
+    "nocomb": (_NOCOMB,),
+    "floor": (_NOMATH, _NOEPI, _NOCOMB),
 }
 
 
