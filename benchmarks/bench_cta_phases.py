@@ -105,25 +105,19 @@ SPECS = {
                 "wg1end", "mrg0", "scales", "end"],
         after=[
             ("namespace {\n", _GTIME), _ENTRY,
-            (("qload,\n                                               kv_s))\n    return;\n",
-              "w, qload, kv_s))\n    return;\n",
+            (("w, qload, kv_s))\n    return;\n",
               "NS>(wp, split, mb, b, tid, full, empty, w, qload)) return;\n"),
              "  if (tid == 0) { st_[0] = st0_; st_[1] = gtime(); }\n"),
             ("store_queries_e4m3(qload, q_s, qmax, tid);\n", "  if (tid == 0) st_[4] = gtime();\n"),
-            # with box groups (WE_GROUPS > 1): after the whole tile's Q K is issued
-            (("(it / NS) & 1);\n    wgmma_commit();\n",
-              "mbar_wait(&full[stage], (it / NS) & 1);\n"),
+            ("mbar_wait(&full[stage], (it / NS) & 1);\n",
              "    if (it < 2 && wt == 0) st_[5 + it] = gtime();\n"),
             ("named_barrier(B_PAIR, NT);  // the KV stages are free, every max and sum written\n",
              "  if (tid == 0) st_[9] = gtime();\n"),
         ],
         replace=[
-            (("if (tid == NT) produce<KV_E4M3, NG>(wp, w, kv_s, full, empty);",
-              "if (tid == NT) produce<KV_E4M3>(wp, w, kv_s, full, empty);"),
-             ("if (tid == NT) { st_[2] = gtime(); produce<KV_E4M3, NG>(wp, w, kv_s, full, empty); "
-              "st_[3] = gtime(); }",
-              "if (tid == NT) { st_[2] = gtime(); produce<KV_E4M3>(wp, w, kv_s, full, empty); "
-              "st_[3] = gtime(); }")),
+            ("if (tid == NT) produce<KV_E4M3>(wp, w, kv_s, full, empty);",
+             "if (tid == NT) { st_[2] = gtime(); produce<KV_E4M3>(wp, w, kv_s, full, empty); "
+             "st_[3] = gtime(); }"),
             ("  // merge the warpgroups' partial rows",
              "  if (wt == 0) st_[7 + wg] = gtime();\n  // merge the warpgroups' partial rows"),
             ("  float4* stage_o4", "  if (tid == 0) st_[10] = gtime();\n  float4* stage_o4"),

@@ -131,7 +131,7 @@ _E4M3_STAGES, _E4M3_TILE = 4, 5 * _BN * 128
 
 
 #: the stage barriers' room: a "full" barrier per box group (``W``'s ``W_GROUPS``, at most the
-#: tile's nine boxes; ``WE2`` / ``WE8``: ``WE_GROUPS``, at most five) and an "empty" one a stage
+#: tile's nine boxes) and an "empty" one per stage
 _MAX_BOX_GROUPS = 9
 
 
@@ -142,7 +142,7 @@ def wgmma_smem(block_m: int, rows_m: bool = False, e4m3_mma: bool = False,
     rows) or the per-row rescale factors (64), the reductions, the stage barriers."""
     if pingpong:  # four 40 KB stages, e4m3 queries, two P^T, maxima and sums of both groups
         return (1024 + _E4M3_STAGES * _E4M3_TILE + 5 * block_m * 128 + 2 * block_m * 128
-                + (8 * block_m + 4 * block_m) * 4 + 8 * _E4M3_STAGES * (5 + 1))
+                + (8 * block_m + 4 * block_m) * 4 + 16 * _E4M3_STAGES)
     if e4m3_mma:  # four 40 KB stages, e4m3 queries in five 128-byte boxes, the row amaxes
         return (1024 + _E4M3_STAGES * _E4M3_TILE + 5 * block_m * 128 + block_m * 128
                 + 2 * (block_m // 2) * 128 * 4 + 8 * block_m * 4 + 2 * block_m * 4

@@ -44,29 +44,6 @@ __device__ __forceinline__ float4 o_quad(const float (&o)[8][NA], int c, int q, 
                      o[2 * q + 1][i0 + 2] * k);
 }
 
-#ifndef WE_GROUPS
-#define WE_GROUPS 5
-#endif
-constexpr int NG = WE_GROUPS;  // a tile's box groups, each on its own "full" barrier (1 or 5)
-static_assert(5 % NG == 0, "whole boxes a group");
-
-// S^T over the tile's NG box groups, each waited for just before its e4m3 k32 steps (4 a
-// 128-dim box, 2 in the fifth): Q K runs on the boxes that have landed while the rest streams in
-__device__ __forceinline__ void qk_groups8(float (&s)[1][16], uint64_t a_desc, uint64_t b_desc,
-                                           uint64_t* full_g, uint32_t parity) {
-  constexpr int STEPS = 4 * (5 / NG);
-#pragma unroll
-  for (int g = 0; g < NG; ++g) {
-    mbar_wait(&full_g[g], parity);
-    wgmma_fence();
-#pragma unroll
-    for (int j = STEPS * g; j < STEPS * (g + 1) && j < 18; ++j) {
-      const uint32_t a_off = (j >> 2) * BLK + (j & 3) * 32, b_off = (j >> 2) * QBOX + (j & 3) * 32;
-      wgmma_e4m3_n32(s[0], a_desc + (a_off >> 4), b_desc + (b_off >> 4));
-    }
-  }
-}
-
 template <bool PV8, bool EARLY>
 __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   const MlaParams& p = wp.m;
@@ -79,8 +56,8 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   float* mx = red + 8 * BM;                                   // [2 wg][BM] running maxima
   float* rowv = mx + 2 * BM;                                  // [BM] v_scale / l
   float* qmax = rowv + BM;                                    // [BM] each query row's amax
-  uint64_t* full = reinterpret_cast<uint64_t*>(qmax + BM);    // [NS][NG] boxes landed
-  uint64_t* empty = full + NS * NG;                           // [NS] its warpgroup done
+  uint64_t* full = reinterpret_cast<uint64_t*>(qmax + BM);    // [NS] tile landed
+  uint64_t* empty = full + NS;                                // [NS] its warpgroup done
 
   const int split = blockIdx.x, mb = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, wg = tid >> 7, wt = tid & 127, wq = wt >> 5;
@@ -88,12 +65,11 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   CtaWork w;
   QueryLoad<BM> qload;
   constexpr int EARLY_KV = EARLY ? KV_E4M3 : -1;  // produce_early (sm90_wgmma.cuh)
-  if (!cta_begin<BM, false, NS, EARLY_KV, NG>(wp, split, mb, b, tid, full, empty, w, qload,
-                                               kv_s))
+  if (!cta_begin<BM, false, NS, EARLY_KV>(wp, split, mb, b, tid, full, empty, w, qload, kv_s))
     return;
   if (tid >= NT) {  // the producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (tid == NT) produce<KV_E4M3, NG>(wp, w, kv_s, full, empty);
+    if (tid == NT) produce<KV_E4M3>(wp, w, kv_s, full, empty);
     return;
   }
   asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -114,9 +90,11 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   for (int it = wg; it < w.ntiles; it += 2) {
     const int stage = it % NS, t0 = w.lo + it * BN, nvalid = w.hi - t0;
     const uint32_t kv_base = smem_u32(kv_s + stage * T8::stage_bytes);
+    mbar_wait(&full[stage], (it / NS) & 1);
     float s[1][NA];
     zero_acc(s);
-    qk_groups8(s, sw128_desc(kv_base, 16, 1024), q_desc, full + stage * NG, (it / NS) & 1);
+    wgmma_fence();
+    qk_e4m3<18, 1>(s, sw128_desc(kv_base, 16, 1024), q_desc);
     wgmma_commit();
     uint32_t v[2][2][4];  // k16 step 0's V bytes while the tensor cores multiply Q K
     if constexpr (!PV8) load_v<4>(v, kv_base + wq * BLK, 0, t4, g, nvalid);
