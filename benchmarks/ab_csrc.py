@@ -55,6 +55,11 @@ DEFAULT_SHAPES = ("bf16:32x1:32768,bf16:32x1:4096:32,fp8:32x1:4096:32,fp8:32x1:3
                   "bf16:128x1:4096:32,bf16:32x1:1024:128")
 
 
+def base_name(i: int) -> str:
+    """The kernel set name of the i-th ``--base`` tree: "base", "base2", ..."""
+    return "base" + (str(i + 1) if i else "")
+
+
 def kernel_sets(bases: list[Path | None], base_cuda_combine: bool = True,
                 new_merge: bool = False, new_early: bool = False,
                 base_opts: tuple[set, ...] = ()) -> dict[str, tuple]:
@@ -71,7 +76,7 @@ def kernel_sets(bases: list[Path | None], base_cuda_combine: bool = True,
                     new_early or mw.EARLY_KV)}
     for i, base in enumerate(bases):
         opts = base_opts[i] if i < len(base_opts) else set()
-        sets["base" + (str(i + 1) if i else "")] = (
+        sets[base_name(i)] = (
             rebuild(mw._KERNELS, base), rebuild(mw._CLUSTER_KERNELS, base),
             rebuild(mcc._KERNELS, base), rebuild(mw._EARLY_KERNELS, base), base_cuda_combine,
             False, "early" in opts)
@@ -168,8 +173,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"ab_csrc: {base} has no sm90_wgmma.cuh (a copy of the csrc folder)")
     dev = torch.device("cuda")
     sets = kernel_sets(bases, args.base_combine == "cuda", args.merge, args.early, base_opts)
-    nocheck = frozenset("base" + (str(i + 1) if i else "")
-                        for i, o in enumerate(base_opts) if "nocheck" in o)
+    nocheck = frozenset(base_name(i) for i, o in enumerate(base_opts) if "nocheck" in o)
     rows = [shape_row(sets, *s, args.reps, dev, nocheck) for s in parse_shapes(args.shapes)]
     def cell(key):
         def f(r):

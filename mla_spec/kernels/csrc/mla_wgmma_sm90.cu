@@ -40,12 +40,16 @@ using namespace sm90;
 // K-major). Interleaving the steps makes a step's offset a constant plus w * 32 bytes, so the
 // descriptors are one base each (a_desc, b_desc: w's first step) plus immediates.
 template <int BM, bool F16>
+__device__ __forceinline__ void qk_step(float (&s)[BM / 2], uint64_t a_desc, uint64_t b_desc,
+                                        int j) {
+  const uint32_t a_off = (j >> 1) * BLK + (j & 1) * 64, b_off = (j >> 1) * BM * 128 + (j & 1) * 64;
+  Wgmma<BM, 0, F16>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
+}
+
+template <int BM, bool F16>
 __device__ __forceinline__ void qk_half(float (&s)[BM / 2], uint64_t a_desc, uint64_t b_desc) {
 #pragma unroll
-  for (int j = 0; j < 18; ++j) {
-    const uint32_t a_off = (j >> 1) * BLK + (j & 1) * 64, b_off = (j >> 1) * BM * 128 + (j & 1) * 64;
-    Wgmma<BM, 0, F16>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
-  }
+  for (int j = 0; j < 18; ++j) qk_step<BM, F16>(s, a_desc, b_desc, j);
 }
 
 // qk_half with the tile's boxes in NG groups, each waited for just before its k16 steps (the
@@ -58,10 +62,7 @@ __device__ __forceinline__ void qk_groups(float (&s)[BM / 2], uint64_t a_desc, u
     mbar_wait(&full_g[g], parity);
     wgmma_fence();
 #pragma unroll
-    for (int j = 18 * g / NG; j < 18 * (g + 1) / NG; ++j) {
-      const uint32_t a_off = (j >> 1) * BLK + (j & 1) * 64, b_off = (j >> 1) * BM * 128 + (j & 1) * 64;
-      Wgmma<BM, 0, false>::run(s, a_desc + (a_off >> 4), b_desc + (b_off >> 4));
-    }
+    for (int j = 18 * g / NG; j < 18 * (g + 1) / NG; ++j) qk_step<BM, false>(s, a_desc, b_desc, j);
   }
 }
 
