@@ -46,7 +46,7 @@ from bench_nvfp4 import md_table  # noqa: E402
 
 from mla_spec.kernels import mla_decode_combine_cuda as mcc  # noqa: E402
 from mla_spec.kernels import mla_decode_wgmma as mw  # noqa: E402
-from mla_spec.kernels.cuda_driver import CudaKernel  # noqa: E402
+from mla_spec.kernels.launch.cuda_driver import CudaKernel  # noqa: E402
 from mla_spec.kernels.mla_decode import mla_decode_ref  # noqa: E402
 from mla_spec.kernels.mla_decode_paged import mla_decode_paged  # noqa: E402
 from mla_spec.quant.fp8 import FP8_DTYPE, e4m3_rows_round_trip  # noqa: E402

@@ -41,8 +41,8 @@ import bench_cta_phases as cta  # noqa: E402
 
 from mla_spec.kernels import mla_decode_combine as mc  # noqa: E402
 from mla_spec.kernels import mla_decode_wgmma as mw  # noqa: E402
-from mla_spec.kernels.cuda_driver import CSRC, CudaKernel  # noqa: E402
-from mla_spec.kernels.pdl import gdc_enter  # noqa: E402
+from mla_spec.kernels.launch.cuda_driver import CSRC, CudaKernel  # noqa: E402
+from mla_spec.kernels.launch.pdl import gdc_enter  # noqa: E402
 
 
 @triton.jit

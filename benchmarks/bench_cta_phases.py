@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_mla import DPE, DV, PAGE, SM_SCALE, build, graph_time  # noqa: E402
 
 from mla_spec.kernels import mla_decode_wgmma as mw  # noqa: E402
-from mla_spec.kernels.cuda_driver import CSRC, CudaKernel  # noqa: E402
+from mla_spec.kernels.launch.cuda_driver import CSRC, CudaKernel  # noqa: E402
 from mla_spec.kernels.mla_decode_paged import mla_decode_paged  # noqa: E402
 from mla_spec.kernels.mla_decode_tiles import PAGED_VARIANTS  # noqa: E402
 from mla_spec.quant.fp8 import FP8_DTYPE  # noqa: E402

@@ -262,7 +262,7 @@ def bench_moe(fast_ok, quick):
 
 def pdl_on_off(calls) -> tuple[float, float]:
     """Graph µs per call of ``calls`` with PDL on (as the model runs) and off (switch restored)."""
-    from mla_spec.kernels import pdl
+    from mla_spec.kernels.launch import pdl
 
     keep = pdl.PDL
     try:

@@ -10,7 +10,7 @@ Implementations (all move the same bytes: the real rows, read + written; padded 
   variant="auto": the one-round-trip "small" kernels below ``SMALL_CALL_BYTES``, else "large");
   the columns ``small`` / ``large`` time both variants forced (graph), so one run shows where
   the threshold belongs. ``ours_nopdl``: the same without programmatic dependent launch
-  (``mla_spec.kernels.pdl``): in a graph of consecutive calls each launch then starts after the
+  (``mla_spec.kernels.launch.pdl``): in a graph of consecutive calls each launch then starts after the
   previous call has finished instead of overlapping its tail.
 - sglang-style: written here from the description in ``shared/reference/sglang.md`` §4.6: one
   program per (padded row, 64-head tile, 64-dim tile), masked, contiguous tensors, launched through
@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels import draft_extend_pad as dep
-from mla_spec.kernels import pdl
-from mla_spec.kernels.triton_launch import TritonLauncher
+from mla_spec.kernels.launch import pdl
+from mla_spec.kernels.launch.triton_launcher import TritonLauncher
 
 GRAPH_CALLS = 20
 

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_mla import graph_time  # noqa: E402
 
 from mla_spec.kernels import mla_decode_combine as mc  # noqa: E402
-from mla_spec.kernels.pdl import pdl_kwargs  # noqa: E402
+from mla_spec.kernels.launch.pdl import pdl_kwargs  # noqa: E402
 
 DV = 512
 BLOCKS = (128, 256, 512)

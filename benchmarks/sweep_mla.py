@@ -258,7 +258,7 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
 
 def _ab(timer) -> dict:
     """``timer()`` with the KV tiles' L2 prefetch off, then with PDL off too (both restored)."""
-    from mla_spec.kernels import pdl
+    from mla_spec.kernels.launch import pdl
 
     keep = pdl.PDL, pdl.L2_PREFETCH
     try:

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["BF16_GEMV", "BF16_GEMV_MAX_M", "BgemvConfig", "bgemv", "bgemv_config", "bgemv_ref",
            "bgemv_supported", "gemv_linear"]

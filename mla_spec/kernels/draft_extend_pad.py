@@ -47,7 +47,7 @@ binaries per (dtype, H, D, layout), reusable in a CUDA graph whose lengths chang
 replays. With ``out=`` and ``validate=False`` the calls allocate nothing and never synchronize
 with the host.
 
-On CUDA the launcher (:mod:`mla_spec.kernels.triton_launch`) keeps the compiled kernel and
+On CUDA the launcher (:mod:`mla_spec.kernels.launch.triton_launcher`) keeps the compiled kernel and
 relaunches it directly (keyed by everything Triton specializes on, i.e. dtype, strides, pointer
 alignment), which keeps an eager call at a few microseconds. ``compile_count()`` reports how many
 binaries Triton's JIT cache holds. The kernels themselves are in
@@ -67,9 +67,9 @@ from mla_spec.kernels.draft_extend_checks import (
     check_values,
 )
 from mla_spec.kernels.draft_extend_pad_kernels import pad_kernel, pad_small_kernel, unpad_kernel
-from mla_spec.kernels.pdl import pdl_on
-from mla_spec.kernels.triton_launch import TritonLauncher as _Launcher
-from mla_spec.kernels.triton_launch import hooks_unset as _hooks_unset  # noqa: F401 - tests
+from mla_spec.kernels.launch.pdl import pdl_on
+from mla_spec.kernels.launch.triton_launcher import TritonLauncher as _Launcher
+from mla_spec.kernels.launch.triton_launcher import hooks_unset as _hooks_unset  # noqa: F401 - tests
 
 __all__ = ["pad_draft_extend_query", "pad_draft_extend_query_ref", "unpad_draft_extend_output",
            "unpad_draft_extend_output_ref", "compile_count", "choose_variant", "SMALL_CALL_BYTES"]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.pdl import gdc_enter
+from mla_spec.kernels.launch.pdl import gdc_enter
 
 __all__ = ["pad_kernel", "pad_small_kernel", "unpad_kernel"]
 

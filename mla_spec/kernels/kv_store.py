@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import triton_interpreting, use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 from mla_spec.quant.fp8 import FP8_DTYPE, FP8_E4M3_MAX, quantize_fp8
 
 __all__ = ["store_kv", "store_kv_ref"]

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["combine_splits", "combine_splits_ref"]
 

@@ -16,9 +16,9 @@ import ctypes
 
 import torch
 
-from mla_spec.kernels.cuda_driver import CudaKernel, cuda_kernels_available
+from mla_spec.kernels.launch.cuda_driver import CudaKernel, cuda_kernels_available
 from mla_spec.kernels.mla_decode_combine import combine_splits
-from mla_spec.kernels.pdl import pdl_on
+from mla_spec.kernels.launch.pdl import pdl_on
 
 __all__ = ["combine_cuda_preferred", "combine_cuda_supported", "combine_groups",
            "combine_splits_cuda", "combine_splits_fast"]

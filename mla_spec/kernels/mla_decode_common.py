@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.pdl import l2pf_on, pdl_kwargs, prefetch_l2
+from mla_spec.kernels.launch.pdl import l2pf_on, pdl_kwargs, prefetch_l2
 
 __all__ = ["attn_pdl_kwargs", "block_rows", "prefetch_kv_tiles", "request_rows", "split_range",
            "split_window", "check_mla_inputs", "kv_descriptors", "load_kv_tile", "fp16_prescaled",

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mla_spec.kernels.cuda_driver import CudaKernel, cuda_kernels_available
+from mla_spec.kernels.launch.cuda_driver import CudaKernel, cuda_kernels_available
 from mla_spec.kernels.mla_decode_combine import combine_splits
-from mla_spec.kernels.pdl import pdl_on
+from mla_spec.kernels.launch.pdl import pdl_on
 
 __all__ = ["CUDA_TILES", "CudaTile", "call_supported", "cuda_mla_supported", "launch_cuda_mla",
            "split_params"]

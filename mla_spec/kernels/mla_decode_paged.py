@@ -52,7 +52,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import cuda_capability, sm_count, triton_interpreting
-from mla_spec.kernels.cuda_driver import cuda_kernels_available
+from mla_spec.kernels.launch.cuda_driver import cuda_kernels_available
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
     attn_pdl_kwargs,
@@ -82,7 +82,7 @@ from mla_spec.kernels.mla_decode_tiles import (
 )
 from mla_spec.kernels.mla_decode_vsplit import launch_vsplit
 from mla_spec.kernels.mla_decode_wgmma import launch_wgmma_mla, wgmma_mla_supported
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait
+from mla_spec.kernels.launch.pdl import gdc_launch, gdc_wait
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["PAGED_CONTEXT_DEFAULTS", "PAGED_DEFAULTS", "PAGED_VARIANTS", "PagedConfig",

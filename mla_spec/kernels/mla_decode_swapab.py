@@ -38,7 +38,7 @@ from mla_spec.kernels.mla_decode_common import (
     request_rows,
     split_window,
 )
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait
+from mla_spec.kernels.launch.pdl import gdc_launch, gdc_wait
 
 __all__ = ["launch_swapab"]
 

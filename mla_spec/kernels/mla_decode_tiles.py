@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from mla_spec.device import cuda_capability
-from mla_spec.kernels.cuda_driver import cuda_kernels_available
+from mla_spec.kernels.launch.cuda_driver import cuda_kernels_available
 from mla_spec.kernels.mla_decode_defaults import PAGED_CONTEXT_DEFAULTS, PAGED_DEFAULTS
 from mla_spec.quant.fp8 import FP8_DTYPE
 

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.arrival import arrival_counters
+from mla_spec.kernels.launch.arrival import arrival_counters
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_common import (
     attn_pdl_kwargs,
@@ -54,7 +54,7 @@ from mla_spec.kernels.mla_decode_common import (
     split_window,
 )
 from mla_spec.kernels.mla_decode_ref import mla_decode_ref
-from mla_spec.kernels.pdl import gdc_launch, gdc_wait
+from mla_spec.kernels.launch.pdl import gdc_launch, gdc_wait
 
 __all__ = ["launch_vsplit", "mla_decode_vsplit_ref", "split_counters"]
 
@@ -62,7 +62,7 @@ mla_decode_vsplit_ref = mla_decode_ref  # the torch twin: the same function
 
 def split_counters(n: int, device: torch.device) -> torch.Tensor:
     """A zero-initialized int32 buffer of >= ``n`` counters for the fused combine (the kernel
-    leaves it zeroed; :func:`mla_spec.kernels.arrival.arrival_counters`)."""
+    leaves it zeroed; :func:`mla_spec.kernels.launch.arrival.arrival_counters`)."""
     return arrival_counters(n, device)
 
 

@@ -32,12 +32,12 @@ from dataclasses import dataclass, fields
 import torch
 
 from mla_spec.device import cuda_capability, env_flag, sm_count
-from mla_spec.kernels.arrival import arrival_counters
-from mla_spec.kernels.cuda_driver import CudaKernel, tensor_map_2d
+from mla_spec.kernels.launch.arrival import arrival_counters
+from mla_spec.kernels.launch.cuda_driver import CudaKernel, tensor_map_2d
 from mla_spec.kernels.mla_decode_combine import combine_splits
 from mla_spec.kernels.mla_decode_combine_cuda import combine_splits_fast
 from mla_spec.kernels.mla_decode_cuda import _Params, call_supported, split_params
-from mla_spec.kernels.pdl import pdl_on
+from mla_spec.kernels.launch.pdl import pdl_on
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = ["WgmmaKind", "WGMMA_BLOCK_M", "WGMMA_FP8_BLOCK_M", "WGMMA_KERNELS", "clusters_splits",

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["GATE_GEMV_MAX_N", "GateConfig", "fused_route", "fused_route_ref",
            "fused_route_supports", "gate_config", "gate_logits", "gate_logits_ref"]

@@ -72,7 +72,7 @@ from mla_spec.kernels.nvfp4_gemv import (
     nvfp4_gemv,
     packed_gemv_config,
 )
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 from mla_spec.kernels.split_sum import sum_rows
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, validate_nvfp4
 

@@ -21,8 +21,8 @@ import functools
 import torch
 
 from mla_spec.device import env_flag, sm_count
-from mla_spec.kernels.arrival import arrival_counters
-from mla_spec.kernels.cuda_driver import CudaKernel, cuda_kernels_available
+from mla_spec.kernels.launch.arrival import arrival_counters
+from mla_spec.kernels.launch.cuda_driver import CudaKernel, cuda_kernels_available
 from mla_spec.kernels.nvfp4_configs import (
     PINNED_CUDA,
     PINNED_CUDA_REFUSED,
@@ -30,7 +30,7 @@ from mla_spec.kernels.nvfp4_configs import (
     m_bucket,
     parse_variant,
 )
-from mla_spec.kernels.pdl import pdl_on
+from mla_spec.kernels.launch.pdl import pdl_on
 
 __all__ = ["CudaMmaConfig", "CUDA_MMA_AUTO", "CUDA_MMA_BUILT", "CUDA_MMA_MAX_M",
            "cuda_gemm_supported", "launch_nvfp4_cuda", "default_cuda_config", "cuda_auto_config"]

@@ -46,7 +46,7 @@ from mla_spec.kernels.nvfp4_gemv_packed import (
     packed_prefetch_loop,
     x_pairs,
 )
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["GemvConfig", "nvfp4_gemv", "default_gemv_config", "packed_gemv_config", "split_k_for",
            "GEMV_MAX_M", "GEMV_FAST"]

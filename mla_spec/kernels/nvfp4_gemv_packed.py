@@ -43,7 +43,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.pdl import gdc_enter
+from mla_spec.kernels.launch.pdl import gdc_enter
 
 __all__ = ["x_pairs", "dot16_packed", "packed_prefetch_loop", "step_mask", "load_w", "load_xw",
            "PACKED_UNIT"]

@@ -38,7 +38,7 @@ from mla_spec.kernels.nvfp4_gemv import (
 )
 from mla_spec.kernels.nvfp4_gemv_packed import packed_prefetch_loop
 from mla_spec.kernels.nvfp4_moe_w2 import moe_w2_loop
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["moe_gemv", "moe_gemv_tiles", "MOE_GEMV_MAX_M", "MOE_GEMV_TILES", "MOE_GEMV_PACKED",
            "MOE_GEMV_PREFETCH", "MOE_W2_LOOP", "MOE_W2_LOOP_TILE"]

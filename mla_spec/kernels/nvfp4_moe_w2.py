@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels.nvfp4_gemv_packed import PACKED_UNIT, dot16_packed, load_xw, x_pairs
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["W2_LOOP_PDL", "W2_LOOP_PDL_MIN_M", "moe_w2_loop"]
 

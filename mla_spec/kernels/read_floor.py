@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["empty_launch", "read_checksum", "read_checksum_ref"]
 

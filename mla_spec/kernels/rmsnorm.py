@@ -29,7 +29,7 @@ over ``BLOCK``-wide chunks (sum of squares, then normalize; the residual sum is 
 second pass instead of re-read, so no barrier is needed).
 
 CUDA graphs: no host sync, the only allocations are the outputs. On CUDA the launch goes through
-:class:`~mla_spec.kernels.triton_launch.TritonLauncher` (a few µs per eager call).
+:class:`~mla_spec.kernels.launch.triton_launcher.TritonLauncher` (a few µs per eager call).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_on
-from mla_spec.kernels.triton_launch import TritonLauncher
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_on
+from mla_spec.kernels.launch.triton_launcher import TritonLauncher
 
 __all__ = ["rms_norm", "rms_norm_ref", "rms_norm_add", "rms_norm_add_ref", "SUPPORTED_DTYPES",
            "MAX_BLOCK"]

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
-from mla_spec.kernels.pdl import gdc_enter, pdl_kwargs
+from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 
 __all__ = ["rope_qk", "rope_qk_ref", "rope_cos_sin", "apply_rope_interleaved",
            "SUPPORTED_DTYPES"]

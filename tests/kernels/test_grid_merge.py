@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mla_spec.kernels import mla_decode_wgmma as mw
-from mla_spec.kernels.arrival import arrival_counters
+from mla_spec.kernels.launch.arrival import arrival_counters
 from mla_spec.kernels.grid_merge import grid_merge_ref, merge_chunk_ranges
 from mla_spec.kernels.mla_decode import mla_decode_ref
 from mla_spec.kernels.mla_decode_combine import combine_splits_ref

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mla_spec.kernels import mla_decode_combine_cuda as cc
-from mla_spec.kernels.cuda_driver import CSRC, compile_cubin, nvcc_path
+from mla_spec.kernels.launch.cuda_driver import CSRC, compile_cubin, nvcc_path
 from mla_spec.kernels.mla_decode_combine import combine_splits_ref
 
 SRC = CSRC / "mla_combine.cu"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mla_spec.kernels import mla_decode_cuda as mc
-from mla_spec.kernels.cuda_driver import CSRC, compile_cubin, nvcc_path
+from mla_spec.kernels.launch.cuda_driver import CSRC, compile_cubin, nvcc_path
 from mla_spec.kernels.mla_decode import mla_decode_ref
 from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS, mla_decode_paged, paged_supported
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mla_spec.kernels import mla_decode_wgmma as mw
-from mla_spec.kernels.cuda_driver import CSRC, compile_cubin, nvcc_path
+from mla_spec.kernels.launch.cuda_driver import CSRC, compile_cubin, nvcc_path
 from mla_spec.kernels.mla_decode import mla_decode_ref
 from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS, mla_decode_paged
 from mla_spec.kernels.mla_decode_tiles import cuda_cache_ok
@@ -282,7 +282,7 @@ def test_early_kv_loads_give_the_same_bits(name, kvd, q_len, splits, monkeypatch
 
 
 def test_tensor_map_rejects_what_tma_cannot_take():
-    from mla_spec.kernels.cuda_driver import tensor_map_2d
+    from mla_spec.kernels.launch.cuda_driver import tensor_map_2d
 
     with pytest.raises(ValueError, match="2-D tensor with unit column stride"):
         tensor_map_2d(torch.zeros(4, 8, 8, dtype=torch.bfloat16), 64, 64)

@@ -19,7 +19,7 @@ import re
 import pytest
 
 from mla_spec.kernels import mla_decode_wgmma as mw
-from mla_spec.kernels.cuda_driver import CSRC
+from mla_spec.kernels.launch.cuda_driver import CSRC
 from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS
 
 SRC, SRC_PP, SHARED, HDR = (CSRC / n for n in ("mla_wgmma_e4m3_sm90.cu",

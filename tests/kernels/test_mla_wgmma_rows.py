@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import re
 
-from mla_spec.kernels.cuda_driver import CSRC
+from mla_spec.kernels.launch.cuda_driver import CSRC
 
 SRC = (CSRC / "mla_wgmma_rows_sm90.cu").read_text()
 BLK = 64 * 128  # one [64 tok, 64 dims] block of a stage, 128 B per row

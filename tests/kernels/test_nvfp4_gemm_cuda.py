@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mla_spec.kernels import nvfp4_gemm_cuda as nc
-from mla_spec.kernels.cuda_driver import CSRC, compile_cubin, nvcc_path
+from mla_spec.kernels.launch.cuda_driver import CSRC, compile_cubin, nvcc_path
 from mla_spec.kernels.nvfp4_configs import (
     PINNED_CUDA,
     PINNED_CUDA_REFUSED,

@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from mla_spec.kernels.cuda_driver import CSRC
+from mla_spec.kernels.launch.cuda_driver import CSRC
 
 HDR = CSRC / "sm90_wgmma.cuh"
 COMMON = CSRC / "sm90_common.cuh"

@@ -140,7 +140,7 @@ def test_probability_e4m3_error_stays_within_its_bound(m, n, logit, seed):
 
 
 def test_probability_rounding_is_the_kernels():
-    from mla_spec.kernels.cuda_driver import CSRC
+    from mla_spec.kernels.launch.cuda_driver import CSRC
     from mla_spec.quant.fp8 import P8_SCALE, round_probabilities_e4m3
 
     src = (CSRC / "sm90_e4m3.cuh").read_text()

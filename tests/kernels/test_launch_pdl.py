@@ -1,4 +1,4 @@
-"""Programmatic dependent launch and L2 prefetches (``mla_spec.kernels.pdl``): off the GPU
+"""Programmatic dependent launch and L2 prefetches (``mla_spec.kernels.launch.pdl``): off the GPU
 nothing changes; on it, a chain of our kernels gives bit-identical results with both on and
 off, eagerly and in a replayed CUDA graph."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import mla_spec.kernels.pdl as pdl
+import mla_spec.kernels.launch.pdl as pdl
 
 
 def _switch(monkeypatch, on: bool) -> None:

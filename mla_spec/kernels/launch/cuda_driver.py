@@ -28,7 +28,7 @@ import torch
 __all__ = ["CudaKernel", "cuda_kernels_available", "compile_cubin", "nvcc_path", "CSRC",
            "tensor_map_2d"]
 
-CSRC = Path(__file__).with_name("csrc")
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
