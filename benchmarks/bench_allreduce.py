@@ -3,8 +3,8 @@
 What the projection (``mla_spec.projection``) otherwise estimates: DeepSeek-V3 at TP N runs two
 all-reduces of the ``[rows, 7168]`` bf16 hidden state per layer (rows = bs * q_len) and one
 all-gather of the sampled rows' logits (``[rows, 129280 / N]`` bf16 per rank). This benchmark
-starts N ranks with :func:`mla_spec.parallel.launch` (NCCL, one GPU each) and times
-:func:`~mla_spec.parallel.tp_all_reduce` / :func:`~mla_spec.parallel.tp_all_gather`:
+starts N ranks with :func:`mla_spec.runtime.launch.launch` (NCCL, one GPU each) and times
+:func:`~mla_spec.distributed.tp_all_reduce` / :func:`~mla_spec.distributed.tp_all_gather`:
 
 - eager: ``--inner`` back-to-back calls after a barrier, per call (host launch cost included);
 - graph: ``--graph-iters`` calls captured in one CUDA graph, a few replays back to back, per
@@ -53,7 +53,7 @@ def _rank_data(rank: int, shape, dtype) -> torch.Tensor:
 
 def _check(rank, world, device, dtype) -> None:
     """tp_all_reduce / tp_all_gather equal the sum / concatenation computed on the host."""
-    from mla_spec.parallel import tp_all_gather, tp_all_reduce
+    from mla_spec.distributed import tp_all_gather, tp_all_reduce
 
     for shape in ((3, HIDDEN), (5, 129)):
         x = _rank_data(rank, shape, dtype).to(device)
@@ -129,7 +129,7 @@ def _graph_us(fn, device, iters: int, repeats: int, replays: int = 5):
 def _rank_bench(rank, world, ar_rows, ag_rows, inner, repeats, graph_iters, graphs) -> dict:
     import torch.distributed as dist
 
-    from mla_spec.parallel import rank_device, tp_all_gather, tp_all_reduce
+    from mla_spec.distributed import rank_device, tp_all_gather, tp_all_reduce
 
     device = rank_device(rank, dist.get_backend())
     for dtype in (torch.bfloat16, torch.float32):
@@ -221,7 +221,7 @@ def _ints(s, default):
 
 
 def main(argv=None) -> dict:
-    from mla_spec.parallel import launch
+    from mla_spec.runtime.launch import launch
 
     a = parse_args(argv)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,4 @@
-"""BF16 GEMV (``mla_spec.kernels.bf16_gemv``) against cuBLAS / einsum at the attention shapes.
+"""BF16 GEMV (``mla_spec.kernels.ops.bf16_gemv``) against cuBLAS / einsum at the attention shapes.
 
     python benchmarks/bench_bf16_gemv.py [--ms 1,2] [--deadline 100]
 
@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 
 import bench_nvfp4 as bench  # noqa: E402
 
-from mla_spec.kernels.bf16_gemv import BgemvConfig, bgemv, bgemv_config  # noqa: E402
+from mla_spec.kernels.ops.bf16_gemv import BgemvConfig, bgemv, bgemv_config  # noqa: E402
 
 K_CANDIDATES = [BgemvConfig(*c) for c in (
     (4, 1024, 4), (8, 1024, 8), (4, 2048, 8), (2, 2048, 4), (8, 512, 4), (4, 512, 2),

@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from compile_stats import kernel_binaries, kernel_keys, new_compiles
 
 from mla_spec.cli import DEMO_MODEL, random_demo_checkpoint
 from mla_spec.config import CacheConfig, SpecConfig
 from mla_spec.engine import Engine
 from mla_spec.eval import build_prompts, heldout_problems
-from mla_spec.kernels.compile_stats import kernel_binaries, kernel_keys, new_compiles
 
 
 def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:

@@ -6,12 +6,12 @@
 Default: what *any* kernel on this launch path (Triton, CUDA graph, PDL) needs, beside ours and
 cuBLAS bf16 in the same run, per call in a replayed graph rotating inputs past the L2:
 - per NVFP4 shape at 1 token: an empty PDL kernel, and the read floor
-  (``kernels/read_floor.read_checksum``: the weight's bytes and block scales read once, best
+  (``experiments/mla/read_floor.read_checksum``: the weight's bytes and block scales read once, best
   of 36 layouts): the best ratio to cuBLAS any GEMV of these bytes could reach;
 - the same read of one request's bf16 MLA KV at batch 1 (ctx 1k / 4k / 32k);
 - the MoE gemv path's two launches, each one's GPU time (``torch.profiler``) and bytes.
 Writes ``bench_nvfp4_floors.{json,md}`` into ``$OUT``. ``--moe-pdl``: the fused MoE at 1-4 tokens
-with PDL on, on but not for the w2 loop launch (``nvfp4_moe_w2.W2_LOOP_PDL``), and off
+with PDL on, on but not for the w2 loop launch (``nvfp4.moe_gemv.W2_LOOP_PDL_MIN_M``), and off
 (``bench_nvfp4_moe_pdl.*``).
 """
 
@@ -36,15 +36,14 @@ from bench_nvfp4 import (
     weight_sets,
 )
 
-from mla_spec.kernels.nvfp4_gemm import nvfp4_gemm
-from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
+from mla_spec.kernels.nvfp4 import fused_moe_nvfp4, nvfp4_gemm
 
 FLOOR_LAYOUTS = [(bn, sp, w) for bn in (2, 4, 8, 16) for sp in (1, 2, 4) for w in (1, 2, 4)]
 
 
 def bench_floors():
     """Launch and read floors per shape at 1 token, with ours (PDL) and cuBLAS in the same run."""
-    from mla_spec.kernels.read_floor import empty_launch, read_checksum
+    from experiments.mla.read_floor import empty_launch, read_checksum
 
     flag = torch.zeros(1, dtype=torch.int32, device=DEV)
     empty_on, empty_off = pdl_on_off([lambda: empty_launch(flag)] * 64)
@@ -74,7 +73,7 @@ def kv_floors(ctxs=(1024, 4096, 32768)):
     """The same read floor for one request's bf16 MLA KV (``[ctx, 576]``, 1152 B per token) at
     batch 1: the bound under issue 4's batch-1 attention goals (one launch; attention at batch
     1 needs a second one, the split combine, unless fused)."""
-    from mla_spec.kernels.read_floor import read_checksum
+    from experiments.mla.read_floor import read_checksum
 
     rows = []
     for ctx in ctxs:
@@ -131,15 +130,15 @@ def moe_launches(ms=(1, 2, 4), iters=20):
 
 def moe_pdl_ab(ms=(1, 2, 4)):
     """The fused MoE per call in a graph chain with PDL on for every launch (the w2 loop's
-    ``W2_LOOP_PDL_MIN_M`` rule off), with PDL on but the w2 loop launch without it
-    (``nvfp4_moe_w2.W2_LOOP_PDL``), and with PDL off."""
-    from mla_spec.kernels import nvfp4_moe_w2, pdl
+    ``W2_LOOP_PDL_MIN_M`` rule off), with PDL on but the w2 loop launch without it, and with
+    PDL off."""
+    from mla_spec.kernels import options
+    from mla_spec.kernels.nvfp4 import moe_gemv
 
     e, k, inter, topk = 256, 7168, 512, 8
     w13, w2, _, _ = moe_weights(e, k, inter)
     rows = []
-    keep = pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL, nvfp4_moe_w2.W2_LOOP_PDL_MIN_M
-    nvfp4_moe_w2.W2_LOOP_PDL_MIN_M = 1
+    keep = options.PDL, moe_gemv.W2_LOOP_PDL_MIN_M
     try:
         for m in ms:
             xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
@@ -148,12 +147,12 @@ def moe_pdl_ab(ms=(1, 2, 4)):
             row = dict(m=m)
             for name, on, w2_on in (("pdl_us", True, True), ("w2_nopdl_us", True, False),
                                     ("nopdl_us", False, True)):
-                pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL = on, w2_on
+                options.PDL, moe_gemv.W2_LOOP_PDL_MIN_M = on, 1 if w2_on else 1 << 30
                 row[name] = round(graph_us(calls), 2)
             rows.append(row)
             print(row, flush=True)
     finally:
-        pdl.PDL, nvfp4_moe_w2.W2_LOOP_PDL, nvfp4_moe_w2.W2_LOOP_PDL_MIN_M = keep
+        options.PDL, moe_gemv.W2_LOOP_PDL_MIN_M = keep
     return rows
 
 

@@ -54,8 +54,8 @@ from mla_spec.attention import create_backend  # noqa: E402
 from mla_spec.config import ModelConfig  # noqa: E402
 from mla_spec.forward_batch import ForwardBatch  # noqa: E402
 from mla_spec.forward_mode import ForwardMode  # noqa: E402
-from mla_spec.kernels import bf16_gemv  # noqa: E402
-from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4  # noqa: E402
+from mla_spec.kernels import options  # noqa: E402
+from mla_spec.kernels.nvfp4 import fused_moe_nvfp4  # noqa: E402
 from mla_spec.kv_cache import MLATokenToKVPool  # noqa: E402
 from mla_spec.models.deepseek_v3 import DeepseekV3DecoderLayer  # noqa: E402
 from mla_spec.models.moe import (  # noqa: E402
@@ -297,7 +297,7 @@ MTP_MODES = (ForwardMode.DRAFT_EXTEND_V2, ForwardMode.DECODE)
 def _time_into(rec, key, side_name, timer, fn, prepare=None):
     label = f"{side_name} {key[1]} {key[0]}/{key[2]} bs {key[3]} ctx {key[4]}"
     # base = cuBLAS for every BF16 weight: our BF16 GEMV (attention projections) is ours only
-    saved, bf16_gemv.BF16_GEMV = bf16_gemv.BF16_GEMV, side_name != "base" and bf16_gemv.BF16_GEMV
+    saved, options.BF16_GEMV = options.BF16_GEMV, side_name != "base" and options.BF16_GEMV
     try:
         if prepare is not None:
             prepare()  # plan right before capture: FlashInfer keeps one plan per wrapper
@@ -310,7 +310,7 @@ def _time_into(rec, key, side_name, timer, fn, prepare=None):
         timer.notes.append(f"{label}: failed ({type(e).__name__}: {str(e)[:160]})")
         rec.setdefault(key, {})[side_name] = (math.nan, False)
     finally:
-        bf16_gemv.BF16_GEMV = saved
+        options.BF16_GEMV = saved
 
 
 def _target_pieces(s: Side, b, x, qn, qp, with_mlp: bool) -> dict:
@@ -394,13 +394,13 @@ STACKS = {"ours": "NVFP4 W4A16 experts/shared/dense + Triton MLA on FP8 KV",
 
 def _projection_model(link) -> dict:
     """What the projection assumes (the shipped ``mla_spec/data/bench_layer_h200.json`` keeps it
-    next to the numbers, ``viz.layer`` reads the seed's bars from it)."""
+    next to the numbers, ``viz.layer`` reads SGLang CI's bars from it)."""
     shape = proj.ModelShape()
     return {"layers": f"{shape.num_dense_layers} dense + {shape.num_moe_layers} MoE + lm_head "
                       "shard", "tp": shape.tp_size, "link": link.describe(),
             "mtp": "spec v2, 3 steps, topk 1, 4 draft tokens",
-            "seed_bars_tok_s": dict(proj.SEED_BARS),
-            "seed_bars_hardware": "4x B200, end to end (SGLang CI)"}
+            "sglang_ci_bars_tok_s": dict(proj.SGLANG_CI_BARS),
+            "sglang_ci_bars_hardware": "4x B200, end to end (SGLang CI)"}
 
 
 def forward_times(rec, side: str, bs: int, ctx: int):
@@ -434,7 +434,7 @@ def parse_args(argv=None):
     p.add_argument("--bs", default=None, help="comma list (default 1,8,32,128)")
     p.add_argument("--ctx", default=None, help="comma list (default 1024,8192,32768)")
     p.add_argument("--proj-ctx", type=int, default=None, help="context of the projection "
-                   "(default: the first --ctx; the seed's bs-1 test runs ~1-2k tokens)")
+                   "(default: the first --ctx; SGLang CI's bs-1 test runs ~1-2k tokens)")
     p.add_argument("--accept", default="2.04,2.5,3.0", help="MTP accept lengths to project")
     p.add_argument("--link-gbps", type=float, default=450.0, help="NVLink GB/s/direction")
     p.add_argument("--link-latency-us", type=float, default=8.0, help="per collective")

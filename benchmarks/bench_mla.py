@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mla_spec.attention import create_backend  # noqa: E402
 from mla_spec.attention.synthetic import ALL_MODES, make_scene  # noqa: E402
 from mla_spec.attention.trtllm_mla import reference_trtllm_kernel  # noqa: E402
-from mla_spec.kernels.mla_decode import MLAKernelConfig, mla_decode, pick_num_splits  # noqa: E402
+from mla_spec.kernels.mla import MLAKernelConfig, mla_decode, pick_num_splits  # noqa: E402
 from mla_spec.quant.fp8 import FP8_DTYPE  # noqa: E402
 
 SM_SCALE = 0.1352338

@@ -1,11 +1,11 @@
 """Where batch-1 attention time goes: the split kernel alone, the combine alone, the whole call.
 
-    python benchmarks/bench_mla_breakdown.py [--shapes bf16:32x1:4096,...] [--variants K,K8]
+    python benchmarks/bench_mla_breakdown.py [--shapes bf16:32x1:4096,...] [--variants K,W]
         [--splits 16,32,64]
 
-Issue 4's batch-1 goals (< 10 µs at ctx 4k, >= 2.5 TB/s at 32k, in a CUDA graph) sit far above
-the chip's read floor (``bench_floors.py``: 2.3 / 11.3 µs), so the question is which part of
-the call costs the rest. Per shape (``kv:HxQ:ctx[:bs]``; batch 1 unless a
+The batch-1 goals (< 10 µs at ctx 4k, >= 2.5 TB/s at 32k, in a CUDA graph) sit far above the
+chip's read floor (``bench_floors.py``: 2.3 / 11.3 µs), so the question is which part of the
+call costs the rest. Per shape (``kv:HxQ:ctx[:bs]``; batch 1 unless a
 fourth field says otherwise), at the default variant and split count (``paged_choice``),
 each timed per call inside a replayed CUDA graph that rotates KV copies past the L2:
 
@@ -13,13 +13,13 @@ each timed per call inside a replayed CUDA graph that rotates KV copies past the
 - ``split``: the same with the combine launch left out (its output is then garbage);
 - ``combine``: the combine the call runs (``combine_splits``, or for the wgmma kernels
   ``combine_splits_fast``: the CUDA one where it is the faster) alone on partials of the same
-  shape;
+  shape and dtype;
 - ``empty2``: two empty PDL launches (what any split + combine pair pays to launch);
 - ``fi``: FlashInfer's ``BatchMLAPagedAttentionWrapper`` in the same run (``FI/ours``: its
   time over ours; ``TBps`` / ``TFs``: KV bytes read once and attention FLOPs over ``full``);
 - with ``--eager``: the default call and FlashInfer's as plain calls (``do_bench`` median).
 
-``--variants`` adds rows for other ``PAGED_VARIANTS`` (e.g. the CUDA kernel's ``K*``) at each
+``--variants`` adds rows for other ``PAGED_VARIANTS`` (e.g. the mma.sync kernel ``K``) at each
 of ``--splits``: full and split-only times, each checked against ``mla_decode_ref`` first
 (variants that do not take a shape's cache are skipped).
 Prints a table last. GPU only.
@@ -40,22 +40,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_mla import DPE, DV, PAGE, SM_SCALE, build, fi_wrapper, graph_time  # noqa: E402
 from bench_nvfp4 import md_table  # noqa: E402
 
-from mla_spec.kernels import (  # noqa: E402
-    mla_decode_cuda,
-    mla_decode_swapab,
-    mla_decode_vsplit,
-    mla_decode_wgmma,
-)
-from mla_spec.kernels import mla_decode_paged as paged_mod  # noqa: E402
-from mla_spec.kernels.mla_decode import mla_decode_ref  # noqa: E402
-from mla_spec.kernels.mla_decode_combine import combine_splits  # noqa: E402
-from mla_spec.kernels.mla_decode_tiles import (  # noqa: E402
+from experiments.mla.read_floor import empty_launch  # noqa: E402
+from mla_spec.kernels.mla import (  # noqa: E402
     PAGED_VARIANTS,
-    cuda_cache_ok,
+    combine_splits,
+    mla_decode_paged,
+    mla_decode_ref,
     paged_choice,
+    sm90_mma,
+    sm90_wgmma,
     splits_for,
+    triton_paged,
+    triton_vsplit,
+    variant_name,
 )
-from mla_spec.kernels.read_floor import empty_launch  # noqa: E402
+from mla_spec.kernels.mla.choice import cuda_cache_ok  # noqa: E402
+from mla_spec.kernels.mla.combine import combine_splits_fast  # noqa: E402
 from mla_spec.quant.fp8 import FP8_DTYPE, e4m3_rows_round_trip  # noqa: E402
 
 DEFAULT_SHAPES = ("bf16:32x1:1024,bf16:32x1:4096,bf16:32x1:32768,bf16:32x4:4096,"
@@ -96,21 +96,20 @@ def row(kvd, h, q, ctx, bs, dev, variants=(), splits=(), eager=False):
     out = torch.empty_like(qn)
 
     def call(rpi, cfg=cfg, sp=sp):
-        return lambda: paged_mod.mla_decode_paged(qn, qp, flat, r2t, rpi, kv_lens, SM_SCALE,
-                                                  page_size=PAGE, q_len=q, num_splits=sp,
-                                                  config=cfg, max_kv=ctx, out=out, num_sms=132)
+        return lambda: mla_decode_paged(qn, qp, flat, r2t, rpi, kv_lens, SM_SCALE,
+                                        page_size=PAGE, q_len=q, num_splits=sp, config=cfg,
+                                        max_kv=ctx, out=out, num_sms=132)
 
     shape = f"{'fp8' if fp8 else 'bf16'} {h}x{q} {ctx}" + (f" bs{bs}" if bs > 1 else "")
-    res = {"shape": shape, "variant": f"{cfg.tag}/sp{sp}", "MB": kv_bytes / 1e6}
+    res = {"shape": shape, "variant": f"{variant_name(cfg) or cfg.tag}/sp{sp}",
+           "MB": kv_bytes / 1e6}
     res["full"], res["split"] = _full_and_split([call(r) for r in rpis])
     if sp > 1:
-        bf16 = ((cfg.block_m, cfg.e4m3_mma) in mla_decode_wgmma.PART_BF16 if cfg.wgmma
-                else cfg.part_bf16)  # the dtype the split kernel writes
+        bf16 = cfg.wgmma or cfg.part_bf16  # the dtype the split kernel writes
         pdt = torch.bfloat16 if bf16 else torch.float32
         parts = [(torch.randn(sp, bs * q * h, DV, device=dev).to(pdt),
                   torch.randn(sp, bs * q * h, device=dev)) for _ in range(4)]
-        merge = (mla_decode_wgmma.combine_splits_fast if cfg.wgmma and
-                 mla_decode_wgmma.COMBINE_CUDA else combine_splits)  # what the call runs
+        merge = combine_splits_fast if cfg.wgmma else combine_splits  # what the call runs
         res["combine"] = graph_time([lambda p=p: merge(p[0], p[1], out) for p in parts])
     flag = torch.zeros(1, dtype=torch.int32, device=dev)
     res["empty2"] = graph_time([lambda: (empty_launch(flag), empty_launch(flag))])
@@ -165,7 +164,7 @@ def _add_rates(r, kv_bytes, flops):
 def _variant_row(call, rpis, vcfg, vsp, ref, out):
     """{full, split} of one extra variant at ``vsp`` splits, or None (printed) when it fails
     or disagrees with ``mla_decode_ref``."""
-    tag = f"{vcfg.tag}/sp{vsp}"
+    tag = f"{variant_name(vcfg) or vcfg.tag}/sp{vsp}"
     try:
         call(rpis[0], vcfg, vsp)()
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
@@ -184,12 +183,10 @@ def _full_and_split(fns):
     """Graph µs of ``fns`` as they are, and with every combine launch left out."""
     full = graph_time(fns)
     noop = lambda *a, **k: None  # noqa: E731
-    with mock.patch.object(paged_mod, "combine_splits", noop), \
-            mock.patch.object(mla_decode_swapab, "combine_splits", noop), \
-            mock.patch.object(mla_decode_vsplit, "combine_splits", noop), \
-            mock.patch.object(mla_decode_cuda, "combine_splits", noop), \
-            mock.patch.object(mla_decode_wgmma, "combine_splits", noop), \
-            mock.patch.object(mla_decode_wgmma, "combine_splits_fast", noop):
+    with mock.patch.object(triton_paged, "combine_splits", noop), \
+            mock.patch.object(triton_vsplit, "combine_splits", noop), \
+            mock.patch.object(sm90_mma, "combine_splits", noop), \
+            mock.patch.object(sm90_wgmma, "combine_splits_fast", noop):
         split = graph_time(fns)
     return full, split
 
@@ -209,7 +206,7 @@ def table(rows) -> str:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default=DEFAULT_SHAPES)
-    ap.add_argument("--variants", default="", help="extra PAGED_VARIANTS names, e.g. K,K8")
+    ap.add_argument("--variants", default="", help="extra PAGED_VARIANTS names, e.g. K,W")
     ap.add_argument("--splits", default="16,32,64", help="split counts of the extra variants")
     ap.add_argument("--eager", action="store_true",
                     help="also time the default and FlashInfer as plain calls (do_bench)")

@@ -1,21 +1,21 @@
 """NVFP4 W4A16 GEMM and fused MoE vs cuBLAS bf16 at DeepSeek-V3 TP4 shapes (H200).
 
-    PYTHONUNBUFFERED=1 python benchmarks/bench_nvfp4.py [--quick | --pinned]
+    PYTHONUNBUFFERED=1 python benchmarks/bench_nvfp4.py [--quick | --pinned | --floors | --moe-pdl]
 
-For each shape and M in 1, 4, 16, 64: ours (a few tile configs tried first, the best kept),
-torch bf16 matmul on a bf16 weight of the same shape (cuBLAS), and dequantize-then-matmul
-(torch dequant of the NVFP4 weight, then cuBLAS). Every time is per call inside a replayed CUDA
-graph whose calls rotate over enough weight sets (>= 200 MB) that the 60 MB L2 does not help.
-The grouped MoE (256 experts, 8 active per token, I = 512, K = 7168) runs ``fused_moe_nvfp4``
-against the bf16 GEMMs of the active experts only (x rows pre-gathered, no routing work: the
-strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into ``$OUT`` when set.
-``--pinned``: no tuning; the automatic configs at M 1-16 and the MoE at 1-4 tokens as the model
-runs them (PDL on) and with PDL off (``pdl_on_off``), beside cuBLAS (``bench_nvfp4_pinned.*``).
-``--moe-pdl``: the fused MoE at 1-4 tokens with PDL on, on but not for the w2 loop launch, and
-off. ``--floors``: per shape at 1 token, the launch floor (an empty PDL kernel) and the read floor
-(``kernels.read_floor.read_checksum``: the weight's bytes read once, best of a few layouts)
-beside ours and cuBLAS: the best ratio to cuBLAS any kernel of this launch path could reach
-(``bench_nvfp4_floors.*``).
+Default: the GPU check of what the model runs (``nvfp4_gemm`` and ``fused_moe_nvfp4`` without a
+config, against their torch references), then for each shape and M in 1, 4, 16, 64: ours (the
+automatic kernel and config), torch bf16 matmul on a bf16 weight of the same shape (cuBLAS), and
+dequantize-then-matmul (torch dequant of the NVFP4 weight, then cuBLAS). Every time is per call
+inside a replayed CUDA graph whose calls rotate over enough weight sets (>= 256 MB) that the
+60 MB L2 does not help. The grouped MoE (256 experts, 8 active per token, I = 512, K = 7168)
+runs ``fused_moe_nvfp4`` against the bf16 GEMMs of the active experts only (x rows pre-gathered,
+no routing work: the strictest bf16 baseline). Writes ``bench_nvfp4.json`` / ``.md`` into
+``$OUT`` when set. Tile sweeps: ``sweep_nvfp4.py`` (MMA), ``sweep_gemv.py`` (GEMV, MoE gemv
+path), ``sweep_nvfp4_cuda.py`` (the ``mma.sync`` kernel).
+``--pinned``: the automatic configs at M 1-16 and the MoE at 1-4 tokens with PDL on (as the
+model runs them) and off (``pdl_on_off``), beside cuBLAS (``bench_nvfp4_pinned.*``).
+``--floors`` / ``--moe-pdl``: ``bench_floors.py`` (the launch and read floors; the MoE with and
+without PDL).
 """
 
 from __future__ import annotations
@@ -28,18 +28,18 @@ import time
 import torch
 import triton
 
-from mla_spec.kernels.nvfp4_gemm import NVFP4GemmConfig, nvfp4_gemm, nvfp4_gemm_ref
-from mla_spec.kernels.nvfp4_gemv import GEMV_MAX_M, default_gemv_config
-from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref, moe_align
+from mla_spec.kernels import options
+from mla_spec.kernels.nvfp4 import fused_moe_nvfp4, fused_moe_ref, nvfp4_gemm, nvfp4_gemm_ref
+from mla_spec.kernels.nvfp4.configs import variant_name
+from mla_spec.kernels.nvfp4.gemm import auto_config
+from mla_spec.kernels.nvfp4.gemm_cuda import cuda_auto_config
+from mla_spec.kernels.nvfp4.moe import moe_align
 from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 
 SHAPES = {"dense_gate_up_tp4": (9216, 7168), "dense_down_tp4": (7168, 4608),
           "expert_w13_tp4": (1024, 7168), "expert_w2_tp4": (7168, 512)}
 MS = [1, 4, 16, 64]
 ROTATE = 256e6
-TILES = [(32, 256, 4, 4), (64, 256, 3, 8), (32, 128, 4, 4), (64, 128, 3, 4), (64, 128, 3, 8),
-         (128, 128, 3, 8)]  # block_n, block_k, stages, warps
-SPLITS = [1, 2, 4, 8]
 DEV = "cuda"
 
 
@@ -131,28 +131,20 @@ def moe_bf16_us(xs, ids, b13, b2, inter, timer=graph_us):
 
 
 def check_correctness() -> bool:
-    """Kernel vs twin on real quantized weights; returns whether the PTX decoder is right."""
+    """The automatic GEMM and MoE paths against their torch references on real quantized
+    weights (the packed GEMV at 1-2 tokens, the ``mma.sync`` kernel at 2-16, the MMA kernel
+    above; the MoE's gemv and sorted paths); True when every relative error is in bounds."""
     torch.manual_seed(0)
-    q = quantize_nvfp4(torch.randn(1024, 7168, device=DEV) * 0.02)
-    args = (q.weight, q.weight_scale, q.weight_scale_2)
-    fast_ok = True
-    for m in (1, 16, 64, 200):
-        x = torch.randn(m, 7168, device=DEV, dtype=torch.bfloat16)
-        ref = nvfp4_gemm_ref(x, *args, torch.float32)
-        for fast in (True, False):
-            for split in (1, 4):
-                cfg = NVFP4GemmConfig(block_n=32, split_k=split, fast_dequant=fast)
-                try:
-                    y = nvfp4_gemm(x, *args, out_dtype=torch.float32, config=cfg)
-                    err = ((y - ref).abs().max() / ref.abs().max()).item()
-                except Exception as exc:  # noqa: BLE001 - report and fall back
-                    print(f"check m={m} fast={fast}: {type(exc).__name__}: {exc}"[:400])
-                    err = float("inf")
-                ok = err < 1e-3
-                print(f"check gemm m={m} fast={fast} split={split}: rel err {err:.2e} "
-                      f"{'ok' if ok else 'FAIL'}")
-                if fast and not ok:
-                    fast_ok = False
+    ok = True
+    for n, k in ((1024, 7168), (7168, 512), (96, 272)):
+        q = quantize_nvfp4(torch.randn(n, k, device=DEV) * 0.02)
+        args = (q.weight, q.weight_scale, q.weight_scale_2)
+        for m in (1, 2, 4, 16, 64, 200):
+            x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
+            ref = nvfp4_gemm_ref(x, *args, torch.float32)
+            err = rel_err(nvfp4_gemm(x, *args, out_dtype=torch.float32), ref)
+            ok &= err < 8e-3  # the packed GEMV's fp16 block sums at 1-2 tokens: ~1e-3
+            print(f"check gemm {n}x{k} m={m}: rel err {err:.2e} {'ok' if err < 8e-3 else 'FAIL'}")
     e, k, inter = 16, 7168, 512
     w13 = stack_nvfp4([quantize_nvfp4(torch.randn(2 * inter, k, device=DEV) * 0.02)
                        for _ in range(e)])
@@ -161,49 +153,17 @@ def check_correctness() -> bool:
         x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
         ids = torch.rand(m, e, device=DEV).topk(8).indices
         tw = torch.rand(m, 8, device=DEV)
-        ref = fused_moe_ref(x, ids, tw, w13, w2).float()
-        for fast in (True, False):
-            try:
-                y = fused_moe_nvfp4(x, ids, tw, w13, w2, fast_dequant=fast).float()
-                err = ((y - ref).abs().max() / ref.abs().max()).item()
-            except Exception as exc:  # noqa: BLE001 - report and fall back
-                print(f"check moe m={m} fast={fast}: {type(exc).__name__}: {exc}"[:300])
-                err = float("inf")
-            print(f"check moe m={m} fast={fast}: rel err {err:.2e} "
-                  f"{'ok' if err < 2e-2 else 'FAIL'}")
-            fast_ok = fast_ok and (err < 2e-2 or not fast)
-    return fast_ok
+        err = rel_err(fused_moe_nvfp4(x, ids, tw, w13, w2), fused_moe_ref(x, ids, tw, w13, w2))
+        ok &= err < 2e-2
+        print(f"check moe m={m}: rel err {err:.2e} {'ok' if err < 2e-2 else 'FAIL'}")
+    return ok
 
 
-def tune(m, n, k, sets, fast_ok):
-    """Best (µs, config) over TILES x SPLITS on a rotation of 8 weight sets."""
-    x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
-    best = (float("inf"), None)
-    tiles_m = triton.cdiv(m, 16 if m <= 16 else 64)
-    k_iters = triton.cdiv(k, 128)
-    for bn, bk, stages, warps in TILES:
-        for split in SPLITS:
-            if triton.cdiv(n, bn) * tiles_m * split > 4 * 132 or k_iters < 2 * split:
-                continue
-            cfg = NVFP4GemmConfig(bn, bk, split, warps, stages, fast_ok)
-            try:
-                us = graph_us([lambda a=a, c=cfg: nvfp4_gemm(x, *a, config=c) for a in sets[:8]])
-            except Exception as exc:  # noqa: BLE001 - a config that does not compile
-                print(f"  skip {cfg}: {type(exc).__name__}")
-                continue
-            best = min(best, (us, cfg), key=lambda t: t[0])
-    if m <= GEMV_MAX_M:  # the GEMV kernel (nvfp4_gemm's default at decode sizes)
-        cfg = default_gemv_config(m, n, k)
-        us = graph_us([lambda a=a, c=cfg: nvfp4_gemm(x, *a, config=c) for a in sets[:8]])
-        best = min(best, (us, cfg), key=lambda t: t[0])
-        return best
-    if fast_ok and m in (1, 16):  # what the packed PTX decoder buys, at the best config
-        cfg = best[1]
-        slow = NVFP4GemmConfig(cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps,
-                               cfg.num_stages, False)
-        us_slow = graph_us([lambda a=a: nvfp4_gemm(x, *a, config=slow) for a in sets[:8]])
-        print(f"  {n}x{k} m={m}: pure-Triton decoder {us_slow:.2f} us vs PTX {best[0]:.2f} us")
-    return best
+def auto_name(x, sets) -> str:
+    """The variant ``nvfp4_gemm`` runs without a config for ``x`` on the weights ``sets[0]``."""
+    cfg = cuda_auto_config(x, *sets[0], x.dtype) or auto_config(x.shape[0], sets[0][0].shape[0],
+                                                                  x.shape[1])
+    return variant_name(cfg)
 
 
 def weight_sets(n, k):
@@ -214,15 +174,16 @@ def weight_sets(n, k):
                                   for _ in range(nb)]
 
 
-def bench_dense(fast_ok, quick):
+def bench_dense(ok=True, quick=False):
+    """Per shape and M: ours (the automatic config), cuBLAS bf16 and dequantize-then-matmul.
+    ``ok``: the result of ``check_correctness`` (recorded with the rows)."""
     rows = []
     for name, (n, k) in SHAPES.items():
         sets, wbf = weight_sets(n, k)
         for m in MS[:2] if quick else MS:
             x = torch.randn(m, k, device=DEV, dtype=torch.bfloat16)
             t0 = time.time()
-            ours, cfg = tune(m, n, k, sets, fast_ok)
-            ours = graph_us([lambda a=a, c=cfg, x=x: nvfp4_gemm(x, *a, config=c) for a in sets])
+            ours = graph_us([lambda a=a, x=x: nvfp4_gemm(x, *a) for a in sets])
             bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
             dq = graph_us([lambda a=a, x=x: torch.matmul(x, dequantize_nvfp4(
                 *a, dtype=torch.bfloat16).t()) for a in sets[:len(wbf)]])
@@ -231,47 +192,42 @@ def bench_dense(fast_ok, quick):
                              bf16_us=round(bf16, 2), dq_mm_us=round(dq, 1),
                              speedup_vs_bf16=round(bf16 / ours, 2),
                              speedup_vs_dq_mm=round(dq / ours, 1), ours_GBps=round(gbs),
-                             config=f"{type(cfg).__name__} bn{cfg.block_n} s{cfg.split_k} "
-                                    f"st{cfg.num_stages} w{cfg.num_warps}"))
+                             config=auto_name(x, sets), checked=ok))
             print(rows[-1], f"({time.time() - t0:.0f} s)")
         del sets, wbf
     return rows
 
 
-def bench_moe(fast_ok, quick):
+def bench_moe(ok=True, quick=False):
+    """The fused MoE (automatic path) against the bf16 GEMMs of the active experts."""
     e, k, inter, topk = 256, 7168, 512, 8
     w13, w2, b13, b2 = moe_weights(e, k, inter)
     rows = []
     for m in MS[:2] if quick else MS:
         xs, ids, tws = moe_inputs(m, k, e, topk, n_sets=8)
-        best = (float("inf"), 0)
-        for bn in (16, 32, 64):
-            us = graph_us([lambda x=x, t=t, w=w, b=bn: fused_moe_nvfp4(x, t, w, w13, w2, block_n=b,
-                                                           fast_dequant=fast_ok)
-                           for x, t, w in zip(xs, ids, tws)])
-            best = min(best, (us, bn))
+        ours = graph_us([lambda x=x, t=t, w=w: fused_moe_nvfp4(x, t, w, w13, w2)
+                         for x, t, w in zip(xs, ids, tws)])
         align = graph_us([lambda t=t: moe_align(t, e, 16) for t in ids])
         bf16, active = moe_bf16_us(xs, ids, b13, b2, inter)
         rows.append(dict(shape="moe_256e_top8_tp4", m=m, active_experts=round(active, 1),
-                         ours_us=round(best[0], 2), block_n=best[1], align_us=round(align, 2),
-                         bf16_gemms_us=round(bf16, 2), speedup_vs_bf16=round(bf16 / best[0], 2),
-                         ours_GBps=round(active * 3 * inter * k * 0.5625 / best[0] / 1e3)))
+                         ours_us=round(ours, 2), align_us=round(align, 2),
+                         bf16_gemms_us=round(bf16, 2), speedup_vs_bf16=round(bf16 / ours, 2),
+                         ours_GBps=round(active * 3 * inter * k * 0.5625 / ours / 1e3),
+                         checked=ok))
         print(rows[-1])
     return rows
 
 
 def pdl_on_off(calls) -> tuple[float, float]:
     """Graph µs per call of ``calls`` with PDL on (as the model runs) and off (switch restored)."""
-    from mla_spec.kernels.launch import pdl
-
-    keep = pdl.PDL
+    keep = options.PDL
     try:
-        pdl.PDL = True
+        options.PDL = True
         on = graph_us(calls)
-        pdl.PDL = False
+        options.PDL = False
         return on, graph_us(calls)
     finally:
-        pdl.PDL = keep
+        options.PDL = keep
 
 
 def bench_pinned(ms=(1, 2, 4, 8, 16), moe_ms=(1, 2, 4)):
@@ -317,16 +273,14 @@ def col(key):
     return lambda r: r[key]
 
 
-def gemv_kwargs_cell(kw: dict) -> str:
-    """A ``fused_moe_nvfp4`` gemv keyword dict as ``name=value`` words (``gemv_`` dropped)."""
-    return " ".join(f"{k.removeprefix('gemv_')}={v}" for k, v in kw.items())
-
-
 def pinned_markdown(rows) -> str:
     return md_table([("shape", col("shape")), ("M", col("m")), ("ours µs (PDL)", col("pdl_us")),
                      ("no PDL µs", col("nopdl_us")), ("cuBLAS bf16 µs", col("bf16_us")),
                      ("x bf16", col("x_bf16_pdl")), ("x bf16 (no PDL)", col("x_bf16_nopdl")),
                      ("GB/s", col("pdl_GBps"))], rows)
+
+
+NK = ("N x K", lambda r: f"{r['n']} x {r['k']}")
 
 
 NK = ("N x K", lambda r: f"{r['n']} x {r['k']}")
@@ -340,8 +294,8 @@ def to_markdown(dense, moe) -> str:
         "\n\n" + md_table([("MoE", col("shape")), ("M", col("m")),
                             ("active experts", col("active_experts")), ("ours µs", col("ours_us")),
                             ("align µs", col("align_us")), ("bf16 GEMMs µs", col("bf16_gemms_us")),
-                            ("x bf16", col("speedup_vs_bf16")), ("ours GB/s", col("ours_GBps")),
-                            ("block_n", col("block_n"))], moe)
+                            ("x bf16", col("speedup_vs_bf16")), ("ours GB/s", col("ours_GBps"))],
+                           moe)
 
 
 def main() -> None:
@@ -362,15 +316,14 @@ def main() -> None:
                      triton=triton.__version__, rows=rows)
         return
     t0 = time.time()
-    fast_ok = check_correctness()
-    print(f"PTX decoder {'used' if fast_ok else 'DISABLED (wrong or not compiling)'}; "
-          f"checks took {time.time() - t0:.0f} s")
-    dense = bench_dense(fast_ok, quick)
-    moe = bench_moe(fast_ok, quick)
+    ok = check_correctness()
+    print(f"checks {'passed' if ok else 'FAILED'} in {time.time() - t0:.0f} s")
+    dense = bench_dense(ok, quick)
+    moe = bench_moe(ok, quick)
     md = to_markdown(dense, moe)
     print(md)
     save_results("bench_nvfp4", md, torch=torch.__version__, triton=triton.__version__,
-                 fast_decoder=fast_ok, dense=dense, moe=moe)
+                 checks=ok, dense=dense, moe=moe)
 
 
 if __name__ == "__main__":

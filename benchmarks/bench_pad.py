@@ -6,12 +6,12 @@
     python benchmarks/bench_pad.py --small-bytes 4194304   # override SMALL_CALL_BYTES
 
 Implementations (all move the same bytes: the real rows, read + written; padded rows untouched):
-- ours: ``mla_spec.kernels.draft_extend_pad`` (align="end", fill_padding=False, validate=False,
+- ours: ``mla_spec.kernels.pad`` (align="end", fill_padding=False, validate=False,
   variant="auto": the one-round-trip "small" kernels below ``SMALL_CALL_BYTES``, else "large");
   the columns ``small`` / ``large`` time both variants forced (graph), so one run shows where
   the threshold belongs. ``ours_nopdl``: the same without programmatic dependent launch
-  (``mla_spec.kernels.launch.pdl``): in a graph of consecutive calls each launch then starts after the
-  previous call has finished instead of overlapping its tail.
+  (``mla_spec.kernels.launch.pdl``, ``options.PDL``): in a graph of consecutive calls each launch
+  then starts after the previous call has finished instead of overlapping its tail.
 - sglang-style: written here from the description in ``shared/reference/sglang.md`` §4.6: one
   program per (padded row, 64-head tile, 64-dim tile), masked, contiguous tensors, launched through
   the normal Triton path with its ints specialized.
@@ -41,9 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_spec.kernels import draft_extend_pad as dep
-from mla_spec.kernels.launch import pdl
+from mla_spec.kernels import options
 from mla_spec.kernels.launch.triton_launcher import TritonLauncher
+from mla_spec.kernels.pad import draft_extend as dep
 
 GRAPH_CALLS = 20
 
@@ -194,11 +194,11 @@ def _ours(op, sets, seq, cu, max_q, total, variant):
 def _without_pdl(fn):
     """``fn`` launched without programmatic dependent launch (in a graph: at capture)."""
     def run(i):
-        old, pdl.PDL = pdl.PDL, False
+        old, options.PDL = options.PDL, False
         try:
             return fn(i)
         finally:
-            pdl.PDL = old
+            options.PDL = old
     return run
 
 

@@ -1,4 +1,4 @@
-"""Fused RoPE (``mla_spec.kernels.rope.rope_qk``) against its torch twin on the GPU.
+"""Fused RoPE (``mla_spec.kernels.ops.rope_qk``) against its torch reference on the GPU.
 
     python benchmarks/bench_rope.py
 
@@ -23,7 +23,7 @@ sys.path.insert(0, HERE)
 
 import bench_nvfp4 as bench  # noqa: E402
 
-from mla_spec.kernels.rope import rope_qk, rope_qk_ref  # noqa: E402
+from mla_spec.kernels.ops import rope_qk, rope_qk_ref  # noqa: E402
 from mla_spec.models.rope import yarn_inv_freq  # noqa: E402
 
 YARN = {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,

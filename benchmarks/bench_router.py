@@ -3,7 +3,7 @@
     python benchmarks/bench_router.py [--tokens 1,2,4]
 
 DeepSeek-V3's router per MoE layer: ``logits = x.float() @ gate.weight^T`` (fp32 weight
-``[256, 7168]``, 7.3 MB), sigmoid grouped top-8 (``mla_spec.kernels.moe_router``) and, on the
+``[256, 7168]``, 7.3 MB), sigmoid grouped top-8 (``mla_spec.kernels.ops.router``) and, on the
 fused NVFP4 path, the shared-expert column and int32 ids. Timed per call in one replayed CUDA
 graph whose calls rotate over 12 weight copies (88 MB, past the 60 MB L2):
 
@@ -11,9 +11,9 @@ graph whose calls rotate over 12 weight copies (88 MB, past the 60 MB L2):
   ``GateConfig`` (checked against the twin first); the best one is printed as the suggested
   ``GATE_CONFIGS`` row;
 - ``route``: ``fused_route`` alone at 1, 2, 4, 8 warps (``ROUTE_WARPS``);
-- ``router``: the old chain (torch logits, ``fused_route``, two ``torch.cat`` for the shared
-  column, an int64 -> int32 copy) vs the new one (``gate_logits``, ``fused_route`` writing
-  the shared column and int32 ids).
+- ``router``: the torch chain (torch logits, ``fused_route``, two ``torch.cat`` for the shared
+  column, an int64 -> int32 copy) vs the model's (``gate_logits``, ``fused_route`` writing the
+  shared column and int32 ids).
 
 Prints a table last (µs, GB/s of the weight, ratio); writes ``bench_router.json`` to ``$OUT``.
 """
@@ -33,7 +33,7 @@ sys.path.insert(0, HERE)
 
 import bench_nvfp4 as bench  # noqa: E402
 
-from mla_spec.kernels.moe_router import (  # noqa: E402
+from mla_spec.kernels.ops.router import (  # noqa: E402
     GateConfig,
     fused_route,
     gate_config,
@@ -89,7 +89,7 @@ def bench_tokens(n: int) -> tuple[list[dict], GateConfig]:
     rows.append(dict(n=n, what="logits", impl=f"ours default {default}", us=def_us))
     if best is not None:
         rows.append(dict(n=n, what="logits", impl=f"ours best {best[1]}", us=best[0]))
-    import mla_spec.kernels.moe_router as mr
+    import mla_spec.kernels.ops.router as mr
 
     logits = gate_logits_ref(x, ws[0])
     default_warps = mr.ROUTE_WARPS

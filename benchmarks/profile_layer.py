@@ -42,12 +42,9 @@ from mla_spec.forward_mode import ForwardMode  # noqa: E402
 #: paths that can be switched at run time: (label, module, attribute, value timed): fused paths
 #: turned off, candidate paths (off by default) turned on
 TOGGLES = (
-    ("rope", "mla_spec.models.rope", "FUSED_ROPE", False),
-    ("qkv_a", "mla_spec.models.mla", "FUSED_QKV_A", False),
-    ("bf16_gemv", "mla_spec.kernels.bf16_gemv", "BF16_GEMV", False),
-    ("pdl", "mla_spec.kernels.launch.pdl", "PDL", False),
-    ("l2pf", "mla_spec.kernels.launch.pdl", "L2_PREFETCH", False),
-    ("moe_w2_loop", "mla_spec.kernels.nvfp4_moe_gemv", "MOE_W2_LOOP", False),
+    ("bf16_gemv", "mla_spec.kernels.options", "BF16_GEMV", False),
+    ("pdl", "mla_spec.kernels.options", "PDL", False),
+    ("l2pf", "mla_spec.kernels.options", "L2_PREFETCH", False),
 )
 
 

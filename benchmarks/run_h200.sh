@@ -33,13 +33,13 @@ step() {  # step NAME SECONDS CMD...
 step sweep_mla   95 python3 benchmarks/sweep_mla.py ${SWEEP_MLA_ARGS:---deadline 75}
 step sweep_nvfp4 90 env SWEEP_DEADLINE_S=${SWEEP_DEADLINE_S:-60} python3 benchmarks/sweep_nvfp4.py ${SWEEP_NVFP4_ARGS:-}
 step sweep_gemv  270 python3 benchmarks/sweep_gemv.py ${SWEEP_GEMV_ARGS:---moe --deadline 14}
-step pad_tests   90 python3 -m pytest tests/kernels/test_draft_extend_pad.py -q -x -p no:cacheprovider
-step nvfp4_tests 90 python3 -m pytest tests/kernels/test_nvfp4_gemv.py tests/kernels/test_nvfp4_gemm.py tests/kernels/test_nvfp4_configs.py tests/kernels/test_nvfp4_gemm_cuda.py -q -p no:cacheprovider
+step pad_tests   90 python3 -m pytest tests/kernels/pad -q -x -p no:cacheprovider
+step nvfp4_tests 90 python3 -m pytest tests/kernels/nvfp4 -q -p no:cacheprovider
 step nvfp4_cuda 120 python3 benchmarks/sweep_nvfp4_cuda.py ${SWEEP_NVFP4_CUDA_ARGS:-}
-step layer_tests 120 python3 -m pytest tests/kernels/test_rope_kernel.py tests/models/test_rope.py tests/models/test_qkv_a_fusion.py tests/kernels/test_moe_router.py tests/models/test_moe_routing.py tests/models/test_shared_expert_fusion.py tests/kernels/test_bf16_gemv.py tests/kernels/test_pdl.py -q -p no:cacheprovider
-step norm_tests  60 python3 -m pytest -m gpu tests/kernels/test_rmsnorm.py -q -s -p no:cacheprovider
-step paged_tests 120 python3 -m pytest tests/kernels/test_mla_decode_paged.py -q -x -p no:cacheprovider
-step cuda_tests  120 python3 -m pytest tests/kernels/test_mla_decode_cuda.py tests/kernels/test_mla_decode_wgmma.py tests/kernels/test_mla_decode.py -q -p no:cacheprovider
+step layer_tests 120 python3 -m pytest tests/kernels/ops/test_rope_kernel.py tests/models/test_rope.py tests/models/test_qkv_a_fusion.py tests/kernels/ops/test_moe_router.py tests/models/test_moe_routing.py tests/models/test_shared_expert_fusion.py tests/kernels/ops/test_bf16_gemv.py tests/kernels/test_launch_pdl.py -q -p no:cacheprovider
+step norm_tests  60 python3 -m pytest -m gpu tests/kernels/ops/test_rmsnorm.py -q -s -p no:cacheprovider
+step paged_tests 120 python3 -m pytest tests/kernels/mla/test_mla_paged.py tests/kernels/mla/test_mla_choice.py -q -x -p no:cacheprovider
+step cuda_tests  120 python3 -m pytest tests/kernels/mla/test_mla_sm90_mma.py tests/kernels/mla/test_mla_sm90_wgmma.py tests/kernels/mla/test_mla_combine.py tests/kernels/mla/test_mla_gather.py -q -p no:cacheprovider
 step mla_breakdown 120 python3 benchmarks/bench_mla_breakdown.py ${MLA_BREAKDOWN_ARGS:-}
 step moe_pdl     90 python3 benchmarks/bench_nvfp4.py --moe-pdl
 step gpu_tests  200 python3 -m pytest -m gpu tests -q -p no:cacheprovider

@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 RES=${RES:-/tmp/mla_spec_multigpu}; mkdir -p "$RES"
 source benchmarks/gpu_env.sh  # wheels, PYTHONPATH, NVLink multicast off
-# a CLI whose rank died and whose rank 0 stays stuck leaves after this long (mla_spec.workers)
+# a CLI whose rank died and whose rank 0 stays stuck leaves after this long (mla_spec.runtime.workers)
 export MLA_SPEC_HARD_EXIT_S=${MLA_SPEC_HARD_EXIT_S:-15}
 start=$(date +%s)
 NGPU=$(python3 -c "import torch; print(torch.cuda.device_count())")

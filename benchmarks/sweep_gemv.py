@@ -3,17 +3,18 @@
     python benchmarks/sweep_gemv.py [--ms 1,4,8,16] [--deadline 40] [--moe]
 
 For each DeepSeek-V3 TP-4 shape of ``bench_nvfp4.SHAPES`` and token count M: the pinned default
-(``nvfp4_gemm`` without a config: the "mmab" MMA kernel at every measured shape), cuBLAS bf16 on
+(``nvfp4_gemm`` without a config: what the model runs), cuBLAS bf16 on
 bf16 weights, and GEMV tiles (``block_n``, ``num_warps``, ``g`` words per step, split-K by
 target CTAs per SM) with the fp32 math and with the packed-fp16 math of
-``nvfp4_gemv_packed``. Each variant is checked against ``nvfp4_gemm_ref`` on real quantized
+``nvfp4.gemv_packed``. Each variant is checked against ``nvfp4_gemm_ref`` on real quantized
 weights (relative max error; the packed math must stay under 4e-3), then timed per call in a
 replayed CUDA graph rotating over >= 256 MB of weights (the L2 is 60 MB).
 
-``--moe``: also the fused MoE gemv path (256 experts, top-8) at 1-4 tokens: its pinned tiles
-and wide-g tiles, each with fp32 and packed math. ``--no-wide`` / ``--no-narrow`` restrict the
-dense grid to g 2-4 or g 16-64; ``--packed-only``, ``--stages 1,2`` and ``--prefetch`` (the
-packed loop with register double buffering, ``pf``) shape the rest.
+``--moe``: also the fused MoE gemv path (256 experts, top-8) at 1-4 tokens: its default tiles
+(``MoeGemvConfig()``), then other w13 tiles and other tiles of the w2 launch that sums the
+top-k experts in one program. ``--no-wide`` / ``--no-narrow`` restrict the dense grid to g 2-4
+or g 16-64; ``--packed-only``, ``--stages 1,2`` and ``--prefetch`` (the packed loop with
+register double buffering, ``pf``) shape the rest.
 
 Prints one row per (shape, M) and a markdown table last; writes ``sweep_gemv.json`` to ``$OUT``.
 """
@@ -34,10 +35,16 @@ sys.path.insert(0, HERE)
 
 import bench_nvfp4 as bench  # noqa: E402
 
-from mla_spec.kernels.nvfp4_configs import GemvConfig, variant_name  # noqa: E402
-from mla_spec.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemm_ref  # noqa: E402
-from mla_spec.kernels.nvfp4_gemv import split_k_for  # noqa: E402
-from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4, fused_moe_ref  # noqa: E402
+from mla_spec.kernels.nvfp4 import (  # noqa: E402
+    GemvConfig,
+    MoeGemvConfig,
+    fused_moe_nvfp4,
+    fused_moe_ref,
+    nvfp4_gemm,
+    nvfp4_gemm_ref,
+)
+from mla_spec.kernels.nvfp4.configs import variant_name  # noqa: E402
+from mla_spec.kernels.nvfp4.gemv import split_k_for  # noqa: E402
 from mla_spec.quant.nvfp4 import quantize_nvfp4  # noqa: E402
 
 # block_n, warps. Small g (2-4 words per row and step) spreads a warp's lanes over 32+ rows, each
@@ -81,9 +88,9 @@ ONE_STEP_TILES = [(16, 4), (8, 2), (16, 8), (8, 4), (32, 8), (4, 2), (4, 1)]
 
 
 def one_step_configs(n, k):
-    """Packed GEMVs whose program reads its whole K slice in one step, all of its weights
-    before the PDL wait: the layouts of the read floor (``bench_nvfp4.py --floors``: 16 rows,
-    2 K splits, 4 warps read one expert's w13 in 2.39 µs)."""
+    """Packed GEMVs whose program reads its whole K slice in one step: the layouts of the read
+    floor (``bench_nvfp4.py --floors``: 16 rows, 2 K splits, 4 warps read one expert's w13 in
+    2.39 µs)."""
     kb = k // 16
     out = []
     for split in (1, 2, 4, 7, 8):
@@ -140,24 +147,24 @@ def sweep_shape(name, n, k, ms, deadline_s, grid, one_step=False):
     return rows
 
 
-# {}: the pinned default; then the pinned tiles with the double-buffered loop, then other tiles
-MOE_VARIANTS = [{}, dict(gemv_prefetch=True)] + [
-    dict(gemv_block_n=bn, gemv_warps=w, gemv_g=g, gemv_block_n2=bn2, gemv_warps2=w2,
-         gemv_prefetch=pf)
-    for pf in (True, False) for g in (16, 32, 64) for bn, w in ((16, 4), (8, 2), (32, 4))
-    for bn2, w2 in ((16, 4), (8, 2))]
-
-
-# --moe-w2-loop: the pinned default against the w2 launch of nvfp4_moe_w2 (top-k summed in one
-# program) at a few (rows, warps, g2) tiles, the w13 launch unchanged
-MOE_W2_LOOP_VARIANTS = [{}] + [
-    dict(gemv_w2_loop=True, gemv_block_n2=bn2, gemv_warps2=w2, gemv_g2=g2)
+# the default first, then w13 tiles (lanes along K: g 16-64 words), then w2-launch tiles
+MOE_VARIANTS = [MoeGemvConfig()] + [
+    MoeGemvConfig(block_n=bn, num_warps=w, groups=g)
+    for g in (16, 32, 64) for bn, w in ((16, 4), (8, 2), (32, 4))] + [
+    MoeGemvConfig(block_n2=bn2, num_warps2=w2, groups2=g2)
     for g2 in (16, 32) for bn2, w2 in ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4))]
 
 
-def sweep_moe(ms, deadline_s, variants=None):
-    """The MoE gemv path at its pinned tiles ({}) and wide-g tiles, fp32 and packed math
-    (``variants``: another list of ``fused_moe_nvfp4`` keyword dicts)."""
+def moe_cell(cfg: MoeGemvConfig) -> str:
+    """The fields of ``cfg`` that differ from the default, as ``name=value`` words."""
+    base = MoeGemvConfig()
+    return " ".join(f"{f}={getattr(cfg, f)}" for f in base.__dataclass_fields__
+                    if getattr(cfg, f) != getattr(base, f)) or "default"
+
+
+def sweep_moe(ms, deadline_s):
+    """The MoE gemv path (bf16 activations) at ``MOE_VARIANTS``, checked against the torch
+    reference, beside the bf16 GEMMs of the active experts."""
     e, k, inter, topk = 256, 7168, 512, 8
     w13, w2, b13, b2 = bench.moe_weights(e, k, inter)
     rows = []
@@ -167,29 +174,28 @@ def sweep_moe(ms, deadline_s, variants=None):
         ref = fused_moe_ref(xs[0], ids[0], tws[0], w13, w2)
         bf16, active = bench.moe_bf16_us(xs, ids, b13, b2, inter, timer=graph_us)
         res = []
-        for kw in variants or MOE_VARIANTS:
-            for packed in ((None,) if len(kw) <= 1 else (True,)):  # None: pinned default
-                if time.time() > end:
-                    break
-                kw2 = dict(kw, gemv_packed=packed)
-                try:
-                    y = fused_moe_nvfp4(xs[0], ids[0], tws[0], w13, w2, path="gemv", **kw2)
-                    err = bench.rel_err(y, ref)
-                    us = graph_us([lambda x=x, t=t, w=w, kw2=kw2: fused_moe_nvfp4(
-                        x, t, w, w13, w2, path="gemv", **kw2) for x, t, w in zip(xs, ids, tws)])
-                except Exception as exc:  # noqa: BLE001 - report and go on
-                    print(f"  moe skip {kw2}: {type(exc).__name__}: {str(exc)[:100]}")
-                    continue
-                if err < 2e-2:
-                    res.append((us, err, kw2))
+        for cfg in MOE_VARIANTS:
+            if time.time() > end:
+                break
+            try:
+                y = fused_moe_nvfp4(xs[0], ids[0], tws[0], w13, w2, path="gemv", gemv_config=cfg)
+                err = bench.rel_err(y, ref)
+                us = graph_us([lambda x=x, t=t, w=w, c=cfg: fused_moe_nvfp4(
+                    x, t, w, w13, w2, path="gemv", gemv_config=c)
+                    for x, t, w in zip(xs, ids, tws)])
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                print(f"  moe skip {moe_cell(cfg)}: {type(exc).__name__}: {str(exc)[:100]}")
+                continue
+            if err < 2e-2:
+                res.append((us, err, cfg))
+        dflt = next((r for r in res if r[2] == MoeGemvConfig()), (float("nan"), 0.0, None))
         res.sort(key=lambda r: r[0])
-        pinned = next((r for r in res if r[2] == {"gemv_packed": None}), (float("nan"), 0.0, {}))
-        best = res[0] if res else (float("nan"), 0.0, {})
-        row = dict(m=m, active=round(active, 1), pinned_us=round(pinned[0], 2),
-                   best_us=round(best[0], 2), best=best[2], best_err=float(f"{best[1]:.1e}"),
-                   bf16_gemms_us=round(bf16, 2), x_bf16_pinned=round(bf16 / pinned[0], 2),
-                   x_bf16_best=round(bf16 / best[0], 2),
-                   top5=[(round(u, 2), kw) for u, _, kw in res[:5]])
+        best = res[0] if res else (float("nan"), 0.0, MoeGemvConfig())
+        row = dict(m=m, active=round(active, 1), pinned_us=round(dflt[0], 2),
+                   best_us=round(best[0], 2), best=moe_cell(best[2]),
+                   best_err=float(f"{best[1]:.1e}"), bf16_gemms_us=round(bf16, 2),
+                   x_bf16_pinned=round(bf16 / dflt[0], 2), x_bf16_best=round(bf16 / best[0], 2),
+                   top5=[(round(u, 2), moe_cell(c)) for u, _, c in res[:5]])
         print(row, flush=True)
         rows.append(row)
     return rows
@@ -209,16 +215,13 @@ def main() -> None:
     ap.add_argument("--prefetch", action="store_true", help="also the 'pf' packed loop")
     ap.add_argument("--one-step", action="store_true",
                     help="only packed GEMVs that read their whole K slice in one step")
-    ap.add_argument("--moe-w2-loop", action="store_true",
-                    help="--moe variants: the w2 launch summing the top-k in one program")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("sweep_gemv needs a CUDA GPU")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton",
           triton.__version__, flush=True)
     ms = [int(m) for m in args.ms.split(",")]
-    moe = sweep_moe([int(m) for m in args.moe_ms.split(",")], args.deadline,
-                    MOE_W2_LOOP_VARIANTS if args.moe_w2_loop else None) if args.moe else []
+    moe = sweep_moe([int(m) for m in args.moe_ms.split(",")], args.deadline) if args.moe else []
     rows = []
     for name in filter(None, args.shapes.split(",")):
         grid = dict(wide=not args.no_wide, narrow=not args.no_narrow,
@@ -234,9 +237,8 @@ def main() -> None:
         ("GB/s", c("best_GBps")), ("h2 err", c("h2_max_err"))], rows))
     if moe:
         print("\n" + bench.md_table([
-            ("MoE M", c("m")), ("active", c("active")), ("pinned µs", c("pinned_us")),
-            ("best µs", c("best_us")),
-            ("best variant", lambda r: bench.gemv_kwargs_cell(r["best"])),
+            ("MoE M", c("m")), ("active", c("active")), ("default µs", c("pinned_us")),
+            ("best µs", c("best_us")), ("best variant", c("best")),
             ("bf16 GEMMs µs", c("bf16_gemms_us")), ("x bf16 (pinned)", c("x_bf16_pinned")),
             ("x bf16 (best)", c("x_bf16_best")), ("err", c("best_err"))], moe))
     bench.save_results("sweep_gemv", rows=rows, moe=moe)

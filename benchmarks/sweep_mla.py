@@ -1,28 +1,28 @@
 """Sweep the paged MLA kernel's variants on the GPU, check each against the oracle, and time them
-beside the current default and FlashInfer at the issue's shapes, in one run (GPU).
+beside the current default and FlashInfer at DeepSeek-V3's decode shapes, in one run (GPU).
 
-    python benchmarks/sweep_mla.py [--deadline 150] [--quick] [--variants G,V4w8,...]
+    python benchmarks/sweep_mla.py [--deadline 150] [--quick] [--variants G4,S16,...]
     python benchmarks/sweep_mla.py --sm90-offline [--variants ...]   # no GPU needed
 
-1. *Compile + check* (in parallel, a process pool): every variant of ``PAGED_VARIANTS`` (tile /
-   warps / stages / TMA / bf16 partials / V-split / fused combine) x KV dtype x {one split,
-   5 splits} runs at DeepSeek dims (H 32, q 4, causal, irregular lengths 4..3004, shuffled pages
-   of 64) against ``mla_decode_ref``; the compiled kernels' registers / spills / shared memory
-   are printed. One more worker runs the triton backend (defaults) x every mode x {bf16, fp8} x
-   H {16, 128} against the torch oracle. The Triton disk cache is shared, so the timing phase
+1. *Compile + check* (in parallel, a process pool): every variant of ``PAGED_VARIANTS``
+   (``mla_spec/kernels/mla/choice.py``) x KV dtype it takes x {one split, 5 splits} runs at
+   DeepSeek dims (H 32, q 4, causal, irregular lengths 4..3004, shuffled pages of 64) against
+   ``mla_decode_ref`` (the e4m3-MMA variants against it with the queries rounded as they round
+   them); the compiled Triton kernels' registers / spills / shared memory are printed. One
+   more worker runs the triton backend (defaults) x every mode x {bf16, fp8} x H {16, 128}
+   against the torch oracle. The Triton disk cache is shared, so the timing phase
    below reuses these binaries.
 2. *Timing* (main process): the shapes of bench_mla.py (H 32 / 128, q 1 / 4, bf16 / fp8, (bs,
    ctx) in (1,4k), (32,4k), (128,8k), (64,32k)): FlashInfer, the current default of the shape
-   (``paged_choice``: ``PAGED_DEFAULTS``) and every variant that passed (fused ones at bs <= 32
-   only), eager (``do_bench`` median) and, at batch 1, per call inside a replayed CUDA graph
-   rotating over enough KV copies to defeat the L2. Alternative split counts at batch 1 (the
-   default and the fused / V-split variants) and 32 (the default).
+   (``paged_choice``: ``PAGED_DEFAULTS``) and every variant that passed, eager (``do_bench``
+   median) and, at batch 1, per call inside a replayed CUDA graph rotating over enough KV copies
+   to defeat the L2. Alternative split counts at batch 1 and 32 (the default).
 3. Prints the variant matrix, a suggested ``PAGED_DEFAULTS`` (paste it into
-   ``mla_spec/kernels/mla_decode_tiles.py``), then the comparison table of the best variant vs
-   the default and FlashInfer (last), and writes them to $OUT (``sweep_mla.md`` / ``.json``).
+   ``mla_spec/kernels/mla/choice.py``), then the comparison table of the best variant vs the
+   default and FlashInfer (last), and writes them to $OUT (``sweep_mla.md`` / ``.json``).
 ``--deadline`` (s since start): after it, rows time only FlashInfer and the default variant.
-``--sm90-offline``: compile every variant for sm_90a with the installed Triton's ptxas (no GPU)
-and print registers / spill bytes / shared memory.
+``--sm90-offline``: compile every Triton variant for sm_90a with the installed Triton's ptxas (no
+GPU; ``experiments/mla/sm90_resources.py``) and print registers / spill bytes / shared memory.
 """
 
 from __future__ import annotations
@@ -41,31 +41,36 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from mla_spec.kernels.mla_decode_paged import PAGED_VARIANTS  # noqa: E402
+from mla_spec.kernels.mla import PAGED_VARIANTS  # noqa: E402
+from mla_spec.kernels.mla.choice import cuda_cache_ok  # noqa: E402
 
 T0 = time.time()
 SM_SCALE = 0.1352338
 DV, DPE, PAGE = 512, 64, 64
 VARIANTS = dict(PAGED_VARIANTS)  # name -> PagedConfig; names are what PAGED_DEFAULTS holds
 # timing priority after the shape's default (rows short of time keep the default + 3 first)
-PRIORITY = ["S32", "S32T", "S16", "S64", "S64T", "S32b",
-            "V4w8", "V2", "G4", "V4", "G2", "G4b", "V2b", "G4x", "V4w8x", "V4x", "V2bx", "C",
-            "CF", "G", "A", "F"]
-SKIP = ("A", "F")  # round-2 twins of C / CF (checked and timed only with --variants)
-# fp8 spills 500+ bytes at sm_90 (--sm90-offline); S32w4 / S64: 1.2-1.6 KB
-BF16_ONLY = ("V4", "V4x", "S32w4", "S64", *(n for n, c in VARIANTS.items() if c.cuda))
+PRIORITY = ["W", "WE8", "WR", "S32w4", "S16", "G4", "C", "CF", "WE2", "K"]
+# fp8 spills 1.2-1.6 KB at sm_90 (--sm90-offline)
+BF16_ONLY = ("S32w4",)
+
+
+def takes(name: str, kvd_s: str) -> bool:
+    """Whether variant ``name`` runs on a cache of ``kvd_s`` ("bfloat16" / "float8_e4m3fn")."""
+    cfg = VARIANTS[name]
+    if cfg.cuda:
+        return cuda_cache_ok(cfg, getattr(torch, kvd_s))
+    return kvd_s == "bfloat16" or name not in BF16_ONLY
 SHAPES = [(1, 4096), (1, 32768), (32, 4096), (128, 8192), (64, 32768)]
 
 
 def _kernel_infos():
-    from mla_spec.kernels import mla_decode_paged as mp_
-    from mla_spec.kernels import mla_decode_swapab as ms_
-    from mla_spec.kernels import mla_decode_vsplit as mv_
+    from mla_spec.kernels.mla import triton_paged as mp_
+    from mla_spec.kernels.mla import triton_vsplit as mv_
 
     infos = {}
     caches = [*mp_._mla_paged_kernel.device_caches.values(),
               *mv_._mla_vsplit_kernel.device_caches.values(),
-              *ms_._mla_swapab_kernel.device_caches.values()]
+              *mp_._mla_swapab_kernel.device_caches.values()]
     for dev_cache in caches:
         cache = dev_cache[0] if isinstance(dev_cache, tuple) else dev_cache
         for key, k in dict(cache).items():
@@ -83,8 +88,8 @@ def check_job(job):
     try:
         from mla_spec.attention.synthetic import make_scene
         from mla_spec.forward_mode import ForwardMode
-        from mla_spec.kernels.mla_decode import mla_decode_ref
-        from mla_spec.kernels.mla_decode_paged import mla_decode_paged
+        from mla_spec.kernels.mla import mla_decode_paged, mla_decode_ref
+        from mla_spec.quant.fp8 import e4m3_rows_round_trip
 
         kvd = getattr(torch, kvd_s)
         cfg = VARIANTS[name]
@@ -95,7 +100,11 @@ def check_job(job):
         b, pool = sc.batch, sc.pool
         flat = pool.get_kv(0).view(pool.num_slots, -1)
         r2t = sc.req_pool.req_to_token
-        ref = mla_decode_ref(sc.q_nope, sc.q_pe, flat, r2t, b.req_pool_indices, b.kv_lens,
+        qn, qp = sc.q_nope, sc.q_pe
+        if cfg.e4m3_mma:  # the queries as these kernels round them (e4m3 per row)
+            q = e4m3_rows_round_trip(torch.cat([qn, qp], -1))
+            qn, qp = q[..., :DV], q[..., DV:]
+        ref = mla_decode_ref(qn, qp, flat, r2t, b.req_pool_indices, b.kv_lens,
                              SM_SCALE, k_scale=0.8, v_scale=0.8, q_len=4).float()
         scale = ref.abs().max().item()
         before = set(_kernel_infos())
@@ -107,25 +116,6 @@ def check_job(job):
                              num_splits=sp, config=cfg, max_kv=b.max_kv_len, out=out)
             torch.cuda.synchronize()
             errs[sp] = (out.float() - ref).abs().max().item() / scale
-        if cfg.fused:  # CUDA-graph replays reuse the (self-resetting) split counters
-            from mla_spec.kernels.mla_decode_vsplit import split_counters
-
-            out = torch.full_like(sc.q_nope, float("nan"))
-            fn = lambda: mla_decode_paged(  # noqa: E731
-                sc.q_nope, sc.q_pe, flat, r2t, b.req_pool_indices, b.kv_lens, SM_SCALE,
-                page_size=PAGE, k_scale=0.8, v_scale=0.8, q_len=4, num_splits=7, config=cfg,
-                max_kv=b.max_kv_len, out=out)
-            fn()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
-            for _ in range(3):
-                out.fill_(float("nan"))
-                g.replay()
-            torch.cuda.synchronize()
-            errs["graph7"] = (out.float() - ref).abs().max().item() / scale
-            errs["counters"] = float(split_counters(1, dev).abs().sum().item())
         infos = {k: v for k, v in _kernel_infos().items() if k not in before}
         return dict(name=name, kv=kvd_s, errs=errs, infos=list(infos.values()))
     except Exception as e:  # noqa: BLE001
@@ -163,7 +153,7 @@ def backend_job(_):
 
 
 def ours_fn(pool, r2t, rpi, kv_lens, qn, qp, q, cfg, splits, ctx):
-    from mla_spec.kernels.mla_decode_paged import mla_decode_paged
+    from mla_spec.kernels.mla import mla_decode_paged
 
     flat = pool.kv_buffer[0].view(-1, DV + DPE)
     out = torch.empty_like(qn)
@@ -178,8 +168,7 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
     from bench_mla import add_rates, build, fi_wrapper, graph_time
     from triton.testing import do_bench
 
-    from mla_spec.kernels.mla_decode_paged import paged_choice
-    from mla_spec.kernels.mla_decode_tiles import splits_for
+    from mla_spec.kernels.mla import paged_choice, splits_for
 
     fp8 = kvd == torch.float8_e4m3fn
     kv_bytes = bs * ctx * (DV + DPE) * (1 if fp8 else 2)
@@ -200,10 +189,9 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
     rows = h * q
     dcfg, dpin = paged_choice(rows, kvd, dev, PAGE, bs, ctx)
     dname = next((n for n, c in VARIANTS.items() if c == dcfg), None)
-    # m32 tiles only up to 128 rows; the fused merge only at batch <= 2
+    # m32 tiles only up to 128 rows
     fit = [n for n in sorted(names, key=lambda n: PRIORITY.index(n) if n in PRIORITY else 99)
-           if n != dname and (VARIANTS[n].block_m >= 64 or rows <= 128)
-           and (not VARIANTS[n].fused or bs <= 2)]
+           if n != dname and (VARIANTS[n].block_m >= 64 or rows <= 128)]
     order = ([dname] if dname in names else []) + fit
     for name in order if full else order[:4]:
         cfg = VARIANTS[name]
@@ -215,8 +203,6 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
         cand = ()
         if full and bs == 1 and name == dname:
             cand = (16, 32, 64, 128)
-        elif full and bs == 1 and cfg.fused:
-            cand = (16, 32)
         elif full and bs == 32 and name == dname:
             cand = (1, 2, 8)
         alts += [s for s in cand if s != heur and s <= -(-ctx // cfg.block_n)]
@@ -258,16 +244,16 @@ def time_row(h, q, bs, ctx, kvd, dev, names, full):
 
 def _ab(timer) -> dict:
     """``timer()`` with the KV tiles' L2 prefetch off, then with PDL off too (both restored)."""
-    from mla_spec.kernels.launch import pdl
+    from mla_spec.kernels import options
 
-    keep = pdl.PDL, pdl.L2_PREFETCH
+    keep = options.PDL, options.L2_PREFETCH
     try:
-        pdl.L2_PREFETCH = False
+        options.L2_PREFETCH = False
         nol2 = timer()
-        pdl.PDL = False
+        options.PDL = False
         nopdl = timer()
     finally:
-        pdl.PDL, pdl.L2_PREFETCH = keep
+        options.PDL, options.L2_PREFETCH = keep
     return {"graph_nol2_us": nol2, "graph_nopdl_us": nopdl}
 
 
@@ -289,8 +275,7 @@ def fmt(r):
 def suggest_defaults(rows):
     """A ``PAGED_DEFAULTS`` literal from the timed rows: per shape class, the variant with the
     smallest mean (time / row's best time) over the class's rows (its best split count there)."""
-    from mla_spec.kernels.mla_decode_paged import PAGED_DEFAULTS, shape_class
-    from mla_spec.kernels.mla_decode_tiles import context_class
+    from mla_spec.kernels.mla import PAGED_DEFAULTS, context_class, shape_class
 
     by_cls, by_ctx = {}, {}
     for r in rows:
@@ -337,15 +322,15 @@ def sm90_offline(names):
     """Compile each variant for sm_90a without a GPU and print ptxas' registers / spills."""
     import triton
 
-    from mla_spec.kernels.mla_decode_sm90 import sm90_resources
+    from experiments.mla.sm90_resources import sm90_resources
+    from mla_spec.kernels.mla.sm90_wgmma import WgmmaKind
 
     print(f"triton {triton.__version__}; spills = ptxas bytes (store / load)")
     print("| name | tag | kv | split | regs | spill st/ld B | smem KB |\n" + "|---" * 7 + "|")
     for name in names:
         cfg = VARIANTS[name]
         if cfg.cuda:
-            src = ("mla_wgmma64_sm90.cu" if cfg.block_m == 64 else "mla_wgmma_sm90.cu") \
-                if cfg.wgmma else "mla_splitkv_sm90.cu"
+            src = WgmmaKind.of(cfg).source if cfg.wgmma else "mla_splitkv_sm90.cu"
             arch = "sm_90a" if cfg.wgmma else "sm_90"
             print(f"| {name} | {cfg.tag} | CUDA C++: nvcc -arch={arch} -Xptxas -v on "
                   f"mla_spec/kernels/csrc/{src} |")
@@ -366,15 +351,13 @@ def main():
     ap.add_argument("--deadline", type=float, default=200.0)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--workers", type=int, default=14)
-    ap.add_argument("--variants", default="", help="comma-separated names (default: all but "
-                    + ",".join(SKIP) + ")")
+    ap.add_argument("--variants", default="", help="comma-separated names (default: all)")
     ap.add_argument("--shapes", default="",
                     help="timed (bs x ctx) classes, e.g. 1x4096,1x32768 (default: all of SHAPES)")
     ap.add_argument("--sm90-offline", action="store_true",
                     help="compile for sm_90a without a GPU; print registers / spills")
     args = ap.parse_args()
-    names = ([n for n in args.variants.split(",") if n] if args.variants
-             else [n for n in VARIANTS if n not in SKIP])
+    names = [n for n in args.variants.split(",") if n] if args.variants else list(VARIANTS)
     bad = [n for n in names if n not in VARIANTS]
     if bad:
         raise SystemExit(f"unknown variants {bad}: choose from {', '.join(VARIANTS)}")
@@ -385,8 +368,7 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     import triton
     print("triton", triton.__version__, flush=True)
-    jobs = [(n, k) for k in ("bfloat16", "float8_e4m3fn") for n in names
-            if k == "bfloat16" or n not in BF16_ONLY or args.variants]
+    jobs = [(n, k) for k in ("bfloat16", "float8_e4m3fn") for n in names if takes(n, k)]
     ctx = mp.get_context("spawn")
     pool = ctx.Pool(min(args.workers, len(jobs) + 1))
     bjob = pool.apply_async(backend_job, (0,))
@@ -417,7 +399,9 @@ def main():
         if "fail" in r:
             print(f"  {r['name']} {cfg.tag} {r['kv']}: FAIL {r['fail']}\n{r['tb']}", flush=True)
             continue
-        good = all(e < 2e-2 for e in r["errs"].values())  # NaN fails too
+        # NaN fails too; the e4m3 MMAs round inside each instruction (and P, with e4m3_pv)
+        tol = 0.12 if cfg.e4m3_pv else 0.06 if cfg.e4m3_mma else 2e-2
+        good = all(e < tol for e in r["errs"].values())
         errs = " ".join(f"{k if isinstance(k, str) else f'sp{k}'} {e:.2e}"
                         for k, e in r["errs"].items())
         print(f"  {r['name']} {cfg.tag} {r['kv']}: err {errs} {'OK' if good else 'BAD'} kernels "
@@ -471,7 +455,7 @@ def main():
                   flush=True)
     table = HEADER + "\n" + "\n".join(fmt(r) for r in results["rows"])
     sugg = suggest_defaults(results["rows"])
-    print("\n== suggested PAGED_DEFAULTS (mla_spec/kernels/mla_decode_defaults.py)\n" + sugg)
+    print("\n== suggested PAGED_DEFAULTS (mla_spec/kernels/mla/choice.py)\n" + sugg)
     print("\n== best paged variant vs the shape's default and FlashInfer (eager do_bench median; "
           "graph at bs 1; 'best gain' = default time / best time)")
     print(table, flush=True)

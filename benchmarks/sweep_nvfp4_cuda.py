@@ -1,11 +1,12 @@
-"""The hand-written NVFP4 ``mma.sync`` kernel (``nvfp4_gemm_cuda``) against what ``nvfp4_gemm``
-runs today and cuBLAS bf16, at issue 5's TP-4 shapes and 1-16 tokens (GPU only).
+"""The hand-written NVFP4 ``mma.sync`` kernel (``nvfp4.gemm_cuda``) against the Triton choice of
+``nvfp4_gemm`` and cuBLAS bf16, at DeepSeek-V3's TP-4 shapes and 1-16 tokens (GPU only).
 
 For each (shape, M): every built ``cuda w<warps> st<stages> s<splits> [r2] [xl]`` variant is
-checked against the torch twin, then timed per call in one replayed CUDA graph that rotates
+checked against the torch reference, then timed per call in one replayed CUDA graph that rotates
 weight sets past the 60 MB L2 (PDL on, as the model runs), beside the current automatic config
 and cuBLAS bf16 on bf16 weights in the same run. Prints one table (µs, x cuBLAS, cuda / auto)
-and writes ``$OUT/sweep_nvfp4_cuda.{json,md}`` when ``$OUT`` is set.
+and writes ``$OUT/sweep_nvfp4_cuda.{json,md}`` when ``$OUT`` is set; its best variants are
+``configs.PINNED_CUDA``'s entries.
 
     python3 benchmarks/sweep_nvfp4_cuda.py [--ms 1,2,4,8,16] [--shapes dense_gate_up_tp4,...]
 """
@@ -22,9 +23,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_nvfp4 import SHAPES, col, graph_us, md_table, save_results, weight_sets  # noqa: E402
 
-from mla_spec.kernels.nvfp4_configs import CudaMmaConfig, variant_name  # noqa: E402
-from mla_spec.kernels.nvfp4_gemm import auto_config, nvfp4_gemm, nvfp4_gemm_ref  # noqa: E402
-from mla_spec.kernels.nvfp4_gemm_cuda import CUDA_MMA_BUILT, cuda_gemm_supported  # noqa: E402
+from mla_spec.kernels.nvfp4 import CudaMmaConfig, nvfp4_gemm, nvfp4_gemm_ref  # noqa: E402
+from mla_spec.kernels.nvfp4.configs import variant_name  # noqa: E402
+from mla_spec.kernels.nvfp4.gemm import auto_config  # noqa: E402
+from mla_spec.kernels.nvfp4.gemm_cuda import CUDA_MMA_BUILT, cuda_gemm_supported  # noqa: E402
 
 
 def variants(m: int, n: int, k: int) -> list[CudaMmaConfig]:
@@ -63,7 +65,7 @@ def main() -> None:
                 timed[cfg] = graph_us([lambda a=a, c=cfg, x=x: nvfp4_gemm(x, *a, config=c)
                                        for a in sets])
             best = min(timed, key=timed.get)
-            tcfg = auto_config(m, n, k)  # the Triton choice (what ran before the cuda kernel)
+            tcfg = auto_config(m, n, k)  # the Triton choice (what runs without the cuda kernel)
             auto = graph_us([lambda a=a, x=x, c=tcfg: nvfp4_gemm(x, *a, config=c) for a in sets])
             bf16 = graph_us([lambda w=w, x=x: torch.matmul(x, w.t()) for w in wbf])
             cu = timed[best]

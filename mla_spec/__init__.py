@@ -3,15 +3,27 @@
 Public API re-exports only; see README.md for the tour. The configs, forward modes and batches
 import eagerly; everything that pulls in kernels or the model is resolved on first access, so
 ``import mla_spec`` stays light and needs neither a GPU nor FlashInfer.
+
+Where no CUDA device is available and ``TRITON_INTERPRET`` is unset, the import sets it to "1"
+before anything imports triton, so the Triton kernels run in Triton's CPU interpreter with no
+setup, while the dispatching entry points keep their torch twins on CPU
+(``MLA_SPEC_TRITON_ON_CPU``; ``mla_spec.device.interpret_triton_without_gpu`` says more). Triton
+reads the variable when each ``@triton.jit`` runs, its own helpers (``tl.sum``, ...) included at
+``import triton``: import mla_spec before triton, or set ``TRITON_INTERPRET=1`` before
+``import triton`` (when triton comes first, the import warns and leaves the interpreter off).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from mla_spec.config import CacheConfig, ModelConfig, ParallelConfig, SpecConfig
-from mla_spec.forward_batch import ForwardBatch
-from mla_spec.forward_mode import CaptureHiddenMode, ForwardMode
+from mla_spec.device import interpret_triton_without_gpu
+
+interpret_triton_without_gpu()  # first: before anything below imports triton
+
+from mla_spec.config import CacheConfig, ModelConfig, ParallelConfig, SpecConfig  # noqa: E402
+from mla_spec.forward_batch import ForwardBatch  # noqa: E402
+from mla_spec.forward_mode import CaptureHiddenMode, ForwardMode  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -28,9 +40,9 @@ _LAZY = {
     "save_checkpoint": "mla_spec.checkpoint_writer",
     "DeepseekV3ForCausalLM": "mla_spec.models.deepseek_v3",
     "DeepseekV3MTP": "mla_spec.models.mtp",
-    "launch": "mla_spec.parallel",
-    "spawn_workers": "mla_spec.parallel",
-    "RankFailedError": "mla_spec.parallel",
+    "launch": "mla_spec.runtime.launch",
+    "spawn_workers": "mla_spec.runtime.workers",
+    "RankFailedError": "mla_spec.runtime.workers",
     "memory_plan": "mla_spec.memory_plan",
     # KV cache and attention
     "MLATokenToKVPool": "mla_spec.kv_cache",
@@ -40,17 +52,17 @@ _LAZY = {
     "create_backend": "mla_spec.attention",
     "MLABackend": "mla_spec.attention.base",
     # kernels and quantization
-    "pad_draft_extend_query": "mla_spec.kernels.draft_extend_pad",
-    "unpad_draft_extend_output": "mla_spec.kernels.draft_extend_pad",
-    "mla_decode": "mla_spec.kernels.mla_decode",
+    "pad_draft_extend_query": "mla_spec.kernels.pad",
+    "unpad_draft_extend_output": "mla_spec.kernels.pad",
+    "mla_decode": "mla_spec.kernels.mla",
     "quantize_fp8": "mla_spec.quant.fp8",
     "dequantize_fp8": "mla_spec.quant.fp8",
     "NVFP4Tensor": "mla_spec.quant.nvfp4",
     "quantize_nvfp4": "mla_spec.quant.nvfp4",
     "dequantize_nvfp4": "mla_spec.quant.nvfp4",
-    "NVFP4Linear": "mla_spec.quant.nvfp4_linear",
-    "nvfp4_gemm": "mla_spec.kernels.nvfp4_gemm",
-    "fused_moe_nvfp4": "mla_spec.kernels.nvfp4_moe",
+    "NVFP4Linear": "mla_spec.models.linear",
+    "nvfp4_gemm": "mla_spec.kernels.nvfp4",
+    "fused_moe_nvfp4": "mla_spec.kernels.nvfp4",
     # the embedded model
     "EMBEDDED_MODEL": "mla_spec.data",
 }

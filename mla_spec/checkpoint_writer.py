@@ -35,6 +35,7 @@ from mla_spec.config import ModelConfig
 from mla_spec.models.quant_config import QuantConfig
 
 __all__ = [
+    "calibrate_kv_scales",
     "tiny_config",
     "random_state_dict",
     "export_state_dict",
@@ -141,7 +142,7 @@ def default_exclude_modules(cfg: ModelConfig) -> list[str]:
 
 def _quantize_all(sd: Mapping[str, torch.Tensor], qcfg: QuantConfig, dtype: torch.dtype
                   ) -> dict[str, torch.Tensor]:
-    from mla_spec.models.nvfp4_compat import quantize_weight
+    from mla_spec.models.linear import quantize_weight
 
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
@@ -178,6 +179,58 @@ def _write_shards(tensors: dict[str, torch.Tensor], path: Path, shards: int) -> 
     (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
+@torch.no_grad()
+def calibrate_kv_scales(model, mtp, input_ids: torch.Tensor) -> dict[int, tuple[float, float]]:
+    """Per-layer FP8 KV scales from calibration text: ``amax / 448`` of the cached latent rows.
+
+    Runs ``model.forward_train(input_ids [B, T])`` (and the MTP layer on it, plain and chained,
+    as the trainer does) and records, per attention layer, the largest ``|x|`` of what the KV
+    cache stores: ``[kv_a_layernorm(ckv) | rope(k_pe)]``. The scale maps that to e4m3's 448
+    (``real = stored * scale``). K and V are the same row in MLA, so ``k_scale == v_scale``.
+
+    Returns ``{checkpoint layer: (k_scale, v_scale)}``: target layers ``0..n-1`` and, with
+    ``mtp``, the MTP layer at ``n`` (``num_hidden_layers``), ready for
+    ``save_checkpoint(kv_scales=...)``.
+    """
+    from mla_spec.quant.fp8 import FP8_E4M3_MAX
+
+    if input_ids.dim() != 2 or input_ids.numel() == 0:
+        raise ValueError(f"calibrate_kv_scales needs input_ids [B, T] with B, T >= 1, got "
+                         f"{tuple(input_ids.shape)}")
+    n = model.cfg.num_hidden_layers
+    attns = {i: layer.self_attn for i, layer in enumerate(model.layers)}
+    if mtp is not None:
+        attns[n] = mtp.decoder.self_attn
+    amax = dict.fromkeys(attns, 0.0)
+    hooks = []
+
+    def record(layer: int, pick):
+        def hook(module, args, out):
+            amax[layer] = max(amax[layer], float(pick(out).detach().abs().max()))
+        return hook
+
+    for layer, attn in attns.items():  # both are called as modules inside forward_train
+        hooks.append(attn.kv_a_layernorm.register_forward_hook(record(layer, lambda o: o)))
+        hooks.append(attn.rotary_emb.register_forward_hook(record(layer, lambda o: o[1])))
+    try:
+        h = model.forward_train(input_ids)
+        if mtp is not None and input_ids.shape[1] >= 3:
+            m1 = mtp.forward_train(input_ids[:, 1:], h[:, :-1])
+            pos2 = torch.arange(1, input_ids.shape[1] - 1, device=input_ids.device)
+            mtp.forward_train(input_ids[:, 2:], m1[:, :-1], positions=pos2)
+    finally:
+        for hk in hooks:
+            hk.remove()
+    out = {}
+    for layer, a in sorted(amax.items()):
+        if not (a > 0 and a == a and a != float("inf")):
+            raise ValueError(f"layer {layer}: KV amax {a} over the calibration text; cannot "
+                             "make an FP8 scale (was the layer run?)")
+        s = a / FP8_E4M3_MAX
+        out[layer] = (s, s)
+    return out
+
+
 def save_checkpoint(
     state_dict_like,
     cfg: ModelConfig,
@@ -203,7 +256,9 @@ def save_checkpoint(
     shards : number of safetensors files (> 1 writes ``model.safetensors.index.json``)
     dtype : dtype of the non-quantized weights (bf16 like NVIDIA's; fp32 for exact CPU tests)
     exclude_modules : BF16 modules (default :func:`default_exclude_modules`)
-    kv_scales : optional ``{layer: (k_scale, v_scale)}`` written as ``self_attn.{k,v}_scale``
+    kv_scales : optional ``{layer: (k_scale, v_scale)}`` written as fp32 scalars
+        ``model.layers.{layer}.self_attn.k_scale`` / ``v_scale`` (the loader hands them to the
+        FP8 KV pools; :func:`calibrate_kv_scales` computes them)
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)

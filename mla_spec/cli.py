@@ -10,7 +10,7 @@ installed) at TP 4 with MTP speculative decoding (v2) over an FP8 KV cache, show
 then prints accuracy, average accept length, tokens/s and the time per forward mode. Flags that
 cannot work together are refused before anything starts, with a message saying what would work.
 At TP > 1 a rank that dies ends the run with an error naming it; if rank 0 stays blocked in the
-GPU, the process exits 15 s later (``MLA_SPEC_HARD_EXIT_S``, see ``mla_spec.workers``).
+GPU, the process exits 15 s later (``MLA_SPEC_HARD_EXIT_S``, see ``mla_spec.runtime.workers``).
 """
 
 from __future__ import annotations

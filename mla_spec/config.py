@@ -5,11 +5,16 @@ values are properties. The softmax scale of the absorbed 576-wide MLA kernel is
 ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim) * mscale**2`` where, under YaRN rope scaling,
 ``mscale = 0.1 * mscale_all_dim * ln(factor) + 1`` (1.0 when ``factor <= 1``). For DeepSeek-V3
 (factor 40, mscale_all_dim 1.0) this is 0.1352338.
+
+``from_hf`` refuses a config.json that lacks a key in ``REQUIRED_CONFIG_KEYS`` (shapes, routing,
+norms, rope: a guessed value would silently change the outputs); every other field it reads
+takes its default when absent, logged once per file and key with ``logging.warning``.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -18,7 +23,27 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelConfig", "CacheConfig", "SpecConfig", "ParallelConfig", "yarn_mscale"]
+__all__ = ["ModelConfig", "CacheConfig", "SpecConfig", "ParallelConfig", "yarn_mscale",
+           "REQUIRED_CONFIG_KEYS"]
+
+log = logging.getLogger(__name__)
+
+#: config.json keys without which ``ModelConfig.from_hf`` refuses to build a model: each one
+#: changes the shapes or the math (transformers' ``DeepseekV3Config`` writes all of them;
+#: ``q_lora_rank`` may be null, the others may not). ``rope_theta`` may sit inside
+#: ``rope_parameters`` (transformers >= 5).
+REQUIRED_CONFIG_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+    "num_hidden_layers", "num_attention_heads", "n_shared_experts", "n_routed_experts",
+    "routed_scaling_factor", "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim",
+    "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+    "first_k_dense_replace", "norm_topk_prob", "max_position_embeddings", "rms_norm_eps",
+    "rope_theta",
+)
+_NULLABLE_KEYS = ("q_lora_rank",)
+# fields whose absence is not a default taken: no quantization_config means not quantized
+_UNLOGGED_KEYS = ("quantization_config",)
+_logged_defaults: set[tuple[str, str]] = set()
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -82,14 +107,18 @@ class ModelConfig:
             raise ValueError(f"topk_group {self.topk_group} > n_group {self.n_group}")
 
     @classmethod
-    def from_hf(cls, path_or_dict: str | Path | Mapping[str, Any]) -> ModelConfig:
+    def from_hf(cls, path_or_dict: str | Path | Mapping[str, Any], *,
+                source: str | Path | None = None) -> ModelConfig:
         """Build from a config.json path, a model folder, or the parsed dict.
 
-        Unknown keys are ignored; keys this package needs and that are absent take DeepSeek-V3's
-        values.
+        Unknown keys are ignored. A missing (or null) key of ``REQUIRED_CONFIG_KEYS`` raises
+        ``ValueError`` naming the key and the file (``source`` names a dict's file in
+        messages); any other absent field takes the dataclass default (DeepSeek-V3's value),
+        logged once per file and key.
         """
         if isinstance(path_or_dict, Mapping):
             raw = dict(path_or_dict)
+            src = str(source) if source is not None else "config.json (dict)"
         else:
             p = Path(path_or_dict)
             if p.is_dir():
@@ -97,6 +126,7 @@ class ModelConfig:
             if not p.exists():
                 raise FileNotFoundError(f"no config.json at {p}")
             raw = json.loads(p.read_text())
+            src = str(source) if source is not None else str(p)
         names = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in raw.items() if k in names}
         # transformers >= 5 saves rope settings as `rope_parameters` (rope_theta inside it).
@@ -109,7 +139,24 @@ class ModelConfig:
                 kwargs["rope_theta"] = rope["rope_theta"]
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
-        return cls(**kwargs)
+        missing = [k for k in REQUIRED_CONFIG_KEYS
+                   if k not in kwargs or kwargs[k] is None and k not in _NULLABLE_KEYS]
+        if missing:
+            raise ValueError(
+                f"{src}: missing or null key(s) {', '.join(map(repr, missing))}: the "
+                f"DeepSeek-V3 architecture needs them (no default is guessed, it would change "
+                f"the outputs); required keys: {', '.join(REQUIRED_CONFIG_KEYS)}"
+            )
+        given = set(kwargs) | ({"rope_scaling"} if isinstance(rope, Mapping) else set())
+        for f in fields(cls):
+            if f.name in given or f.name in _UNLOGGED_KEYS or (src, f.name) in _logged_defaults:
+                continue
+            _logged_defaults.add((src, f.name))
+            log.warning("%s has no %r: using the default %r", src, f.name, f.default)
+        try:
+            return cls(**kwargs)
+        except ValueError as e:
+            raise ValueError(f"{src}: {e}") from e
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -242,8 +289,8 @@ class SpecConfig:
 class ParallelConfig:
     """Tensor parallelism. ``backend``: "auto" (nccl on GPUs, gloo on CPU), "nccl" or "gloo".
 
-    ``timeout_s``: collective timeout; None = ``mla_spec.parallel``'s default per backend (300 s on
-    gloo, where 4 ranks may share 2 cores; 30 s on NCCL). A dead rank is detected by the process
+    ``timeout_s``: collective timeout; None = ``mla_spec.distributed``'s default per backend (300 s
+    on gloo, where 4 ranks may share 2 cores; 30 s on NCCL). A dead rank is detected by the process
     watchdog within seconds either way.
     """
 

@@ -10,8 +10,9 @@ The request path (rank 0, in the caller's process)::
       -> one device-to-host copy of the results   new tokens, accept lengths
       -> stop checks, metrics (StepRecord)        eos, stop strings, max_new_tokens
 
-Ranks 1..N-1 (:mod:`mla_spec.tp_worker`, started with :func:`mla_spec.workers.spawn_workers`)
-each build their shard with :meth:`ModelRunner.from_checkpoint` and loop on plans from a queue.
+Ranks 1..N-1 (:mod:`mla_spec.runtime.tp_worker`, started with
+:func:`mla_spec.runtime.workers.spawn_workers`) each build their shard with
+:func:`mla_spec.spec.eagle.build_rank` and loop on plans from a queue.
 Their collectives (one all-reduce after attention and after the MLP) pair with rank 0's because
 every rank runs the same plan through the same code. A dead rank is seen by the watchdog of
 ``spawn_workers`` within a fraction of a second (and by collective timeouts otherwise) and
@@ -34,16 +35,11 @@ import torch
 from mla_spec.config import CacheConfig, SpecConfig
 from mla_spec.metrics import EngineMetrics, RequestMetrics, StepRecord
 from mla_spec.model_runner import ModelRunner
+from mla_spec.runtime import tp_worker
+from mla_spec.runtime.cuda_graph import attach_graphs
+from mla_spec.runtime.workers import RankFailedError
 from mla_spec.scheduler import Req, RequestRejectedError, Scheduler, StepPlan
-from mla_spec.spec.eagle import EagleWorker
-from mla_spec.tp_worker import (
-    attach_graphs,
-    broadcast_plan,
-    plan_queues,
-    start_tp_workers,
-    stop_tp_workers,
-)
-from mla_spec.workers import RankFailedError
+from mla_spec.spec.eagle import EagleWorker, build_rank
 
 __all__ = ["Engine", "Result", "RequestRejectedError"]
 
@@ -83,7 +79,7 @@ class Engine:
     tokenizer : a ``tokenizers.Tokenizer`` (default: ``model_path/tokenizer.json`` if present)
     stop_token_ids : token ids that end a request (default: the config's eos_token_id)
     timeout_s : collective timeout of the tensor-parallel group (default
-        :func:`mla_spec.parallel.default_timeout_s`: 300 s on CPU / gloo, 30 s on NCCL)
+        :func:`mla_spec.distributed.default_timeout_s`: 300 s on CPU / gloo, 30 s on NCCL)
     """
 
     def __init__(self, model_path: str | Path | None = None, tp_size: int = 1,
@@ -161,11 +157,13 @@ class Engine:
                 # tp_size CPU ranks share the cores: one thread each (restored at shutdown)
                 self._threads = torch.get_num_threads()
                 torch.set_num_threads(1)
-            self._queues = plan_queues(tp_size)  # set first: a failed start still closes them
-            self.workers = start_tp_workers(self._queues, dict(kw, device=device), self.spec,
-                                            cuda_graph=cuda_graph,
-                                            graph_batch_sizes=graph_batch_sizes,
-                                            timeout_s=self._timeout_s)
+            # queues first: a failed start still closes them
+            self._queues = tp_worker.plan_queues(tp_size)
+            worker_kw = dict(kw, device=device)
+            if device.type == "cuda" and cuda_graph is not False:  # workers capture on GPU
+                worker_kw.update(cuda_graph=True, graph_batch_sizes=graph_batch_sizes)
+            self.workers = tp_worker.start_tp_workers(
+                self._queues, build_rank, (worker_kw, self.spec), timeout_s=self._timeout_s)
             device = self.workers.device
         return ModelRunner.from_checkpoint(**kw, device=device, tp_rank=0, tp_size=tp_size,
                                            with_draft=self.spec.enabled)
@@ -239,8 +237,8 @@ class Engine:
     def step(self) -> StepRecord | None:
         """Schedule and run one step (prefill, decode, or one speculative round).
 
-        A dead rank raises :class:`~mla_spec.parallel.RankFailedError` after shutting the engine
-        down (workers joined, queues closed); a shut-down TP engine refuses further steps.
+        A dead rank raises :class:`~mla_spec.runtime.workers.RankFailedError` after shutting the
+        engine down (workers joined, queues closed); a shut-down TP engine refuses further steps.
         """
         if self.tp_size > 1 and self.workers is None:
             raise RankFailedError("this tensor-parallel engine is shut down (or a rank failed): "
@@ -255,7 +253,7 @@ class Engine:
         reqs = self._plan_reqs(plan)
         logger.debug("step %d: %s, bs %d", len(self.metrics.steps), plan.kind, plan.batch_size)
         t0 = time.perf_counter()
-        broadcast_plan(self._queues, plan)
+        tp_worker.broadcast_plan(self._queues, plan)
         try:
             out = self.worker.execute(plan)
             # the first host sync of the step: under NCCL an aborted collective surfaces here
@@ -361,7 +359,7 @@ class Engine:
         workers, self.workers = self.workers, None
         if workers is not None and getattr(self, "runner", None) is not None:
             self.runner.release_graphs()  # before the group: see ModelRunner.release_graphs
-        stop_tp_workers(workers, self._queues)
+        tp_worker.stop_tp_workers(workers, self._queues, StepPlan("stop"))
         self._queues = []
         if self._threads is not None:
             torch.set_num_threads(self._threads)

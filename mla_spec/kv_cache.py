@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from mla_spec.kernels.kv_store import store_kv
+from mla_spec.kernels.ops import store_kv
 from mla_spec.quant.fp8 import FP8_DTYPE
 
 __all__ = [

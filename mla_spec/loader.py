@@ -25,12 +25,19 @@ replicated.
 
 Every problem raises :class:`CheckpointError` naming the tensor and the file: missing or
 unexpected tensors, wrong shapes or dtypes, index entries pointing at absent files, truncated or
-corrupt safetensors files.
+corrupt safetensors files, config.json lacking a key the architecture needs, an unsupported
+quantization config, and bad values: NVFP4 global scales (``weight_scale_2``, ``input_scale``)
+and FP8 KV scales that are not positive and finite are always refused (one number each); with
+``check_finite=True`` (the default) every float tensor is also scanned for NaN / inf and every
+e4m3 block scale (``weight_scale``) for NaN and negative values, one reduction and one sync
+per tensor on the tensor's device after it is copied (``mla_spec.quant.fp8.require_finite``;
+the packed uint8 FP4 codes have no NaN to look for). ``check_finite=False`` skips the scans.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,6 +49,8 @@ from tqdm.auto import tqdm
 
 from mla_spec.config import ModelConfig
 from mla_spec.models.quant_config import QuantConfig
+from mla_spec.quant.fp8 import require_finite
+from mla_spec.quant.nvfp4 import check_nvfp4_scales
 
 __all__ = [
     "CheckpointError",
@@ -154,8 +163,34 @@ def read_configs(path: str | Path) -> tuple[ModelConfig, QuantConfig | None]:
         raw = json.loads(cj.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cj}: not valid JSON ({e})") from e
-    cfg = ModelConfig.from_hf(raw)
-    return cfg, QuantConfig.from_folder(p, mtp_layer_id=cfg.num_hidden_layers)
+    try:
+        cfg = ModelConfig.from_hf(raw, source=cj)
+        return cfg, QuantConfig.from_folder(p, mtp_layer_id=cfg.num_hidden_layers)
+    except CheckpointError:
+        raise
+    except ValueError as e:  # the message names the file
+        raise CheckpointError(str(e)) from e
+
+
+def _check_values(name: str, src: torch.Tensor, t: torch.Tensor, where: Path,
+                  check_finite: bool) -> None:
+    """Refuse NaN / inf and bad NVFP4 scales (see the module docstring): the global scales as
+    read (``src``, on the CPU: no device sync), the scans on the loaded ``t`` (on its device)."""
+    leaf = name.rsplit(".", 1)[-1]
+    global_scale = leaf in ("weight_scale_2", "input_scale")
+    try:
+        if global_scale:
+            check_nvfp4_scales(**{leaf: src})
+        elif not check_finite:
+            return
+        elif leaf == "weight_scale" and t.dtype == torch.float8_e4m3fn:
+            check_nvfp4_scales(weight_scale=t)
+        else:
+            require_finite(t, leaf)
+    except ValueError as e:
+        hint = "" if global_scale else "; check_finite=False skips this scan"
+        raise CheckpointError(f"tensor {name!r} in {where}: {e} (a corrupt or badly exported "
+                              f"checkpoint{hint})") from e
 
 
 def _expected(module: torch.nn.Module, rename) -> dict[str, tuple[str, torch.Tensor, int | None]]:
@@ -221,10 +256,12 @@ class LoadedCheckpoint:
 
 
 def load_weights(model, files: CheckpointFiles, *, mtp=None, tp_rank: int = 0, tp_size: int = 1,
-                 progress: bool | None = None) -> dict[int, tuple[float, float]]:
+                 progress: bool | None = None, check_finite: bool = True
+                 ) -> dict[int, tuple[float, float]]:
     """Copy this rank's shard of every tensor into ``model`` (and ``mtp``); return KV scales.
 
-    Raises :class:`CheckpointError` for missing / unexpected / mis-shaped / mis-typed tensors.
+    Raises :class:`CheckpointError` for missing / unexpected / mis-shaped / mis-typed tensors
+    and for bad values (``check_finite``: see the module docstring).
     """
     cfg = model.cfg
     n = cfg.num_hidden_layers
@@ -244,8 +281,11 @@ def load_weights(model, files: CheckpointFiles, *, mtp=None, tp_rank: int = 0, t
             continue
         m = _KV_SCALE_RE.fullmatch(name)
         if m:
-            kv_raw.setdefault(int(m.group(1)), {})[m.group(2)] = float(
-                files.read(name).float().reshape(-1)[0])
+            v = float(files.read(name).float().reshape(-1)[0])
+            if not (v > 0 and math.isfinite(v)):
+                raise CheckpointError(f"tensor {name!r} in {files.path / files.file_of(name)}: "
+                                      f"FP8 KV scale {v}: must be positive and finite")
+            kv_raw.setdefault(int(m.group(1)), {})[m.group(2)] = v
             continue
         lm = layer_re.match(name)
         if lm and (int(lm.group(1)) > n or (int(lm.group(1)) == n and mtp is None)):
@@ -270,6 +310,7 @@ def load_weights(model, files: CheckpointFiles, *, mtp=None, tp_rank: int = 0, t
         for name, (_, t, dim) in bar:
             src = _check_and_read(files, name, t, dim, tp_rank, tp_size)
             t.copy_(src.to(t.dtype) if src.dtype != t.dtype else src)
+            _check_values(name, src, t, files.path / files.file_of(name), check_finite)
     return {
         layer: (d.get("k", d.get("v", 1.0)), d.get("v", d.get("k", 1.0)))
         for layer, d in sorted(kv_raw.items())
@@ -285,10 +326,14 @@ def load_checkpoint(
     device=None,
     load_mtp: bool = True,
     progress: bool | None = None,
+    check_finite: bool = True,
 ) -> LoadedCheckpoint:
     """Build the target model (and MTP layer) for one TP rank and load its shard.
 
     ``dtype`` defaults to bf16 on CUDA and fp32 on CPU (for non-quantized weights).
+    ``check_finite`` scans every float tensor for NaN / inf and the e4m3 block scales for NaN
+    and negative values (:class:`CheckpointError` naming the tensor and the file); False skips
+    the scans (the NVFP4 global scales and FP8 KV scales are checked either way).
     """
     from mla_spec.models.deepseek_v3 import DeepseekV3ForCausalLM
     from mla_spec.models.mtp import DeepseekV3MTP
@@ -304,7 +349,7 @@ def load_checkpoint(
         mtp = DeepseekV3MTP(cfg, qcfg, tp_rank, tp_size, dtype, device,
                             embed_tokens=model.embed_tokens, lm_head=model.lm_head)
     kv_scales = load_weights(model, files, mtp=mtp, tp_rank=tp_rank, tp_size=tp_size,
-                             progress=progress)
+                             progress=progress, check_finite=check_finite)
     model.kv_scales = kv_scales
     model.eval()
     if mtp is not None:

@@ -6,7 +6,7 @@ and the MTP layer as stored in the checkpoint is 13.46 B (one MoE decoder layer,
 three norms, plus its own copies of the embedding and head), published as "671B + 14B".
 
 Bytes per GPU at tensor-parallel size ``tp``, as this package stores them
-(``mla_spec.parallel`` splits heads, intermediate dims and the vocabulary; the rest is replicated):
+(``mla_spec.models`` splits heads, intermediate dims and the vocabulary; the rest is replicated):
 
 =====================  ======================  ============================================
 kind                   dtype                   split over TP

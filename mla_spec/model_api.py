@@ -98,7 +98,7 @@ class LoadedModel:
 
 def load_model(path: str | Path, *, device=None, dtype: torch.dtype | None = None,
                kv_dtype: str = "auto", attention_backend: str = "auto",
-               load_mtp: bool = True) -> LoadedModel:
+               load_mtp: bool = True, check_finite: bool = True) -> LoadedModel:
     """Load a DeepSeek-V3 checkpoint (NVFP4 ModelOpt or BF16) on one device (TP 1).
 
     Parameters
@@ -108,6 +108,9 @@ def load_model(path: str | Path, *, device=None, dtype: torch.dtype | None = Non
     dtype : dtype of non-quantized weights and activations (default bf16 on CUDA, fp32 on CPU)
     kv_dtype : "auto" (the model dtype), "bfloat16", "float16", "float32" or "fp8_e4m3"
     attention_backend : "auto" | "torch" | "triton" | "flashinfer" | "trtllm"
+    check_finite : scan every float tensor of the checkpoint for NaN / inf at load (a
+        ``CheckpointError`` names the tensor and the file); False skips the scans (see
+        :func:`mla_spec.loader.load_checkpoint`)
     """
     from mla_spec.device import default_device
     from mla_spec.loader import load_checkpoint
@@ -116,7 +119,8 @@ def load_model(path: str | Path, *, device=None, dtype: torch.dtype | None = Non
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     kv = CacheConfig(kv_dtype=kv_dtype).torch_dtype(dtype)
-    ck = load_checkpoint(path, dtype=dtype, device=dev, load_mtp=load_mtp)
+    ck = load_checkpoint(path, dtype=dtype, device=dev, load_mtp=load_mtp,
+                         check_finite=check_finite)
     log.info("loaded %s: %d layers, quant=%s, kv=%s, backend=%s", path,
              ck.cfg.num_hidden_layers, ck.quant_cfg and ck.quant_cfg.quant_algo, kv,
              attention_backend)

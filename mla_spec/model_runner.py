@@ -16,7 +16,7 @@ calls the model::
 
 ``prepare`` (build + plan) and ``run`` (the forward) are separate so that the speculative worker
 can plan every batch of a step before the region that must not synchronize with the host.
-When a :class:`~mla_spec.cuda_graph.CudaGraphRunner` is attached, ``run`` replays a captured
+When a :class:`~mla_spec.runtime.cuda_graph.CudaGraphRunner` is attached, ``run`` replays a captured
 graph for the modes and batch sizes it holds.
 """
 

@@ -27,10 +27,10 @@ num_steps + 1`` rows per request) runs one *cycle* per ``accept_length`` tokens:
 ``tokens/s per user = accept_length / cycle time`` (``accept_length`` counts the bonus token, as
 everywhere in this package); without MTP it is ``1 / decode-step time``. Host overhead (sampling,
 scheduling) is not modelled: it is ``overhead_us`` per decode step or per MTP cycle, 0 by
-default (CUDA graphs and an overlapped scheduler hide most of it). The seed's bars (SGLang's
-``test_bs_1_speed``) are for 4 B200s: > 75 tok/s without MTP, > 150 with. :func:`b200_scaled`
-gives a crude bandwidth-scaled view of the same layer times, to separate "our kernels" from "the
-H200 is a slower machine".
+default (CUDA graphs and an overlapped scheduler hide most of it). SGLang's CI bars
+(``test_bs_1_speed``, :data:`SGLANG_CI_BARS`) are for 4 B200s: > 75 tok/s without MTP, > 150
+with. :func:`b200_scaled` gives a crude bandwidth-scaled view of the same layer times, to
+separate "our kernels" from "the H200 is a slower machine".
 
 Measured collectives. ``benchmarks/bench_allreduce.py`` times the real all-reduce / all-gather
 over NCCL on the GPUs at hand; :func:`load_measured_link` turns its JSON into a
@@ -61,7 +61,7 @@ __all__ = [
     "ForwardTimes",
     "Projection",
     "NVLINK4_H200",
-    "SEED_BARS",
+    "SGLANG_CI_BARS",
     "allreduce_us",
     "allgather_us",
     "target_forward_us",
@@ -72,8 +72,8 @@ __all__ = [
     "projection_report",
 ]
 
-#: The seed's bs-1 speed bars (tok/s per user), measured by SGLang's CI on 4 B200s.
-SEED_BARS = {"no_mtp": 75.0, "mtp": 150.0}
+#: SGLang's CI bs-1 speed bars (tok/s per user; ``test_bs_1_speed`` on 4 B200s, end to end).
+SGLANG_CI_BARS = {"no_mtp": 75.0, "mtp": 150.0}
 
 #: HBM bandwidth (TB/s) from the data sheets: H200 SXM and B200.
 H200_HBM_TB_S = 4.8
@@ -258,7 +258,7 @@ def projection_report(decode: ForwardTimes, verify: ForwardTimes | None,
                       accept_lengths=(2.04, 2.5, 3.0), num_steps: int = 3, bs: int = 1,
                       shape: ModelShape = ModelShape(), link: Link = NVLINK4_H200,
                       latency_range=(5.0, 10.0)) -> list[str]:
-    """Human-readable lines: tokens/s per user with and without MTP next to the seed's bars
+    """Human-readable lines: tokens/s per user with and without MTP next to SGLang's CI bars
     (the numbers of :func:`projection_lines`).
 
     ``latency_range`` reprints each number with the link latency at its low and high end (an
@@ -274,12 +274,12 @@ def projection_report(decode: ForwardTimes, verify: ForwardTimes | None,
     for key, v in data.items():
         mtp = key != "no_mtp"
         name = f"MTP {num_steps} steps, accept {v['accept_length']:g}" if mtp else "no MTP"
-        bar = SEED_BARS["mtp" if mtp else "no_mtp"]
+        bar = SGLANG_CI_BARS["mtp" if mtp else "no_mtp"]
         ratios.append(v["tok_s"] / bar)
         lines.append(
             f"  {name:<26} {v['tok_s']:7.1f} tok/s/user [{v['tok_s_range'][0]:.1f}-"
             f"{v['tok_s_range'][1]:.1f}]  step {v['step_ms']:6.2f} ms (collectives "
-            f"{v['collectives_pct']:4.1f}%)  seed bar {bar:g} on 4xB200: "
+            f"{v['collectives_pct']:4.1f}%)  SGLang bar {bar:g} on 4xB200: "
             f"{100 * v['tok_s'] / bar:5.1f}%  | B200-bandwidth-scaled "
             f"{v['b200_scaled_tok_s']:.1f}")
     verdict = ("at or above the B200 bars" if min(ratios) >= 1 else

@@ -1,4 +1,4 @@
-"""The seed's accuracy / accept-length bars, on the embedded model, on CPU.
+"""SGLang's CI accuracy / accept-length bars, on the embedded model, on CPU.
 
 SGLang's CI holds DeepSeek-V3-0324-FP4 on 4 GPUs to GSM8K accuracy > 0.935 (MTP run: > 0.94) and
 an average accept length > 2.04. We hold the embedded tiny model of the same architecture to the

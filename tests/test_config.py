@@ -89,3 +89,88 @@ def test_transformers5_rope_parameters():
     cfg = ModelConfig.from_hf(raw)
     assert cfg.softmax_scale == pytest.approx(0.1352338, abs=1e-6)
     assert cfg.rope_theta == 10000.0 and cfg.rope_scaling["type"] == "yarn"
+
+
+# ---- required keys, logged defaults, quantization configs ------------------------------------
+@pytest.mark.parametrize("keys", [("num_experts_per_tok",), ("n_group",),
+                                  ("n_group", "num_experts_per_tok"), ("rope_theta",)])
+def test_missing_architecture_key_is_an_error_naming_key_and_file(tmp_path, keys):
+    raw = json.loads(REAL.read_text())
+    for k in keys:
+        raw.pop(k)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    want = rf"{tmp_path / 'config.json'}: missing or null key\(s\) " + ", ".join(
+        f"'{k}'" for k in keys)
+    with pytest.raises(ValueError, match=want):
+        ModelConfig.from_hf(tmp_path)
+    with pytest.raises(ValueError, match=f"some/config.json: .*'{keys[-1]}'"):
+        ModelConfig.from_hf(raw, source="some/config.json")
+
+
+def test_null_architecture_key_is_an_error_but_q_lora_rank_may_be_null():
+    raw = json.loads(REAL.read_text())
+    with pytest.raises(ValueError, match="'num_experts_per_tok'"):
+        ModelConfig.from_hf({**raw, "num_experts_per_tok": None})
+    assert ModelConfig.from_hf({**raw, "q_lora_rank": None}).q_lora_rank is None
+
+
+def test_harmless_default_is_logged_once_with_its_value(tmp_path, caplog):
+    raw = json.loads(REAL.read_text())
+    raw.pop("topk_method")
+    raw.pop("num_nextn_predict_layers")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with caplog.at_level("WARNING", logger="mla_spec.config"):
+        cfg = ModelConfig.from_hf(tmp_path)
+        ModelConfig.from_hf(tmp_path)
+    assert cfg.topk_method == "noaux_tc" and cfg.num_nextn_predict_layers == 1
+    msgs = [r.getMessage() for r in caplog.records]
+    assert sum("'topk_method'" in m and "'noaux_tc'" in m for m in msgs) == 1
+    assert sum("'num_nextn_predict_layers'" in m and " 1" in m for m in msgs) == 1
+    assert all(str(tmp_path) in m for m in msgs) and len(msgs) == 2
+
+
+def test_shipped_configs_take_no_default(caplog):
+    from mla_spec import EMBEDDED_MODEL
+
+    with caplog.at_level("WARNING", logger="mla_spec.config"):
+        ModelConfig.from_hf(REAL)
+        tiny = ModelConfig.from_hf(EMBEDDED_MODEL)
+    assert not caplog.records
+    assert (tiny.num_experts_per_tok, tiny.n_group, tiny.topk_group) == (2, 4, 2)
+
+
+@pytest.mark.parametrize("kv,ok", [("FP8", True), ("fp8", True), (None, True), ("INT8", False),
+                                   ("NVFP4", False), ("FP8_E5M2", False)])
+def test_kv_cache_quant_algo_supported_or_rejected(kv, ok):
+    from mla_spec.models.quant_config import QuantConfig
+
+    d = {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "kv_cache_quant_algo": kv}}
+    if ok:
+        assert QuantConfig.from_hf_quant_config(d).kv_cache_fp8 == (kv is not None)
+    else:
+        with pytest.raises(ValueError, match=f"kv_cache_quant_algo '{kv}': supported 'FP8'"):
+            QuantConfig.from_hf_quant_config(d)
+
+
+@pytest.mark.parametrize("algo", ["FP8", "W4A8_AWQ", "INT4_AWQ", None])
+def test_unsupported_quant_algo_rejected(algo):
+    from mla_spec.models.quant_config import QuantConfig
+
+    with pytest.raises(ValueError, match=f"quant_algo {algo!r}: supported 'NVFP4'"):
+        QuantConfig.from_hf_quant_config({"quantization": {"quant_algo": algo}})
+
+
+def test_flat_kv_cache_scheme_other_than_fp8_rejected_naming_the_file(tmp_path):
+    from mla_spec.models.quant_config import QuantConfig
+
+    raw = json.loads(REAL.read_text())
+    raw["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                  "kv_cache_scheme": {"type": "int", "num_bits": 8}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"config.json: quantization_config: kv_cache_scheme .*"
+                                         r"supported \{'type': 'float', 'num_bits': 8\}"):
+        QuantConfig.from_folder(tmp_path)
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps(
+        {"quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "INT8"}}))
+    with pytest.raises(ValueError, match="hf_quant_config.json: kv_cache_quant_algo 'INT8'"):
+        QuantConfig.from_folder(tmp_path)

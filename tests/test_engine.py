@@ -7,7 +7,7 @@ import pytest
 from mla_spec.config import SpecConfig
 from mla_spec.engine import Engine, RequestRejectedError
 from mla_spec.kv_cache import KVCacheFullError
-from mla_spec.parallel import RankFailedError
+from mla_spec.runtime.workers import RankFailedError
 from mla_spec.scheduler import Scheduler
 from mla_spec.spec.mock import build_mock_runner, mock_greedy_reference
 
@@ -164,7 +164,7 @@ def test_real_model_tp2_equals_tp1(tiny_ckpt):
 def test_dead_rank_is_an_error_within_seconds(tiny_ckpt):
     import time
 
-    from mla_spec.parallel import RankFailedError
+    from mla_spec.runtime.workers import RankFailedError
 
     eng = _real_engine(tiny_ckpt, SpecConfig.off(), tp_size=2)
     try:
@@ -188,7 +188,7 @@ def test_tp_shutdown_is_clean(tiny_ckpt):
     script = textwrap.dedent(f"""
         from mla_spec.config import CacheConfig, SpecConfig
         from mla_spec.engine import Engine
-        from mla_spec.parallel import RankFailedError
+        from mla_spec.runtime.workers import RankFailedError
 
         if __name__ == "__main__":
             eng = Engine({str(tiny_ckpt)!r}, tp_size=2, spec=SpecConfig.off(),
@@ -324,7 +324,7 @@ def test_capture_pauses_python_gc():
     engine dropped earlier must not free CUDA objects inside a capture)."""
     import gc
 
-    from mla_spec.cuda_graph import _gc_paused
+    from mla_spec.runtime.cuda_graph import _gc_paused
 
     assert gc.isenabled()
     with _gc_paused():
@@ -342,8 +342,8 @@ def test_capture_pauses_python_gc():
 @pytest.mark.gpu
 def test_engines_built_in_sequence_all_capture(tiny_ckpt):
     """Engines built one after another in one process (as bench_e2e does: batch 1, then 32)
-    each capture their graphs; a capture failure in an earlier session left torch's RNG in
-    capture state and broke the next engine's weight init."""
+    each capture their graphs; a failed capture must not leave torch's RNG in capture state,
+    which would break the next engine's weight init."""
     from mla_spec.config import CacheConfig
 
     for spec, bss in ((SpecConfig(version="v1"), (1, 2)), (SpecConfig(version="v1"), (4, 8)),

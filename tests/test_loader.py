@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from mla_spec.checkpoint_writer import random_state_dict, save_checkpoint, tiny_config
 from mla_spec.loader import CheckpointError, load_checkpoint
 from mla_spec.model_api import load_model, prefill_forward
-from mla_spec.models.nvfp4_compat import dequantize_weight
+from mla_spec.models.linear import dequantize_weight
 from mla_spec.models.quant_config import QuantConfig
 
 CFG = tiny_config()
@@ -211,3 +211,100 @@ def test_single_file_bf16_checkpoint(sd, tmp_path):
     ids = torch.randint(0, CFG.vocab_size, (1, 4))
     h = prefill_forward(ck.model, ids, attention_backend="torch")
     assert torch.isfinite(h).all()
+
+
+# ---- values: NaN / inf, scales, configs --------------------------------------------------------
+def _poke(path, name, fn):
+    """Replace the stored tensor ``name`` by ``fn(it)`` in its shard; return the shard's name."""
+    fname = _index(path)["weight_map"][name]
+    t = load_file(str(path / fname))
+    t[name] = fn(t[name].clone())
+    save_file(t, str(path / fname))
+    return fname
+
+
+def _at_random(t, value, seed):
+    """``t`` with ``value`` at one random position (float tensors: through fp32)."""
+    g = torch.Generator().manual_seed(seed)
+    flat = t.float().reshape(-1)
+    flat[int(torch.randint(0, flat.numel(), (1,), generator=g))] = value
+    return flat.reshape(t.shape).to(t.dtype)
+
+
+@pytest.mark.parametrize("name,value", [
+    ("model.layers.0.self_attn.q_b_proj.weight", float("nan")),    # BF16 linear
+    ("model.layers.1.mlp.gate.weight", float("inf")),              # router
+    ("model.layers.2.post_attention_layernorm.weight", float("-inf")),
+    ("model.norm.weight", float("nan")),
+    ("model.layers.1.mlp.experts.3.down_proj.weight_scale", float("nan")),  # e4m3 block scales
+])
+def test_non_finite_weight_is_refused_naming_tensor_and_file(broken, name, value):
+    fname = _poke(broken, name, lambda t: _at_random(t, value, seed=len(name)))
+    with pytest.raises(CheckpointError, match=rf"{name}.*{fname}.*NaN or inf.*check_finite=False"):
+        load_checkpoint(broken)
+    with pytest.raises(CheckpointError, match=name):
+        load_model(broken, device="cpu")
+    lm = load_model(broken, device="cpu", check_finite=False)  # the opt-out loads it as stored
+    assert lm.cfg.num_hidden_layers == CFG.num_hidden_layers
+
+
+@pytest.mark.parametrize("leaf,value", [("weight_scale_2", 0.0), ("weight_scale_2", float("nan")),
+                                        ("weight_scale_2", -0.5), ("input_scale", float("inf"))])
+def test_bad_global_scale_is_refused_even_without_the_scan(broken, leaf, value):
+    name = f"model.layers.2.mlp.experts.5.gate_proj.{leaf}"
+    fname = _poke(broken, name, lambda t: torch.full_like(t, value))
+    for cf in (True, False):
+        with pytest.raises(CheckpointError, match=rf"{name}.*{fname}.*{leaf}.*positive and finite"):
+            load_checkpoint(broken, check_finite=cf)
+
+
+def test_negative_block_scale_refused(broken):
+    name = "model.layers.0.mlp.up_proj.weight_scale"
+    _poke(broken, name, lambda t: _at_random(t, -2.0, seed=5))
+    with pytest.raises(CheckpointError, match=rf"{name}.*>= 0"):
+        load_checkpoint(broken)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 0.0, -1.0])
+def test_bad_kv_scale_refused(broken, value):
+    name = next(k for k in _index(broken)["weight_map"] if k.endswith("k_scale"))
+    fname = _poke(broken, name, lambda t: torch.full_like(t, value))
+    with pytest.raises(CheckpointError, match=rf"{name}.*{fname}.*KV scale.*positive and finite"):
+        load_checkpoint(broken)
+
+
+def test_finite_check_keeps_valid_weights_bit_identical(fp4):
+    a = load_checkpoint(fp4, load_mtp=False).model.state_dict()
+    b = load_checkpoint(fp4, load_mtp=False, check_finite=False).model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8) if a[k].dtype == torch.float8_e4m3fn else a[k],
+                           b[k].view(torch.uint8) if b[k].dtype == torch.float8_e4m3fn else b[k])
+
+
+@pytest.mark.parametrize("key", ["num_experts_per_tok", "n_group", "kv_lora_rank"])
+def test_config_without_architecture_key_is_refused(broken, key):
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg.pop(key)
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=rf"{broken / 'config.json'}: .*'{key}'"):
+        load_checkpoint(broken)
+
+
+@pytest.mark.parametrize("field,value,want", [
+    ("kv_cache_quant_algo", "INT8", "kv_cache_quant_algo 'INT8': supported 'FP8'"),
+    ("quant_algo", "FP8", "quant_algo 'FP8': supported 'NVFP4'"),
+])
+def test_unsupported_quant_config_is_refused(broken, field, value, want):
+    hq = json.loads((broken / "hf_quant_config.json").read_text())
+    hq["quantization"][field] = value
+    (broken / "hf_quant_config.json").write_text(json.dumps(hq))
+    with pytest.raises(CheckpointError, match=f"hf_quant_config.json: {want}"):
+        load_checkpoint(broken)
+
+
+def test_embedded_model_loads_with_the_scan():
+    from mla_spec import EMBEDDED_MODEL
+
+    lm = load_model(EMBEDDED_MODEL, device="cpu", attention_backend="torch")
+    assert lm.quant_cfg.kv_cache_fp8 and lm.cfg.num_experts_per_tok == 2

@@ -9,7 +9,7 @@ The ``multigpu`` tests (auto-skipped with fewer than 2 GPUs by ``tests/conftest.
   ``Engine`` whose worker is killed during ``generate`` raises ``RankFailedError`` within 20 s
   (the watchdog aborts the NCCL communicators rank 0 is blocked on);
 - the Engine on the embedded model with CUDA graphs, FP8 KV, spec v2: TP WORLD vs TP 1 give the
-  same answers (>= 90% token-identical sequences), and the seed's suite: accuracy > 0.935,
+  same answers (>= 90% token-identical sequences), and SGLang's CI bars: accuracy > 0.935,
   average accept length > 2.04 on 200 questions, answers identical to spec off.
 
 Everything that starts an Engine runs in a subprocess (``_SCRIPT``) with a hard timeout that
@@ -17,8 +17,8 @@ kills its whole process group: a hang fails its test instead of hanging pytest (
 call it runs in). No ``pytest.mark.timeout``: pytest-timeout may be missing on the GPU host.
 
 The unmarked tests run on CPU: ``bench_allreduce.py --device cpu``, and the fail-fast pieces of
-``mla_spec.workers`` that the GPU tests rely on (hard exit, orphaned workers leave, the NCCL abort
-helper is a no-op without NCCL).
+``mla_spec.runtime.workers`` that the GPU tests rely on (hard exit, orphaned workers leave, the
+NCCL abort helper is a no-op without NCCL).
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from mla_spec.distributed import tp_all_gather, tp_all_reduce
 from mla_spec.eval.sweep import EMBEDDED_MODEL
-from mla_spec.parallel import RankFailedError, launch, tp_all_gather, tp_all_reduce
+from mla_spec.runtime.launch import launch
+from mla_spec.runtime.workers import RankFailedError
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -342,8 +344,8 @@ def test_engine_tp_matches_tp1_on_gpus(tmp_path):
 
 @multigpu
 @needs_model
-def test_seed_suite_accuracy_accept_length_tp_gpus(tmp_path):
-    """The seed's per-commit 4-GPU suite on the embedded model: TP WORLD, CUDA graphs, FP8 KV,
+def test_sglang_ci_bars_accuracy_accept_length_tp_gpus(tmp_path):
+    """SGLang's per-commit 4-GPU suite on the embedded model: TP WORLD, CUDA graphs, FP8 KV,
     spec v2; 200 held-out questions, 1 shot (as tests/test_accuracy.py on CPU)."""
     res = _engine_run(tmp_path, "suite", timeout_s=420)
     v2, off = res["v2"], res["off"]
@@ -417,7 +419,7 @@ def test_bench_allreduce_cpu_smoke(tmp_path):
 _HARD_EXIT = textwrap.dedent('''
     import os, signal, sys, time
     import torch.distributed as dist
-    from mla_spec.workers import spawn_workers
+    from mla_spec.runtime.workers import spawn_workers
 
     def worker(rank, world):
         dist.barrier()
@@ -474,7 +476,7 @@ def _running(pid: int) -> bool:
 
 
 def test_abort_nccl_is_a_noop_without_nccl():
-    from mla_spec.nccl_abort import abort_nccl, abort_nccl_bounded, release_aborted_group
+    from mla_spec.runtime.nccl_abort import abort_nccl, abort_nccl_bounded, release_aborted_group
 
     assert abort_nccl() is None and abort_nccl_bounded(1.0) is None  # no process group
     assert release_aborted_group(1.0)

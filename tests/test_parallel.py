@@ -14,16 +14,12 @@ import torch
 import torch.distributed as dist
 
 from mla_spec.checkpoint_writer import random_state_dict, save_checkpoint, tiny_config
+from mla_spec.distributed import default_timeout_s, tp_all_reduce
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.loader import load_checkpoint
 from mla_spec.model_api import prefill_forward
-from mla_spec.parallel import (
-    RankFailedError,
-    default_timeout_s,
-    launch,
-    spawn_workers,
-    tp_all_reduce,
-)
+from mla_spec.runtime.launch import launch
+from mla_spec.runtime.workers import RankFailedError, spawn_workers
 
 CFG = tiny_config()
 
@@ -164,7 +160,8 @@ def test_launch_under_torchrun(tmp_path):
     script.write_text(textwrap.dedent("""
         import os, sys
         import torch
-        from mla_spec.parallel import launch, tp_all_reduce
+        from mla_spec.distributed import tp_all_reduce
+        from mla_spec.runtime.launch import launch
 
         def fn(rank, world):
             return float(tp_all_reduce(torch.tensor([rank + 1.0]))[0])

@@ -12,7 +12,7 @@ import pytest
 
 from mla_spec.projection import (
     NVLINK4_H200,
-    SEED_BARS,
+    SGLANG_CI_BARS,
     ForwardTimes,
     LinkSpec,
     MeasuredLink,
@@ -105,7 +105,8 @@ def test_b200_scaled_and_report():
     text = "\n".join(lines)
     assert "PROJECTION" in text and "not a measurement" in text
     assert text.count("tok/s/user") == 3
-    assert f"seed bar {SEED_BARS['mtp']:g}" in text and f"seed bar {SEED_BARS['no_mtp']:g}" in text
+    assert f"SGLang bar {SGLANG_CI_BARS['mtp']:g}" in text
+    assert f"SGLang bar {SGLANG_CI_BARS['no_mtp']:g}" in text
 
 
 # ---- measured collectives (benchmarks/bench_allreduce.py's JSON) -----------------------------
@@ -191,7 +192,7 @@ def test_bench_layer_cpu_smoke(extra, tmp_path, monkeypatch, capsys):
     res = load_layer_results(tmp_path / "bench_layer.json")
     lines = res["projection"]["ours"]["lines"]
     assert set(lines) >= {"no_mtp", "mtp_accept_2.04"} and lines["no_mtp"]["tok_s"] > 0
-    assert res["projection_model"]["seed_bars_tok_s"] == {"no_mtp": 75.0, "mtp": 150.0}
+    assert res["projection_model"]["sglang_ci_bars_tok_s"] == {"no_mtp": 75.0, "mtp": 150.0}
 
 
 def test_bench_layer_cpu_smoke_measured(tmp_path, monkeypatch, capsys):

@@ -4,7 +4,7 @@
 name        implementation                                       runs on
 =========== ==================================================== ============================
 torch       the oracle: einsum, fp32 accumulation                any device
-triton      our split-KV Triton kernels (``kernels/mla_decode``)  CUDA SM80+, CPU interpreter
+triton      our split-KV kernels (``kernels/mla``)                CUDA SM80+, CPU interpreter
 flashinfer  ``flashinfer.mla.BatchMLAPagedAttentionWrapper``     CUDA SM80 / SM90
 trtllm      ``flashinfer.decode.trtllm_batch_decode_with_kv_c…`` CUDA SM100 (kernel injectable)
 =========== ==================================================== ============================

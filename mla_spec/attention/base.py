@@ -16,9 +16,13 @@ Life cycle, per step::
     pool.store(layer_id, batch.out_cache_loc, ckv, kpe)   # the model writes the new rows
     out = backend.forward(q_nope, q_pe, layer_id, batch)  # [N, H, 512] in q_nope's dtype
 
-``forward`` plans by itself when the batch was not planned by this backend. ``supports(mode,
-kv_dtype, device)`` returns None when the backend can run that combination, else a reason.
-All mode branching goes through ``ForwardMode`` predicates.
+A backend implements ``forward`` itself, in three moves: :meth:`MLABackend.checked_plan`
+(validation, and the plan: planned by itself when the batch was not planned by this backend),
+its kernel call, :func:`write_output`. So the model's call reaches the kernel through one
+frame of the backend's module (the base class is a library of helpers, not a dispatcher).
+A backend with host work of its own overrides ``plan``: ``common_plan`` + its extras.
+``supports(mode, kv_dtype, device)`` returns None when the backend can run that combination,
+else a reason. All mode branching goes through ``ForwardMode`` predicates.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import ForwardMode
 
-__all__ = ["MLABackend", "AttnPlan", "UnsupportedError"]
+__all__ = ["MLABackend", "AttnPlan", "UnsupportedError", "write_output"]
 
 
 class UnsupportedError(ValueError):
@@ -93,7 +97,7 @@ def _check_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, pool
 
 
 class MLABackend(ABC):
-    """Base class: subclasses set ``name``, implement ``_forward`` and maybe ``_plan_extra``."""
+    """Base class: subclasses set ``name``, implement ``forward`` and maybe override ``plan``."""
 
     name: ClassVar[str] = "base"
     kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
@@ -143,8 +147,8 @@ class MLABackend(ABC):
         return self.mode_reason(mode)
 
     # ---- plan --------------------------------------------------------------------------------
-    def plan(self, batch: ForwardBatch) -> AttnPlan:
-        """Host-side metadata for this step; stored in ``batch.extra[self.name]``."""
+    def common_plan(self, batch: ForwardBatch) -> AttnPlan:
+        """The metadata every backend needs for this step (validated; not stored)."""
         if batch.req_pool_indices is None and not batch.forward_mode.is_idle():
             raise ValueError("batch.req_pool_indices is required (rows of req_to_token)")
         q_cpu = list(batch.seq_lens_q_cpu)
@@ -158,7 +162,7 @@ class MLABackend(ABC):
         dev = self.device
         fixed = q_cpu[0] if q_cpu and all(q == q_cpu[0] for q in q_cpu) else None
         rpi = batch.req_pool_indices
-        plan = AttnPlan(
+        return AttnPlan(
             mode=batch.forward_mode, bs=batch.batch_size, total_q=sum(q_cpu),
             seq_lens_q_cpu=q_cpu, kv_lens_cpu=kv_cpu, max_q=max(q_cpu, default=0),
             max_kv=max(kv_cpu, default=0), fixed_q=fixed,
@@ -169,27 +173,25 @@ class MLABackend(ABC):
                               else rpi.to(dev, torch.int64)),
             extra={},
         )
-        if not batch.forward_mode.is_idle():
-            self._plan_extra(plan, batch)
+
+    def plan(self, batch: ForwardBatch) -> AttnPlan:
+        """Host-side metadata for this step; stored in ``batch.extra[self.name]``. Backends with
+        host work of their own override this: ``common_plan``, their extras (not for IDLE),
+        then store the plan."""
+        plan = self.common_plan(batch)
         batch.extra[self.name] = plan
         return plan
 
-    def _plan_extra(self, plan: AttnPlan, batch: ForwardBatch) -> None:  # noqa: B027
-        """Backend-specific host work (page tables, wrapper.plan, buffers)."""
-
     # ---- run ---------------------------------------------------------------------------------
-    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention of one layer: q_nope ``[N, H, 512]``, q_pe ``[N, H, 64]`` -> ``[N, H, 512]``.
-
-        ``out`` (optional, ``[N, H, 512]``) receives the result. The new rows must already be in
-        the pool.
-        """
+    def checked_plan(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
+                     batch: ForwardBatch) -> AttnPlan | None:
+        """The first move of ``forward``: check one layer's queries against the batch and this
+        backend (host metadata only, no device sync) and return the batch's plan (planned now if
+        this backend has not planned it), or None when the batch has no query rows (IDLE)."""
         mode = batch.forward_mode
-        H, dv = self.num_heads, self.kv_pool.kv_lora_rank
         if mode.is_idle() or batch.total_q == 0:
-            res = q_nope.new_zeros((0, H, dv))
-            return res if out is None else out[:0]
+            return None
+        H, dv = self.num_heads, self.kv_pool.kv_lora_rank
         n = batch.total_q
         _check_queries(q_nope, q_pe, layer_id, self.kv_pool)
         exp_pe = (n, H, self.kv_pool.qk_rope_head_dim)
@@ -202,20 +204,33 @@ class MLABackend(ABC):
         if reason is not None:
             raise UnsupportedError(f"backend {self.name!r}, mode {mode.name}: {reason}")
         plan = batch.extra.get(self.name)
-        if not isinstance(plan, AttnPlan):
-            plan = self.plan(batch)
-        res = self._forward(q_nope, q_pe, layer_id, batch, plan)
-        if out is not None:
-            out.copy_(res)
-            return out
-        return res
+        return plan if isinstance(plan, AttnPlan) else self.plan(batch)
+
+    def empty_output(self, q_nope: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """``forward``'s result when ``checked_plan`` found no rows: ``[0, H, 512]``."""
+        res = q_nope.new_zeros((0, self.num_heads, self.kv_pool.kv_lora_rank))
+        return res if out is None else out[:0]
 
     @abstractmethod
-    def _forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
-                 batch: ForwardBatch, plan: AttnPlan) -> torch.Tensor:
-        """``[N, H, 512]`` in ``q_nope.dtype``."""
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
+                batch: ForwardBatch, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of one layer: q_nope ``[N, H, 512]``, q_pe ``[N, H, 64]`` -> ``[N, H, 512]``
+        in ``q_nope.dtype``.
+
+        ``out`` (optional, ``[N, H, 512]``) receives the result. The new rows must already be in
+        the pool. Implementations: ``plan = self.checked_plan(...)``; ``None`` ->
+        ``self.empty_output(q_nope, out)``; else the kernel, then ``write_output(res, out)``.
+        """
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, num_heads={self.num_heads}, "
                 f"softmax_scale={self.softmax_scale:.7g}, kv_dtype={self.kv_pool.dtype}, "
                 f"device={self.device})")
+
+
+def write_output(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``forward``'s last move: ``res``, or ``res`` copied into the caller's ``out``."""
+    if out is None:
+        return res
+    out.copy_(res)
+    return out

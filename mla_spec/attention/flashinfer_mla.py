@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_spec.attention.base import AttnPlan, MLABackend, UnsupportedError
+from mla_spec.attention.base import AttnPlan, MLABackend, UnsupportedError, write_output
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.kv_cache import build_kv_indices
 
@@ -69,7 +69,14 @@ class FlashInferMLABackend(MLABackend):
             return f"the MLA wrapper here targets SM80/SM90, device is SM{cap[0]}{cap[1]}"
         return _flashinfer_missing()
 
-    def _plan_extra(self, plan: AttnPlan, batch: ForwardBatch) -> None:
+    def plan(self, batch: ForwardBatch) -> AttnPlan:
+        plan = self.common_plan(batch)
+        if not plan.mode.is_idle():
+            self._plan_wrapper(plan)
+        batch.extra[self.name] = plan
+        return plan
+
+    def _plan_wrapper(self, plan: AttnPlan) -> None:
         pool = self.kv_pool
         kv_indptr, kv_indices, _ = build_kv_indices(
             self.req_to_token, plan.req_pool_indices, plan.kv_lens_cpu, pool.page_size)
@@ -83,7 +90,10 @@ class FlashInferMLABackend(MLABackend):
         )
         plan.extra["q_dtype"] = q_dtype
 
-    def _forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, plan: AttnPlan):
+    def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):
+        plan = self.checked_plan(q_nope, q_pe, layer_id, batch)
+        if plan is None:
+            return self.empty_output(q_nope, out)
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         kv = pool.get_kv(layer_id)
@@ -93,7 +103,7 @@ class FlashInferMLABackend(MLABackend):
         if k_scale != 1.0:
             qn, qp = qn * k_scale, qp * k_scale
         kw = {"ckv_scale": 1.0, "kpe_scale": 1.0} if pool.is_fp8 else {}
-        out = self.wrapper.run(qn, qp, ckv, kpe, **kw)
+        res = self.wrapper.run(qn, qp, ckv, kpe, **kw)
         if v_scale != 1.0:
-            out = out * v_scale
-        return out.to(q_nope.dtype)
+            res = res * v_scale
+        return write_output(res.to(q_nope.dtype), out)

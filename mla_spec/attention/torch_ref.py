@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mla_spec.attention.base import AttnPlan, MLABackend
+from mla_spec.attention.base import MLABackend, write_output
 from mla_spec.forward_batch import ForwardBatch
 
 __all__ = ["TorchMLABackend", "mla_attention_ref"]
@@ -87,12 +87,16 @@ class TorchMLABackend(MLABackend):
 
     name = "torch"
 
-    def _forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, plan: AttnPlan):
+    def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):
+        plan = self.checked_plan(q_nope, q_pe, layer_id, batch)
+        if plan is None:
+            return self.empty_output(q_nope, out)
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         kv_flat = pool.get_kv(layer_id).view(pool.num_slots, pool.kv_cache_dim)
-        return mla_attention_ref(
+        res = mla_attention_ref(
             q_nope, q_pe, kv_flat, self.req_to_token,
             plan.req_pool_indices.tolist(), plan.seq_lens_q_cpu, plan.kv_lens_cpu,
             self.softmax_scale, k_scale, v_scale,
         )
+        return write_output(res, out)

@@ -1,4 +1,4 @@
-"""Our backend: the split-KV Triton kernels of ``mla_spec/kernels/mla_decode*.py``.
+"""Our backend: the split-KV MLA kernels of ``mla_spec/kernels/mla/``.
 
 Two kernels compute the same function. The *paged* fast path (``mla_decode_paged``: one
 contiguous page tile per iteration, two half-width accumulators, fp16 MMA for FP8 KV) runs when
@@ -11,26 +11,30 @@ One kernel call serves every mode: fixed rows per request (DECODE, TARGET_VERIFY
 DRAFT_EXTEND_V2) go through ``q_len``, ragged ones (v1 DRAFT_EXTEND, EXTEND, MIXED) through
 ``qo_indptr`` with no padding at all. ``plan`` picks the tile config and the number of KV splits
 on the host once per step (no device sync in ``forward``, so it is CUDA-graph safe). The paged
-tile config comes from ``PAGED_DEFAULTS`` (``mla_spec/kernels/mla_decode_defaults.py``: per (KV
-dtype, rows per request, batch) class, the H200 sweep winners; edit it after a sweep) and, where
-the winner changes with the context, ``PAGED_CONTEXT_DEFAULTS`` (read with the plan's longest
-KV), which can select the V-split / fused-combine variants of ``mla_decode_vsplit``.
+tile config comes from ``PAGED_DEFAULTS`` (``mla_spec/kernels/mla/choice.py``: per (KV dtype,
+rows per request, batch) class, the H200 sweep winners; edit it after a sweep) and, where the
+winner changes with the context, ``PAGED_CONTEXT_DEFAULTS`` (read with the plan's longest KV),
+which can select the V-split / fused-combine variants (``kernels/mla/triton_vsplit.py``) or the
+CUDA kernels on Hopper (``kernels/mla/sm90_*.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from mla_spec.attention.base import AttnPlan, MLABackend
+from mla_spec.attention.base import AttnPlan, MLABackend, write_output
 from mla_spec.device import triton_interpreting
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import ForwardMode
-from mla_spec.kernels.mla_decode import MLAKernelConfig, default_config, mla_decode, pick_num_splits
-from mla_spec.kernels.mla_decode_paged import (
+from mla_spec.kernels.mla import (
+    MLAKernelConfig,
     PagedConfig,
+    default_config,
+    mla_decode,
     mla_decode_paged,
     paged_choice,
     paged_supported,
+    pick_num_splits,
     splits_for,
 )
 
@@ -50,10 +54,11 @@ class TritonMLABackend(MLABackend):
     add: ``quant.fp8.fp8_query_attention_error_bound`` and
     ``fp8_probability_attention_error_bound``. ``early_kv`` (default False): in the fixed-row
     modes the wgmma kernels (H200) load their first KV tile before their PDL wait, overlapping
-    the kernel ahead of them (batch 1 ctx 16k-32k: 2.5-5.4% a call; docs/bench_mla.md v19).
-    Turn it on only where the layer's KV store writes just the step's rows (each request's
-    last ``q_len``) and the page table and lengths were written at the step's start, as in a
-    decode loop; not where a whole cache is written just before the call."""
+    the kernel ahead of them (H200, 2026-11-30, batch 1 ctx 16k-32k: 4-5.4% a call;
+    docs/bench_mla.md, "early_kv"). Turn it on only where the layer's
+    KV store writes just the step's rows (each request's last ``q_len``) and the page table and
+    lengths were written at the step's start, as in a decode loop; not where a whole cache is
+    written just before the call."""
 
     name = "triton"
 
@@ -89,7 +94,15 @@ class TritonMLABackend(MLABackend):
             return None
         return "needs a CUDA GPU (or TRITON_INTERPRET=1 on CPU)"
 
-    def _plan_extra(self, plan: AttnPlan, batch: ForwardBatch) -> None:
+    def plan(self, batch: ForwardBatch) -> AttnPlan:
+        plan = self.common_plan(batch)
+        if not plan.mode.is_idle():
+            self._pick_kernel_config(plan, batch)
+        batch.extra[self.name] = plan
+        return plan
+
+    def _pick_kernel_config(self, plan: AttnPlan, batch: ForwardBatch) -> None:
+        """Tile config and KV splits of this step, for the paged and the generic kernel."""
         pool = self.kv_pool
         rows = (plan.fixed_q or plan.max_q) * self.num_heads
         # ragged draft extend (v1): pick the tile by the most rows a request can have, not by
@@ -122,7 +135,10 @@ class TritonMLABackend(MLABackend):
         plan.extra["num_splits"] = self.num_splits or pick_num_splits(
             plan.bs, -(-rows // cfg.block_m), plan.max_kv, cfg.block_n, self._sms)
 
-    def _forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, plan: AttnPlan):
+    def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):
+        plan = self.checked_plan(q_nope, q_pe, layer_id, batch)
+        if plan is None:
+            return self.empty_output(q_nope, out)
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         kv_flat = pool.get_kv(layer_id).view(pool.num_slots, pool.kv_cache_dim)
@@ -131,15 +147,17 @@ class TritonMLABackend(MLABackend):
         common = dict(k_scale=k_scale, v_scale=v_scale, **shape)
         if self.paged and (q_nope.dtype == pool.dtype or q_nope.device.type == "cpu"
                            or pool.is_fp8):
-            return mla_decode_paged(
+            res = mla_decode_paged(
                 q_nope, q_pe, kv_flat, self.req_to_token, plan.req_pool_indices, plan.kv_lens,
                 self.softmax_scale, page_size=pool.page_size, max_kv=plan.max_kv,
                 num_splits=plan.extra["paged_splits"], config=plan.extra["paged_config"],
                 early_kv=self.early_kv and not plan.extra["ragged"], **common)
+            return write_output(res, out)
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)
                else default_config((plan.fixed_q or plan.max_q) * self.num_heads,
                                    q_nope.dtype, pool.dtype, self.device))
-        return mla_decode(
+        res = mla_decode(
             q_nope, q_pe, kv_flat, self.req_to_token, plan.req_pool_indices, plan.kv_lens,
             self.softmax_scale, num_splits=plan.extra["num_splits"], fp8_dot=self.fp8_dot,
             config=cfg, **common)
+        return write_output(res, out)

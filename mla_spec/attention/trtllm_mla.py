@@ -8,7 +8,7 @@ v_scale`` (SGLang passes no bmm2_scale, so it never applies v_scale). Rows are c
 the end of each request's KV.
 
 Ragged modes (v1 DRAFT_EXTEND) are padded to ``max_q`` rows with
-``mla_spec.kernels.draft_extend_pad.pad_draft_extend_query(align="end")`` (real rows at the bottom,
+``mla_spec.kernels.pad.pad_draft_extend_query(align="end")`` (real rows at the bottom,
 so each sees exactly its own causal window) and the output is unpadded with
 ``unpad_draft_extend_output``. Prefill (EXTEND / MIXED) is not this kernel's job (SGLang runs
 ragged MHA over decompressed K/V there) and is reported unsupported.
@@ -26,9 +26,10 @@ from collections.abc import Callable
 
 import torch
 
-from mla_spec.attention.base import AttnPlan, MLABackend
+from mla_spec.attention.base import AttnPlan, MLABackend, write_output
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import ForwardMode
+from mla_spec.kernels.pad import pad_draft_extend_query, unpad_draft_extend_output
 from mla_spec.kv_cache import build_block_tables
 from mla_spec.quant.fp8 import FP8_DTYPE, quantize_fp8
 
@@ -114,13 +115,20 @@ class TRTLLMMLABackend(MLABackend):
         return ("trtllm-gen MLA is a decode/verify kernel; prefill (EXTEND/MIXED) runs ragged MHA "
                 "over decompressed K/V in SGLang (use the triton or flashinfer backend)")
 
-    def _plan_extra(self, plan: AttnPlan, batch: ForwardBatch) -> None:
-        ps = self.kv_pool.page_size
-        plan.extra["block_tables"] = build_block_tables(
-            self.req_to_token, plan.req_pool_indices, plan.kv_lens_cpu, ps,
-            pad_multiple=TRTLLM_BLOCK_CONSTRAINT // ps)
+    def plan(self, batch: ForwardBatch) -> AttnPlan:
+        plan = self.common_plan(batch)
+        if not plan.mode.is_idle():
+            ps = self.kv_pool.page_size
+            plan.extra["block_tables"] = build_block_tables(
+                self.req_to_token, plan.req_pool_indices, plan.kv_lens_cpu, ps,
+                pad_multiple=TRTLLM_BLOCK_CONSTRAINT // ps)
+        batch.extra[self.name] = plan
+        return plan
 
-    def _forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, plan: AttnPlan):
+    def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):
+        plan = self.checked_plan(q_nope, q_pe, layer_id, batch)
+        if plan is None:
+            return self.empty_output(q_nope, out)
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [N, H, 576]
@@ -133,8 +141,6 @@ class TRTLLMMLABackend(MLABackend):
             q = q.to(pool.dtype)
         ragged = plan.fixed_q is None
         if ragged:
-            from mla_spec.kernels.draft_extend_pad import pad_draft_extend_query
-
             query = pad_draft_extend_query(q, plan.seq_lens_q, plan.qo_indptr, plan.max_q,
                                            align="end")
         else:
@@ -148,10 +154,8 @@ class TRTLLMMLABackend(MLABackend):
             seq_lens=plan.kv_lens, max_seq_len=plan.max_kv, bmm1_scale=bmm1, bmm2_scale=v_scale,
         )
         if ragged:
-            from mla_spec.kernels.draft_extend_pad import unpad_draft_extend_output
-
-            out = unpad_draft_extend_output(raw, plan.seq_lens_q, plan.qo_indptr, plan.total_q,
+            res = unpad_draft_extend_output(raw, plan.seq_lens_q, plan.qo_indptr, plan.total_q,
                                             align="end")
         else:
-            out = raw.reshape(plan.total_q, self.num_heads, -1)
-        return out.to(q_nope.dtype)
+            res = raw.reshape(plan.total_q, self.num_heads, -1)
+        return write_output(res.to(q_nope.dtype), out)

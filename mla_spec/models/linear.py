@@ -1,4 +1,4 @@
-"""Linear layers for tensor parallelism: replicated, column-parallel, row-parallel.
+"""The model's linear layers: replicated, column-parallel, row-parallel, dense or NVFP4.
 
 Each keeps its weight whole (replicated) or as this rank's shard, BF16/FP32 or NVFP4 (ModelOpt's
 four tensors, copied in unchanged by the loader), and declares ``tp_shard_dims`` so the loader
@@ -10,20 +10,35 @@ class                   weight (dense)        NVFP4 weight / scale    communicat
 ReplicatedLinear        ``[out, in]``         ``[out, in/2]``, /16    none
 ColumnParallelLinear    ``[out/tp, in]``      rows split              none (output stays split)
 RowParallelLinear       ``[out, in/tp]``      K/2 and K/16 split      all-reduce (optional)
+NVFP4Linear             (always NVFP4)        ``[out, in/2]``, /16    none (a ReplicatedLinear)
 ======================  ====================  ======================  ============================
 
 A column-parallel layer followed by a row-parallel one needs exactly one all-reduce.
+
+The NVFP4 matmul (:func:`nvfp4_linear`, the one NVFP4 linear path of the package): on CUDA the
+W4A16 kernel of ``mla_spec.kernels.nvfp4.gemm`` (dequantization fused into the GEMM). On CPU it
+dequantizes to the activation dtype and calls ``F.linear`` (the torch twin); the dense weight
+``[out, in]`` is cached on the layer, so a decode step does not pay the dequantization again (it
+was about a quarter of CPU decode time). The cache is keyed on the identity, storage pointer and
+version counter of ``weight`` / ``weight_scale`` / ``weight_scale_2`` plus the dtype: a reload
+(``copy_``, ``load_state_dict``, ``to``) or any in-place write invalidates it. The MoE experts'
+buffers are views of one stacked storage and share its version counter, so writing any expert
+invalidates them all (only the loader writes them).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from mla_spec.kernels.bf16_gemv import gemv_linear
-from mla_spec.parallel import tp_all_reduce
+from mla_spec.distributed import tp_all_reduce
+from mla_spec.kernels.nvfp4 import nvfp4_gemm
+from mla_spec.kernels.ops import gemv_linear
+from mla_spec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
-__all__ = ["ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear", "NVFP4Linear",
+           "cached_dense_weight", "dequantize_weight", "nvfp4_linear", "quantize_weight"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,14 +98,10 @@ class _TPLinear(nn.Module):
         dtype = dtype or self.compute_dtype
         if not self.quantized:
             return self.weight if self.weight.dtype == dtype else self.weight.to(dtype)
-        from mla_spec.models.nvfp4_compat import dequantize_weight
-
         return dequantize_weight(self.weight, self.weight_scale, self.weight_scale_2, dtype)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
-            from mla_spec.models.nvfp4_compat import nvfp4_linear
-
             return nvfp4_linear(x, self)
         return gemv_linear(x, self.weight)
 
@@ -141,3 +152,108 @@ class RowParallelLinear(_TPLinear):
         if self.reduce_results:
             y = tp_all_reduce(y, self.tp_size)
         return y if self.bias is None else y + self.bias
+
+
+class NVFP4Linear(ReplicatedLinear):
+    """A whole (replicated) linear whose weight is NVFP4: ``y = x @ dequant(W)^T (+ bias)``.
+
+    The buffers carry the checkpoint's names (``weight`` uint8 ``[out, in/2]``, ``weight_scale``
+    e4m3 ``[out, in/16]``, ``weight_scale_2`` and ``input_scale`` fp32 scalars; scalars stored as
+    ``[1]`` load too), so ``load_state_dict`` on a dict read from an NVIDIA FP4 safetensors shard
+    fills them unchanged. The matmul is :func:`nvfp4_linear`, as in every quantized linear of the
+    model. ``dtype``: of the bias and of :meth:`dense_weight`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
+                 dtype=torch.float32, device=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, quantized=True, dtype=dtype,
+                         device=device)
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, bias: torch.Tensor | None = None,
+                   input_amax: float | None = None) -> NVFP4Linear:
+        """Quantize a float weight ``[out, in]`` (ModelOpt conventions) into a new layer."""
+        dtype = w.dtype if w.is_floating_point() else torch.float32
+        mod = cls(w.shape[1], w.shape[0], bias=bias is not None, dtype=dtype, device=w.device)
+        for name, t in quantize_weight(w, input_amax).items():
+            getattr(mod, name).copy_(t)
+        if bias is not None:
+            mod.bias.data.copy_(bias)
+        return mod
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        for name in ("weight_scale_2", "input_scale"):  # checkpoints store [] or [1]
+            t = state_dict.get(prefix + name)
+            if t is not None and t.numel() == 1:
+                state_dict[prefix + name] = t.reshape(())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear: x must be [..., {self.in_features}], "
+                             f"got {tuple(x.shape)}")
+        return super().forward(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# the NVFP4 matmul of every quantized linear (module docstring)
+# ---------------------------------------------------------------------------------------------
+_CACHE_ATTR = "_nvfp4_dense_cache"  # (key, dense weight) in the layer's __dict__
+_NAMES = ("weight", "weight_scale", "weight_scale_2")
+
+
+def dequantize_weight(weight: torch.Tensor, weight_scale: torch.Tensor,
+                      weight_scale_2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[N, K]`` dense weight in ``dtype`` from uint8 ``[N, K/2]`` + e4m3 ``[N, K/16]`` + fp32."""
+    return dequantize_nvfp4(weight, weight_scale, weight_scale_2.float(), dtype)
+
+
+def _cache_key(lin, dtype: torch.dtype) -> tuple | None:
+    """What the dense weight depends on; None when it cannot be tracked (inference tensors)."""
+    try:
+        return (dtype, *((id(t), t.data_ptr(), t._version)
+                         for t in (getattr(lin, n) for n in _NAMES)))
+    except RuntimeError:  # tensors made under torch.inference_mode() have no version counter
+        return None
+
+
+def cached_dense_weight(lin, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantized weight ``[out, in]`` of an NVFP4 layer ``lin`` in ``dtype``, cached on it.
+
+    Recomputed when a buffer is replaced or written in place, or ``dtype`` changes (one dtype is
+    kept per layer). The result is shared: treat it as read-only.
+    """
+    key = _cache_key(lin, dtype)
+    hit = lin.__dict__.get(_CACHE_ATTR)
+    if key is not None and hit is not None and hit[0] == key:
+        return hit[1]
+    w = dequantize_weight(lin.weight, lin.weight_scale, lin.weight_scale_2, dtype)
+    if key is not None:
+        lin.__dict__[_CACHE_ATTR] = (key, w)
+    return w
+
+
+def nvfp4_linear(x: torch.Tensor, lin) -> torch.Tensor:
+    """``x [..., K] @ dequant(W)^T -> [..., N]`` in ``x``'s dtype for an NVFP4 linear ``lin``.
+
+    CUDA: the W4A16 Triton GEMM (``mla_spec.kernels.nvfp4.gemm``). CPU: the cached dense weight
+    + F.linear (differentiable w.r.t. ``x``; faster than the Triton interpreter).
+    """
+    if x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad):
+        return nvfp4_gemm(x, lin.weight, lin.weight_scale, lin.weight_scale_2.reshape(()))
+    if x.is_cuda:  # autograd on a GPU: dequantize per call, keep no dense copy in GPU memory
+        return F.linear(x, dequantize_weight(lin.weight, lin.weight_scale, lin.weight_scale_2,
+                                             x.dtype))
+    return F.linear(x, cached_dense_weight(lin, x.dtype))
+
+
+def quantize_weight(w: torch.Tensor, input_amax: float | None = None) -> dict[str, torch.Tensor]:
+    """Quantize ``w [N, K]`` to the four checkpoint tensors (``input_scale`` from ``input_amax``,
+    default 1.0 * 2688 so that ``input_scale`` = 1.0: the W4A16 path never reads it)."""
+    q = quantize_nvfp4(w.float(), input_amax=2688.0 if input_amax is None else input_amax)
+    return {
+        "weight": q.weight,
+        "weight_scale": q.weight_scale,
+        "weight_scale_2": q.weight_scale_2.reshape(()).float(),
+        "input_scale": q.input_scale.reshape(()).float(),
+    }

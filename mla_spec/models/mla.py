@@ -28,17 +28,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mla_spec.kernels.bf16_gemv import bgemv, bgemv_supported, gemv_linear
+from mla_spec.kernels.ops import bgemv, bgemv_supported, gemv_linear
 from mla_spec.models.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mla_spec.models.norm import RMSNorm
 from mla_spec.models.rope import DeepseekRotaryEmbedding
 
-__all__ = ["MLAAttention", "FUSED_QKV_A"]
-
-#: One GEMM for ``q_a_proj`` and ``kv_a_proj_with_mqa`` (both read the layer input) at inference,
-#: when their dense weights lie back to back in one buffer, as :class:`MLAAttention` allocates
-#: them (SGLang's ``fused_qkv_a_proj_with_mqa``). Read at every call; False: two GEMMs.
-FUSED_QKV_A = True
+__all__ = ["MLAAttention"]
 
 
 class MLAAttention(nn.Module):
@@ -94,7 +89,8 @@ class MLAAttention(nn.Module):
 
     def _joint_qkv_a_storage(self) -> None:
         """Re-home the BF16/FP32 ``q_a_proj`` and ``kv_a_proj_with_mqa`` weights as two views of
-        one ``[q_lora_rank + 576, hidden]`` buffer, so inference reads both with one GEMM.
+        one ``[q_lora_rank + 576, hidden]`` buffer, so inference reads both with one GEMM (both
+        read the layer input; SGLang's ``fused_qkv_a_proj_with_mqa``).
 
         Loaders copy into parameters in place, which keeps the views; a module conversion
         (``.to()``) re-allocates them apart and :meth:`_qkv_a_weight` falls back to two GEMMs.
@@ -110,9 +106,10 @@ class MLAAttention(nn.Module):
         kva.weight = nn.Parameter(joint[qa.out_features:])
 
     def _qkv_a_weight(self) -> torch.Tensor | None:
-        """``[q_lora_rank + 576, hidden]`` view over both weights, or None (two GEMMs): off,
-        quantized, biased, not adjacent in memory, or an autograd graph to build."""
-        if not FUSED_QKV_A or self.q_lora_rank is None:
+        """``[q_lora_rank + 576, hidden]`` view over both weights, or None (two GEMMs): no
+        ``q_lora_rank``, quantized, biased, not adjacent in memory, or an autograd graph to
+        build."""
+        if self.q_lora_rank is None:
             return None
         qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
         if qa.quantized or kva.quantized or qa.bias is not None or kva.bias is not None:

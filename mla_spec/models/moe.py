@@ -24,7 +24,15 @@ as expert ``E' - 1 = n_routed_experts`` and, on the fused path, every token also
 with weight 1.0 (the routed weights already carry ``routed_scaling_factor``; the shared output
 is added unscaled). That folds the shared MLP (three NVFP4 GEMMs, SiLU, mul and the add: 6+
 launches per layer) into the routed launch, for two small ``cat`` calls on the top-k tensors.
-``FUSE_SHARED_EXPERTS`` / ``DeepseekV3MoE.fuse_shared_experts`` switch it.
+A MoE's ``fuse_shared_experts`` attribute (default on) switches it.
+
+Kernels by default, where they run (CUDA, inference): the router kernel
+(``kernels.ops.router``, one program per token; on the H200 it took the MoE block at bs 1 from
+147 to 107 µs, docs/bench_layer.md), the fused NVFP4 MoE, and for unquantized experts (the BF16
+MTP layer of NVIDIA's FP4 checkpoints) two grouped GEMMs (``models.moe_grouped``) instead of
+every expert on every row. CPU tensors and training take the torch code (``route_tokens``, the
+loop over active experts). Per-module attributes force a path (tests, benchmarks):
+``MoEGate.fused_router``, ``DeepseekV3MoE.fused_mode`` and ``fuse_shared_experts``.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_spec.device import use_triton
+from mla_spec.distributed import tp_all_reduce
+from mla_spec.kernels.ops import route_tokens
 from mla_spec.models.linear import ColumnParallelLinear, RowParallelLinear
 from mla_spec.models.moe_grouped import (
     grouped_experts_forward,
@@ -41,30 +51,9 @@ from mla_spec.models.moe_grouped import (
     stack_dense_experts,
     still_stacked,
 )
-from mla_spec.parallel import tp_all_reduce
 
-__all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "FUSED_ROUTER",
-           "FUSE_SHARED_EXPERTS", "GROUPED_BF16_EXPERTS", "shared_fusion_pays",
+__all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "shared_fusion_pays",
            "shared_expert_column", "with_shared_column"]
-
-#: Route CUDA tensors with the one-program-per-token Triton kernel (``kernels.moe_router``).
-#: On the H200 it took the MoE block at bs 1 from 147 to 107 µs (docs/bench_layer.md). CPU
-#: tensors keep ``route_tokens`` (the interpreter would only be slower); a gate's
-#: ``fused_router`` attribute overrides both (True: wherever Triton runs, interpreter included).
-FUSED_ROUTER = True
-
-#: Run the shared expert inside the fused NVFP4 MoE launch as expert ``n_routed_experts`` that
-#: every token selects with weight 1.0 (when it was stacked there: ``shared_fused``). Read at
-#: forward time; a MoE's ``fuse_shared_experts`` attribute (True / False) overrides it. Paths
-#: other than the fused kernel (CPU loop, masked, BF16 experts) always call the shared MLP.
-FUSE_SHARED_EXPERTS = True
-
-#: Unquantized experts (the BF16 MTP layer of NVIDIA's FP4 checkpoints) run as two grouped GEMMs
-#: on CUDA at inference (``models.moe_grouped``) instead of every expert on every row. Read when a
-#: MoE is built (it stacks the experts' weights as views). On since the H200 GPU suite passed
-#: (2026-11-29, fourth session: 1 / 4 / 32 tokens against the loop, eager and in a CUDA graph).
-GROUPED_BF16_EXPERTS = True
-
 
 def shared_fusion_pays(num_tokens: int) -> bool:
     """Whether the shared expert should ride in the fused launch for ``num_tokens`` rows.
@@ -74,7 +63,7 @@ def shared_fusion_pays(num_tokens: int) -> bool:
     (bench_layer): 1 token 89.7 -> 78.1 µs per MoE block with fusion, 4 tokens 186.3 -> 203.2.
     One token and the sorted path (more tokens: the shared expert is one expert with every
     row) fuse."""
-    from mla_spec.kernels.nvfp4_moe_gemv import MOE_GEMV_MAX_M
+    from mla_spec.kernels.nvfp4 import MOE_GEMV_MAX_M
 
     return num_tokens <= 1 or num_tokens > MOE_GEMV_MAX_M
 
@@ -123,43 +112,6 @@ class DenseMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def route_tokens(
-    router_logits: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    top_k: int,
-    n_group: int,
-    topk_group: int,
-    norm_topk_prob: bool,
-    routed_scaling_factor: float,
-    scoring_func: str = "sigmoid",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 grouped top-k routing.
-
-    ``router_logits [N, E]`` fp32 -> ``topk_weights [N, top_k]`` fp32, ``topk_ids [N, top_k]``
-    int64. ``bias`` (``e_score_correction_bias [E]``) only affects which experts are chosen.
-    """
-    if scoring_func == "sigmoid":
-        scores = router_logits.sigmoid()
-    elif scoring_func == "softmax":
-        scores = router_logits.softmax(dim=-1)
-    else:
-        raise ValueError(f"scoring_func {scoring_func!r}: supported 'sigmoid', 'softmax'")
-    n, e = scores.shape
-    choice = scores if bias is None else scores + bias.float()
-    if n_group > 1:
-        grouped = choice.view(n, n_group, e // n_group)
-        group_scores = grouped.topk(min(2, e // n_group), dim=-1).values.sum(-1)  # [N, G]
-        keep = group_scores.topk(topk_group, dim=-1, sorted=False).indices
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        choice = choice.masked_fill(~mask.repeat_interleave(e // n_group, dim=1), float("-inf"))
-    topk_ids = choice.topk(top_k, dim=-1, sorted=False).indices
-    weights = scores.gather(1, topk_ids)
-    if norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, topk_ids
-
-
 class MoEGate(nn.Module):
     """``mlp.gate``: ``weight [E, hidden]`` and ``e_score_correction_bias [E]``, kept in fp32."""
 
@@ -178,8 +130,10 @@ class MoEGate(nn.Module):
             self.n_group = self.topk_group = 1
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.scoring_func = cfg.scoring_func
-        self.fused_router: bool | None = None  # None: the module-level FUSED_ROUTER
-        from mla_spec.kernels.moe_router import fused_route_supports
+        # None: the kernel on CUDA where it handles the routing shape; True: wherever Triton
+        # runs (the interpreter included); False: route_tokens everywhere
+        self.fused_router: bool | None = None
+        from mla_spec.kernels.ops import fused_route_supports
 
         # the routing shape is fixed: whether the kernel handles it is known once
         self._kernel_fits = fused_route_supports(E, self.n_group, self.topk_group, self.top_k)
@@ -196,10 +150,10 @@ class MoEGate(nn.Module):
                   norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.scale,
                   scoring_func=self.scoring_func)
         if self.fused_router is None:  # by default only where the kernel handles the shape
-            fused = FUSED_ROUTER and x.is_cuda and self._kernel_fits
+            fused = x.is_cuda and self._kernel_fits
         else:
             fused = self.fused_router
-        from mla_spec.kernels.moe_router import fused_route, gate_logits, gate_logits_ref
+        from mla_spec.kernels.ops import fused_route, gate_logits, gate_logits_ref
 
         kernel = fused and use_triton(x) and not torch.is_grad_enabled()
         # the logits kernel on CUDA only (the CPU interpreter would only be slow)
@@ -242,11 +196,10 @@ class DeepseekV3MoE(nn.Module):
         # GEMMs when stacked, else the masked all-experts loop), elsewhere the loop over active
         # experts. "never" / "always" / "masked" / "grouped" force a path (tests, graph capture).
         self.fused_mode = "auto"
-        self.fuse_shared_experts: bool | None = None  # None: the module-level FUSE_SHARED_EXPERTS
+        self.fuse_shared_experts = True  # where stacked (shared_fused) and on the fused path
         self.shared_fused = False  # set by _stack_nvfp4_experts
         self._fused = self._stack_nvfp4_experts()
-        self._dense = (stack_dense_experts(self.experts)
-                       if GROUPED_BF16_EXPERTS and self._fused is None else None)
+        self._dense = stack_dense_experts(self.experts) if self._fused is None else None
 
     def _shared_stackable(self, g0, d0) -> bool:
         """The shared expert is NVFP4 with exactly the routed experts' per-rank shapes
@@ -301,13 +254,11 @@ class DeepseekV3MoE(nn.Module):
 
     def _fuse_shared(self) -> bool:
         """Run the shared expert as fused row ``E`` (only meaningful on the fused path)."""
-        want = FUSE_SHARED_EXPERTS if self.fuse_shared_experts is None \
-            else self.fuse_shared_experts
-        return self.shared_fused and bool(want)
+        return self.shared_fused and bool(self.fuse_shared_experts)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
-        """The grouped BF16 path: stacked experts (``GROUPED_BF16_EXPERTS`` at build time),
-        still stacked, inference, and CUDA under ``fused_mode`` "auto" or any device under
+        """The grouped BF16 path: stacked experts (unquantized ones, at build time), still
+        stacked, inference, and CUDA under ``fused_mode`` "auto" or any device under
         "grouped" (tests); shapes and dtypes ``torch._grouped_mm`` takes."""
         if self._dense is None or torch.is_grad_enabled() or self.fused_mode not in (
                 "auto", "grouped") or (self.fused_mode == "auto" and not x.is_cuda):
@@ -327,7 +278,7 @@ class DeepseekV3MoE(nn.Module):
         ``with_shared`` (needs ``shared_fused``): also the shared expert, as top-k column
         ``k`` = expert ``E`` with weight 1.0 for every token (``[N, k] -> [N, k + 1]``).
         """
-        from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
+        from mla_spec.kernels.nvfp4 import fused_moe_nvfp4
         from mla_spec.quant.nvfp4 import NVFP4Tensor
 
         w13, s13, w2, s2 = self._fused

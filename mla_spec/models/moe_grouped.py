@@ -13,9 +13,10 @@ and no memory is duplicated. A later ``module.to(...)`` gives the parameters new
 :func:`still_stacked` notices it and the MoE falls back to its other paths.
 
 ``benchmarks/bench_layer.py`` times the BF16 MTP layer with :func:`grouped_experts_forward` (on an
-H200 in CUDA graphs; 365 µs for the whole MTP layer at batch 1). In the model it is the default
-on CUDA since the H200 GPU suite passed (``mla_spec.models.moe.GROUPED_BF16_EXPERTS``; set it
-False before building a model to keep the masked all-experts path).
+H200 in CUDA graphs; 365 µs for the whole MTP layer at batch 1). In the model it is the path for
+unquantized experts on CUDA at inference (checked on an H200, 2026-11-29: 1 / 4 / 32 tokens
+against the loop, eager and in a CUDA graph, ``tests/models/test_moe_grouped.py``);
+``DeepseekV3MoE.fused_mode = "masked"`` forces the masked all-experts path.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ with transformers' ``DeepseekV3RMSNorm``), and the multiply follows torch's type
 fp32 weight on a bf16 activation returns fp32).
 
 On a CUDA tensor, outside autograd, the forward is one fused Triton kernel
-(``mla_spec.kernels.rmsnorm.rms_norm``: one program per row, fp32 math, CUDA-graph capturable)
+(``mla_spec.kernels.ops.rms_norm``: one program per row, fp32 math, CUDA-graph capturable)
 instead of ~8 torch kernels. Everywhere else (CPU, including CPU runs under the Triton
 interpreter; training; unsupported dtypes) it runs the torch code, which is the kernel's twin
 ``rms_norm_ref`` and bit-identical to the original module.
@@ -18,13 +18,8 @@ import torch
 from torch import nn
 
 from mla_spec.device import triton_interpreting, use_triton
-from mla_spec.kernels.rmsnorm import (
-    SUPPORTED_DTYPES,
-    rms_norm,
-    rms_norm_add,
-    rms_norm_add_ref,
-    rms_norm_ref,
-)
+from mla_spec.kernels.ops import rms_norm, rms_norm_add, rms_norm_add_ref, rms_norm_ref
+from mla_spec.kernels.ops.rmsnorm import SUPPORTED_DTYPES
 
 __all__ = ["RMSNorm"]
 

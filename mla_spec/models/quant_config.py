@@ -16,6 +16,10 @@ An exclusion pattern is a glob over the module name (``.`` literal, ``*`` -> ``.
 match the *whole* name (regex fullmatch), e.g. ``model.layers.*.self_attn*`` or ``lm_head``.
 Excluded linears stay BF16. The MTP layer is always BF16 here (as SGLang forces for
 ``modelopt_fp4``), whatever the list says.
+
+Supported values: ``quant_algo`` "NVFP4" (group size 16) and ``kv_cache_quant_algo`` "FP8" or
+none; anything else (an INT8 or FP4 KV cache, FP8 weights, another ``kv_cache_scheme``) raises
+``ValueError`` naming the value, the supported ones and the file, rather than being ignored.
 """
 
 from __future__ import annotations
@@ -27,7 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QuantConfig"]
+__all__ = ["QuantConfig", "SUPPORTED_QUANT_ALGOS", "SUPPORTED_KV_CACHE_QUANT_ALGOS"]
+
+SUPPORTED_QUANT_ALGOS = ("NVFP4",)
+#: ``kv_cache_quant_algo`` values (case-insensitive); None (absent or null) means no KV quantization
+SUPPORTED_KV_CACHE_QUANT_ALGOS = ("FP8",)
 
 
 def _glob_to_regex(pattern: str) -> re.Pattern:
@@ -38,7 +46,7 @@ def _glob_to_regex(pattern: str) -> re.Pattern:
 class QuantConfig:
     """NVFP4 weight quantization (``quant_algo`` "NVFP4") with BF16 exclusions.
 
-    ``kv_cache_quant_algo``: "FP8" or None. ``producer``: the writer's name/version dict.
+    ``kv_cache_quant_algo``: "FP8" (any case) or None. ``producer``: the writer's name/version dict.
     ``mtp_layer_id``: checkpoint index of the MTP layer (``num_hidden_layers``), always BF16.
     """
 
@@ -50,8 +58,16 @@ class QuantConfig:
     mtp_layer_id: int | None = None
 
     def __post_init__(self) -> None:
-        if self.quant_algo != "NVFP4":
-            raise ValueError(f"quant_algo {self.quant_algo!r}: supported 'NVFP4'")
+        if self.quant_algo not in SUPPORTED_QUANT_ALGOS:
+            raise ValueError(f"quant_algo {self.quant_algo!r}: supported "
+                             f"{', '.join(map(repr, SUPPORTED_QUANT_ALGOS))} (a checkpoint "
+                             "without a quantization config loads as BF16)")
+        kv = self.kv_cache_quant_algo
+        if kv is not None and (not isinstance(kv, str)
+                               or kv.upper() not in SUPPORTED_KV_CACHE_QUANT_ALGOS):
+            raise ValueError(f"kv_cache_quant_algo {kv!r}: supported "
+                             f"{', '.join(map(repr, SUPPORTED_KV_CACHE_QUANT_ALGOS))} (an e4m3 "
+                             "KV cache) or null (none)")
         if self.group_size != 16:
             raise ValueError(f"group_size {self.group_size}: NVFP4 uses 16")
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
@@ -88,7 +104,10 @@ class QuantConfig:
         kv = q.get("kv_cache_quant_algo")
         scheme = q.get("kv_cache_scheme")
         if kv is None and scheme:
-            kv = "FP8" if scheme.get("type") == "float" and scheme.get("num_bits") == 8 else None
+            if not (scheme.get("type") == "float" and scheme.get("num_bits") == 8):
+                raise ValueError(f"kv_cache_scheme {dict(scheme)!r}: supported "
+                                 "{'type': 'float', 'num_bits': 8} (an FP8 e4m3 KV cache)")
+            kv = "FP8"
         return cls(
             quant_algo=algo,
             group_size=int(group or 16),
@@ -109,7 +128,10 @@ class QuantConfig:
                 d = json.loads(hq.read_text())
             except json.JSONDecodeError as e:
                 raise ValueError(f"{hq}: not valid JSON ({e})") from e
-            return cls.from_hf_quant_config(d, mtp_layer_id=mtp_layer_id)
+            try:
+                return cls.from_hf_quant_config(d, mtp_layer_id=mtp_layer_id)
+            except ValueError as e:
+                raise ValueError(f"{hq}: {e}") from e
         cj = p / "config.json"
         if cj.exists():
             q = json.loads(cj.read_text()).get("quantization_config")
@@ -119,7 +141,10 @@ class QuantConfig:
                         f"{cj}: quantization_config.quant_method {q.get('quant_method')!r}: "
                         "supported 'modelopt' (NVFP4)"
                     )
-                return cls.from_quantization_config(q, mtp_layer_id=mtp_layer_id)
+                try:
+                    return cls.from_quantization_config(q, mtp_layer_id=mtp_layer_id)
+                except ValueError as e:
+                    raise ValueError(f"{cj}: quantization_config: {e}") from e
         return None
 
     # ---- queries -------------------------------------------------------------------------

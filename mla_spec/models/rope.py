@@ -26,20 +26,10 @@ import torch
 from torch import nn
 
 from mla_spec.device import triton_interpreting, use_triton
-from mla_spec.kernels.rope import (
-    SUPPORTED_DTYPES,
-    apply_rope_interleaved,
-    rope_cos_sin,
-    rope_qk,
-    rope_qk_ref,
-)
+from mla_spec.kernels.ops import apply_rope_interleaved, rope_cos_sin, rope_qk, rope_qk_ref
+from mla_spec.kernels.ops.rope import SUPPORTED_DTYPES
 
-__all__ = ["DeepseekRotaryEmbedding", "yarn_inv_freq", "apply_rope_interleaved", "FUSED_ROPE"]
-
-#: One Triton kernel for q_pe and k_pe (``mla_spec.kernels.rope``) on CUDA at inference, instead
-#: of ~24 torch kernels (one H200 layer at bs 1: 35 µs less). Read at every call; the torch twin
-#: runs elsewhere (CPU, training).
-FUSED_ROPE = True
+__all__ = ["DeepseekRotaryEmbedding", "yarn_inv_freq", "apply_rope_interleaved"]
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:
@@ -107,9 +97,11 @@ class DeepseekRotaryEmbedding(nn.Module):
         return rope_cos_sin(positions, self.inv_freq, self.attention_factor)
 
     def _fused(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor) -> bool:
-        """Whether the fused kernel runs: ``FUSED_ROPE``, a CUDA tensor (not the CPU
-        interpreter), inference shapes ``[N]`` / ``[N, H, D]`` / ``[N, D]``, no autograd."""
-        if not FUSED_ROPE or not use_triton(q_pe) or triton_interpreting():
+        """Whether the fused kernel (``mla_spec.kernels.ops.rope``: one Triton kernel for q_pe
+        and k_pe instead of ~24 torch kernels, 35 µs less per H200 layer at bs 1) runs: a CUDA
+        tensor (not the CPU interpreter), inference shapes ``[N]`` / ``[N, H, D]`` / ``[N, D]``,
+        no autograd. Elsewhere (CPU, training) the torch twin runs."""
+        if not use_triton(q_pe) or triton_interpreting():
             return False
         if positions.dim() != 1 or q_pe.dim() != 3 or k_pe.dim() != 2:
             return False

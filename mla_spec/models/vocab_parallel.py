@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mla_spec.parallel import tp_all_gather, tp_all_reduce
+from mla_spec.distributed import tp_all_gather, tp_all_reduce
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "lm_head_logits"]
 

@@ -13,12 +13,22 @@ cast on CUDA is not saturating); ±inf saturate too; NaN stays NaN. The relative
 in the normal range is at most ``2**-4`` (half an ulp of a 3-bit mantissa); below ``2**-6``
 (subnormals) the absolute error is at most ``2**-10 * scale``.
 
+Non-finite input. :func:`quantize_fp8` works element by element: ``±inf`` saturate to ``±448``
+(e4m3fn has no infinity) and a NaN stays NaN in its own element only; it does not check, because
+the KV-store launchers call it on every cache write when interpreting and a check would cost a
+device sync. :func:`quantize_rows_e4m3` and :func:`fp8_scale_for` derive a scale from ``amax``,
+where one inf would turn the row's finite values into 0 and itself into NaN (or hide behind a
+scale of 1.0), so they raise ``ValueError`` naming the first non-finite position instead
+(:func:`require_finite`).
+
 The Triton kernels use the same rule (clamp, then ``.to(tl.float8e4nv)``, RTNE on Hopper); under
 the CPU interpreter that cast is not RTNE, so the launchers quantize with the functions here when
-interpreting (see ``mla_spec/kernels/kv_store.py``).
+interpreting (see ``mla_spec/kernels/ops/kv_store.py``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -27,6 +37,7 @@ __all__ = [
     "FP8_DTYPE",
     "quantize_fp8",
     "dequantize_fp8",
+    "require_finite",
     "fp8_scale_for",
     "fp8_e4m3_values",
     "fp8_max_rel_error",
@@ -44,6 +55,36 @@ FP8_E4M3_MAX = 448.0
 # Half an ulp of a 3-bit mantissa, relative: the worst relative rounding error for normal values.
 FP8_E4M3_REL_ERR = 2.0**-4
 _SMALLEST_NORMAL = 2.0**-6
+
+
+def require_finite(x: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` unless every element of ``x`` is finite.
+
+    The message names ``what``, how many elements are NaN / inf and the first one's index and
+    value. Integer and bool tensors pass; ``float8_e4m3fn`` is checked for its NaN code. The
+    common case costs one reduction and one sync: a NaN or inf never sums to a finite value, so
+    a finite ``x.sum()`` proves every element finite (a sum that overflows is checked exactly).
+    """
+    if x.dtype == FP8_DTYPE:
+        bad = (x.view(torch.uint8) & 0x7F) == 0x7F
+        if not bool(bad.any()):
+            return
+    elif x.is_floating_point():
+        if x.element_size() == 1:  # other 8-bit floats have no isfinite kernel
+            x = x.float()
+        if bool(torch.isfinite(x.sum())):
+            return
+        bad = ~torch.isfinite(x)
+        if not bool(bad.any()):
+            return
+    else:
+        return
+    first = tuple(int(i) for i in bad.nonzero()[0])
+    value = float(x[first].float())
+    raise ValueError(
+        f"{what}: {int(bad.sum())} of {x.numel()} values are NaN or inf (first {value} at index "
+        f"{list(first)}, shape {list(x.shape)}); only finite values are supported"
+    )
 
 
 def _check_scale(scale: float | torch.Tensor) -> None:
@@ -99,9 +140,17 @@ def dequantize_fp8(
 
 
 def fp8_scale_for(x: torch.Tensor, margin: float = 1.0) -> float:
-    """Per-tensor scale mapping ``max|x|`` to 448 (``amax / 448 * margin``; 1.0 for all-zero x)."""
+    """Per-tensor scale mapping ``max|x|`` to 448 (``amax / 448 * margin``; 1.0 for all-zero x).
+
+    Raises ``ValueError`` when ``x`` holds NaN / inf (no scale fits them) or ``margin`` is not
+    positive and finite.
+    """
+    if not (margin > 0 and math.isfinite(margin)):
+        raise ValueError(f"fp8_scale_for: margin {margin!r} must be positive and finite")
     amax = float(x.detach().abs().max()) if x.numel() else 0.0
-    if not amax or amax != amax or amax == float("inf"):
+    if amax != amax or amax == float("inf"):
+        require_finite(x.detach(), "fp8_scale_for: x")
+    if not amax:
         return 1.0
     return amax / FP8_E4M3_MAX * margin
 
@@ -158,7 +207,11 @@ def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     per tensor (TRT-LLM-gen's ``q_scale``): a head whose queries are small keeps its 3
     mantissa bits. The error it adds to an attention output:
     :func:`fp8_query_attention_error_bound`.
+
+    Raises ``ValueError`` when ``x`` holds NaN / inf (one inf would zero its row's finite values
+    and become NaN itself); the check costs one device sync.
     """
+    require_finite(x, "quantize_rows_e4m3: x")
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
     inv = torch.where(amax > 0, FP8_E4M3_MAX / amax.clamp_min(torch.finfo(torch.float32).tiny),

@@ -29,13 +29,24 @@ Quantization follows ``NVFP4QTensor`` of NVIDIA Model-Optimizer (facts only, own
 
 The activation scale that ModelOpt exports beside each linear is ``input_scale = amax(x) /
 (6 * 448)``; a W4A16 GEMM does not need it, but the checkpoint carries it.
+
+Values. NVFP4 holds finite numbers only (E2M1 and e4m3fn have no infinity), so
+:func:`quantize_nvfp4` raises ``ValueError`` on NaN / inf input (one inf would make every
+dequantized value NaN, one NaN its whole block) and on a global scale that is not positive and
+finite (0 would dequantize everything to 0). :func:`check_nvfp4_scales` checks the scales of an
+already quantized weight (the loader calls it). :class:`NVFP4Tensor` checks dtypes and shapes
+only: it is also built inside forward passes and CUDA-graph captures, where reading a value
+would cost a device sync.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from mla_spec.quant.fp8 import require_finite
 
 __all__ = [
     "E2M1_VALUES",
@@ -54,6 +65,7 @@ __all__ = [
     "quantize_nvfp4",
     "dequantize_nvfp4",
     "validate_nvfp4",
+    "check_nvfp4_scales",
     "nvfp4_error_report",
     "make_error_report",
 ]
@@ -118,8 +130,14 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def global_scale(amax: torch.Tensor | float) -> torch.Tensor:
-    """Per-tensor scale ``amax / (6 * 448)`` as an fp32 scalar tensor (``amax == 0`` -> 1/2688)."""
+    """Per-tensor scale ``amax / (6 * 448)`` as an fp32 scalar tensor (``amax == 0`` -> 1/2688).
+
+    Raises ``ValueError`` when ``amax`` is negative, NaN or inf.
+    """
     a = torch.as_tensor(amax, dtype=torch.float32)
+    if not bool(torch.all(torch.isfinite(a) & (a >= 0))):
+        raise ValueError(f"NVFP4 global scale from amax {a.tolist()}: amax must be finite and "
+                         ">= 0")
     a = torch.where(a > 0, a, torch.ones_like(a))
     return a / (FP4_MAX * E4M3_MAX)
 
@@ -144,7 +162,7 @@ class NVFP4Tensor:
 
     ``weight`` uint8 ``[..., N, K/2]``, ``weight_scale`` float8_e4m3fn ``[..., N, K/16]``,
     ``weight_scale_2`` fp32 scalar tensor (or ``[E]`` / ``[E, 2]`` for stacked experts, see
-    ``mla_spec.kernels.nvfp4_moe``), ``input_scale`` fp32 or None. Leading dims stack experts.
+    ``mla_spec.kernels.nvfp4.reference``), ``input_scale`` fp32 or None. Leading dims stack experts.
     """
 
     weight: torch.Tensor
@@ -189,7 +207,8 @@ def validate_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
     k = weight.shape[-1] * 2
     if k % BLOCK_SIZE:
         raise ValueError(f"{p}weight: K = {k} (2 * {weight.shape[-1]}) is not a multiple of "
-                         f"{BLOCK_SIZE}; NVFP4 needs in_features % 16 == 0")
+                         f"the group size {BLOCK_SIZE}; NVFP4 needs in_features to be a "
+                         f"multiple of {BLOCK_SIZE}")
     if weight_scale.dtype != torch.float8_e4m3fn:
         raise ValueError(f"{p}weight_scale must be float8_e4m3fn, got {weight_scale.dtype}")
     want = (*weight.shape[:-1], k // BLOCK_SIZE)
@@ -206,8 +225,47 @@ def validate_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
     return k
 
 
+def check_nvfp4_scales(weight_scale: torch.Tensor | None = None,
+                       weight_scale_2: torch.Tensor | None = None,
+                       input_scale: torch.Tensor | None = None, name: str = "") -> None:
+    """Check the values of an NVFP4 weight's scales (any of them; None skips one).
+
+    ``weight_scale_2`` and ``input_scale`` (global scales, every element) must be positive and
+    finite; ``weight_scale`` (e4m3 block scales) must hold no NaN and no negative value (0 is
+    allowed: its block dequantizes to 0). Reads the values (a device sync per tensor), so
+    :class:`NVFP4Tensor` does not call it.
+
+    Raises
+    ------
+    ValueError
+        naming the tensor, the first bad value and its index.
+    """
+    p = f"{name}." if name else ""
+    for what, t in (("weight_scale_2", weight_scale_2), ("input_scale", input_scale)):
+        if t is None or not t.numel():
+            continue
+        lo, hi = (float(v) for v in t.float().aminmax())  # NaN reaches both
+        if lo > 0 and math.isfinite(hi):
+            continue
+        bad = ~(torch.isfinite(t) & (t > 0))
+        first = [int(i) for i in bad.nonzero()[0]]
+        raise ValueError(f"{p}{what}: {float(t[tuple(first)])} at index {first} (shape "
+                         f"{list(t.shape)}): an NVFP4 global scale must be positive and finite")
+    if weight_scale is not None and weight_scale.numel():
+        codes = weight_scale.view(torch.uint8)
+        if int(codes.max()) < 0x7F:  # every code a positive finite e4m3 value (or +0)
+            return
+        require_finite(weight_scale, f"{p}weight_scale")
+        neg = (codes & 0x80).bool() & (codes & 0x7F).bool()
+        if bool(neg.any()):
+            first = [int(i) for i in neg.nonzero()[0]]
+            raise ValueError(f"{p}weight_scale: {float(weight_scale[tuple(first)].float())} at "
+                             f"index {first}: NVFP4 block scales must be >= 0")
+
+
 def quantize_nvfp4(w: torch.Tensor, weight_scale_2: torch.Tensor | None = None,
-                   input_amax: float | torch.Tensor | None = None) -> NVFP4Tensor:
+                   input_amax: float | torch.Tensor | None = None,
+                   name: str = "") -> NVFP4Tensor:
     """Quantize ``w [..., N, K]`` (K % 16 == 0) to NVFP4 with ModelOpt's conventions.
 
     Parameters
@@ -218,10 +276,18 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: torch.Tensor | None = None,
         global scale to use (default ``amax(|w|) / 2688``, one for the whole tensor).
     input_amax : float, optional
         calibrated activation amax; sets ``input_scale = input_amax / 2688``.
+    name : str, optional
+        the weight's name, for error messages.
 
     Returns
     -------
     NVFP4Tensor
+
+    Raises
+    ------
+    ValueError
+        ``w`` holds NaN / inf (the message gives the first index), ``weight_scale_2`` is not
+        positive and finite, or ``input_amax`` is negative or not finite.
     """
     if not w.is_floating_point():
         raise ValueError(f"quantize_nvfp4: w must be a float tensor, got {w.dtype}")
@@ -229,8 +295,12 @@ def quantize_nvfp4(w: torch.Tensor, weight_scale_2: torch.Tensor | None = None,
         raise ValueError(f"quantize_nvfp4: w must be [..., N, K] with K % 16 == 0, "
                          f"got {tuple(w.shape)}")
     w32 = w.float()
+    what = f"quantize_nvfp4: {name or 'w'}"
+    require_finite(w32, what)
     ws2 = global_scale(w32.abs().amax()) if weight_scale_2 is None else weight_scale_2.float()
     ws2 = ws2.to(w.device)
+    if weight_scale_2 is not None:
+        check_nvfp4_scales(weight_scale_2=ws2, name=name or "quantize_nvfp4")
     validate_nvfp4(torch.zeros((*w.shape[:-1], w.shape[-1] // 2), dtype=torch.uint8,
                                device="meta"),
                    torch.zeros((*w.shape[:-1], w.shape[-1] // BLOCK_SIZE),

@@ -34,18 +34,24 @@ greedy decisions (and v1's ragged shapes) agree without extra communication.
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from mla_spec.config import SpecConfig
+from mla_spec.distributed import rank_device, resolve_backend
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import CaptureHiddenMode
+from mla_spec.model_runner import ModelRunner
+from mla_spec.runtime.cuda_graph import attach_graphs
 
-__all__ = ["EagleWorker", "StepOutput", "greedy_accept", "no_host_sync"]
+__all__ = ["EagleWorker", "StepOutput", "build_rank", "greedy_accept", "no_host_sync"]
 
 FULL, LAST = CaptureHiddenMode.FULL, CaptureHiddenMode.LAST
+
+logger = logging.getLogger(__name__)
 
 
 def greedy_accept(predict: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
@@ -121,6 +127,14 @@ class EagleWorker:
         if plan.kind == "stop":
             return None
         raise ValueError(f"unknown step kind {plan.kind!r}: expected prefill, decode or stop")
+
+    def after_step(self) -> None:
+        """Collect the step's forward timings (a worker rank; rank 0's ``Engine.step`` does it)."""
+        self.runner.timer.collect()
+
+    def close(self) -> None:
+        """Drop the CUDA graphs, before the process group goes (``ModelRunner.release_graphs``)."""
+        self.runner.release_graphs()
 
     def _rows(self, plan, rows_per_req) -> list[int]:
         return [r for r, q in zip(plan.req_pool_indices, rows_per_req) for _ in range(q)]
@@ -247,3 +261,24 @@ class EagleWorker:
         run.prepare("draft", eb, self._rows(plan, acc))
         dh = run.run("draft", eb, predict.reshape(-1)[rows], vh[rows])
         self._keep_draft(rpi, dh[eb.select_last_rows()])
+
+
+def build_rank(rank: int, world_size: int, runner_kw: dict, spec: SpecConfig) -> EagleWorker:
+    """Ranks 1..N-1 (in the worker processes): this rank's shard and the worker that executes
+    rank 0's plans on it (``runner_kw``: ``ModelRunner.from_checkpoint``'s arguments, plus
+    ``cuda_graph`` / ``graph_batch_sizes`` on GPU). Served by
+    :func:`mla_spec.runtime.tp_worker.serve_plans`."""
+    kw = dict(runner_kw)
+    device = kw.pop("device")
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # N CPU ranks share the cores: one thread each
+    graphs, sizes = kw.pop("cuda_graph", False), kw.pop("graph_batch_sizes", None)
+    if device.type == "cuda":
+        device = rank_device(rank, resolve_backend("auto", world_size))
+    runner = ModelRunner.from_checkpoint(**kw, device=device, tp_rank=rank,
+                                         tp_size=world_size, with_draft=spec.enabled)
+    logger.info("rank %d: shard loaded on %s", rank, device)
+    worker = EagleWorker(runner, spec)
+    if graphs:
+        attach_graphs(runner, worker, sizes)
+    return worker

@@ -1,9 +1,9 @@
-"""Plotly figures for the recorded real-size DeepSeek-V3 layer benchmark (issue 9, notebook 07).
+"""Plotly figures for the recorded real-size DeepSeek-V3 layer benchmark (notebook 07).
 
 ``benchmarks/bench_layer.py`` times one DeepSeek-V3 layer at TP-4 shard shapes on one H200 for
 two stacks, ``ours`` (NVFP4 W4A16 weights + Triton MLA on an FP8 KV cache) and ``base`` (BF16
 cuBLAS / grouped GEMM + FlashInfer MLA on a BF16 KV cache), and projects tokens/s per user from
-the batch-1 times. The run of 2026-11-29 is shipped as ``mla_spec/data/bench_layer_h200.json``:
+the batch-1 times. The run of 2026-11-30 is shipped as ``mla_spec/data/bench_layer_h200.json``:
 
 - ``rows``: one dict per (layer, mode, part, bs, ctx) with ``ours_us`` / ``base_us`` (median
   microseconds, CUDA graph). ``part`` is ``layer`` / ``mtp`` (whole layer), ``attn``,
@@ -11,7 +11,8 @@ the batch-1 times. The run of 2026-11-29 is shipped as ``mla_spec/data/bench_lay
   that do not depend on the context.
 - ``projection``: ``{side: {"lines": {name: {"accept_length", "tok_s", "tok_s_range",
   "step_ms", "collectives_pct", "b200_scaled_tok_s"}}}}`` with names ``no_mtp`` and
-  ``mtp_accept_<a>``; ``projection_model["seed_bars_tok_s"]`` holds the seed's bars.
+  ``mtp_accept_<a>``; ``projection_model["sglang_ci_bars_tok_s"]`` holds SGLang's CI bars
+  (``test_bs_1_speed`` on 4 B200s: 75 tok/s without MTP, 150 with).
 
 Every figure function takes that dict (``load_layer_results()``), so the notebook only calls.
 """
@@ -116,8 +117,9 @@ def layer_vs_batch_figure(res: dict, *, ctx: int = 1024, layer: str = "target",
 
 
 def projection_figure(res: dict, title: str | None = None) -> go.Figure:
-    """Projected tokens/s per user (bs 1) per side and line, with the seed's bars as markers."""
-    bars = res.get("projection_model", {}).get("seed_bars_tok_s", {"no_mtp": 75.0, "mtp": 150.0})
+    """Projected tokens/s per user (bs 1) per side and line, with SGLang's CI bars as markers."""
+    bars = res.get("projection_model", {}).get("sglang_ci_bars_tok_s",
+                                               {"no_mtp": 75.0, "mtp": 150.0})
     fig = go.Figure()
     names: list[str] = []
     for s in SIDES:
@@ -130,9 +132,9 @@ def projection_figure(res: dict, title: str | None = None) -> go.Figure:
                     error_y=dict(type="data", symmetric=False, array=hi, arrayminus=lo))
     fig.add_scatter(x=names, y=[bars["no_mtp"] if n == "no_mtp" else bars["mtp"] for n in names],
                     mode="markers", marker_symbol="line-ew-open", marker_size=40,
-                    marker_line_width=3, name="seed bar (4x B200, end to end)")
+                    marker_line_width=3, name="SGLang CI bar (4x B200, end to end)")
     fig.update_layout(barmode="group", yaxis_title="tokens/s per user (projected)",
-                      title=title or "Projection from the bs-1 layer times vs the seed's bars "
+                      title=title or "Projection from the bs-1 layer times vs SGLang's CI bars "
                                      "(error bars: collective latency 5-10 µs)")
     return fig
 

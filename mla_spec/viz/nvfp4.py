@@ -105,7 +105,7 @@ def gemm_speed_figure(rows: list[dict]) -> go.Figure:
 
 def floors_figure(rows: list[dict]) -> go.Figure:
     """Per shape at 1 token: the read floor (one pass over the weight's bytes, nothing else),
-    ours and cuBLAS bf16 / 3 (issue 5's goal), in µs per call (rows: ``RECORDED_H200_FLOORS``
+    ours and cuBLAS bf16 / 3 (the 3x goal), in µs per call (rows: ``RECORDED_H200_FLOORS``
     or ``bench_nvfp4.py --floors``)."""
     shapes = [r["shape"] for r in rows]
     fig = go.Figure()
@@ -117,30 +117,30 @@ def floors_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
-# `python3 benchmarks/bench_nvfp4.py --floors` on an H200 (2026-11-30, seventh session; torch
-# 2.11, triton 3.6): per call in a replayed CUDA graph with PDL, weights rotated past the L2, at
-# 1 token. read_us: the fastest of 36 layouts of ``kernels.read_floor.read_checksum`` (the
-# weight's NVFP4 bytes and block scales read once, XOR per row); ours_us: ``nvfp4_gemm``'s pinned
-# config; bf16_us: cuBLAS in the same run; target_us = bf16_us / 3.
+# `python3 benchmarks/bench_nvfp4.py --floors` on an H200 (2026-11-30; torch 2.11, triton 3.6):
+# per call in a replayed CUDA graph with PDL, weights rotated past the L2, at 1 token. read_us:
+# the fastest of 36 layouts of ``read_checksum`` (``experiments/mla/read_floor.py``: the weight's
+# NVFP4 bytes and block scales read once, XOR per row); ours_us: ``nvfp4_gemm``'s pinned config;
+# bf16_us: cuBLAS in the same run; target_us = bf16_us / 3.
 RECORDED_H200_FLOORS = [
     dict(shape="dense_gate_up_tp4", read_us=11.25, ours_us=14.71, bf16_us=43.75, target_us=14.58),
-    # ours_us: the eleventh session's mma.sync kernel, two row tiles per warp (10.09 before)
+    # ours_us: the mma.sync kernel with two row tiles per warp (2026-11-30; 10.09 with one)
     dict(shape="dense_down_tp4", read_us=6.44, ours_us=9.5, bf16_us=23.54, target_us=7.85),
     dict(shape="expert_w13_tp4", read_us=2.39, ours_us=4.87, bf16_us=9.37, target_us=3.12),
-    # ours_us: the eleventh session's mma.sync kernel (sweep_nvfp4_cuda.py; 2.95 before)
+    # ours_us: the mma.sync kernel (2026-11-30, sweep_nvfp4_cuda.py; 2.95 with the Triton one)
     dict(shape="expert_w2_tp4", read_us=2.05, ours_us=2.31, bf16_us=4.79, target_us=1.60),
 ]
 
 
-# M = 1 rows: `benchmarks/sweep_gemv.py` on an H200 (2026-11-29, fourth session): the packed,
-# wide, double-buffered GEMV now pinned; default_us = the mmab pin it replaced, same day.
-# Other rows: `benchmarks/sweep_nvfp4.py --mma-only` on an H200 (2026-11-29, second session;
-# torch 2.11, triton 3.6, PTX decoders; docs/bench_nvfp4.md): µs per call inside a CUDA graph,
-# weights rotated past L2. ours_us: the config now pinned (nvfp4_configs.PINNED_CONFIGS, the
-# standard-orientation "mmab" kernel everywhere); default_us: the previous default (GEMV / swap-AB
-# MMA pins of the first session); bf16_us: cuBLAS bf16 in the same run.
-# Rows pinned 'cuda ...': `benchmarks/sweep_nvfp4_cuda.py` (2026-11-30, eleventh session): the
-# hand-written mma.sync kernel (nvfp4_configs.PINNED_CUDA); default_us = the Triton config it
+# M = 1 rows: `benchmarks/sweep_gemv.py` on an H200 (2026-11-29): the packed, wide,
+# double-buffered GEMV pinned; default_us = the mmab pin it replaced, same day.
+# Other rows: `benchmarks/sweep_nvfp4.py --mma-only` on an H200 (2026-11-29; torch 2.11,
+# triton 3.6, PTX decoders; docs/bench_nvfp4.md): µs per call inside a CUDA graph, weights rotated
+# past L2. ours_us: the pinned config (kernels.nvfp4.configs.PINNED_CONFIGS, the
+# standard-orientation "mmab" kernel everywhere); default_us: the GEMV / swap-AB MMA pins it
+# replaced; bf16_us: cuBLAS bf16 in the same run.
+# Rows pinned 'cuda ...': `benchmarks/sweep_nvfp4_cuda.py` (2026-11-30): the hand-written
+# mma.sync kernel (kernels.nvfp4.configs.PINNED_CUDA); default_us = the Triton config it
 # replaced, bf16_us = cuBLAS, both in the same run.
 RECORDED_H200 = [
     dict(shape='dense_gate_up_tp4', m=1, ours_us=15.23, default_us=29.59,
@@ -179,12 +179,12 @@ RECORDED_H200 = [
 
 # Fused MoE, 256 experts, top-8, K 7168, I 512 (TP4), random routing; bf16 = cuBLAS GEMMs of the
 # active experts only (rows pre-gathered). M <= 4: gemv path (one program per token-expert pair;
-# third session, benchmarks/sweep_moe_gemv.py, per-M tiles; default_us = the second session's
-# single tile), above: the sorted path with the "mmab" grouped kernel (second session).
+# benchmarks/sweep_moe_gemv.py, per-M tiles; default_us = the single tile it replaced), above:
+# the sorted path with the "mmab" grouped kernel (2026-11-29).
 RECORDED_H200_MOE = [
-    # 1-4 tokens: seventh session (`sweep_gemv.py --moe --moe-w2-loop`): the w2 launch summing
-    # each token's top-k experts in one program; default_us = the per-slot w2 launch (fourth
-    # session's packed, wide, double-buffered tiles), same run
+    # 1-4 tokens: 2026-11-30 (`sweep_gemv.py --moe --moe-w2-loop`): the w2 launch summing each
+    # token's top-k experts in one program; default_us = the per-slot w2 launch (packed, wide,
+    # double-buffered tiles), same run
     dict(shape='moe_256e_top8_tp4', m=1, ours_us=32.32, default_us=34.25, bf16_gemms_us=108.91,
          speedup_vs_bf16=3.37, active_experts=8.0, path='gemv'),
     dict(shape='moe_256e_top8_tp4', m=2, ours_us=44.45, default_us=56.17, bf16_gemms_us=218.7,

@@ -2,7 +2,7 @@
 
 Used by ``notebooks/02_draft_extend_padding.ipynb``. Everything takes plain lists (seq_lens_q,
 kv_lens, max_q) so the figures can be driven by widgets; the kernels themselves live in
-:mod:`mla_spec.kernels.draft_extend_pad`.
+:mod:`mla_spec.kernels.pad`.
 
 Causal rule of a fixed-q_len kernel: row ``i`` of a ``max_q`` block with KV length ``K`` sees KV
 positions ``< K - max_q + i + 1``. A ragged request of ``L`` rows wants row ``j`` to see
@@ -106,7 +106,7 @@ def lost_context(seq_lens_q: list[int], max_q: int, align: str) -> int:
     return 0 if align == "end" else sum((max_q - n) * n for n in seq_lens_q)
 
 
-# Measured on one H200 (2026-11-29, second session), `python benchmarks/bench_pad.py`, bf16,
+# Measured on one H200 (2026-11-29), `python benchmarks/bench_pad.py`, bf16,
 # D 576 / Dv 512, per call in a replayed CUDA graph of 20 calls (us); docs/bench_pad.md.
 # "ours" = the one-round-trip "small" variant, the default for bs <= 1024 since that run.
 # Columns: op, H, bs, max_q, MB moved, ours, sglang-style, torch, copy_.

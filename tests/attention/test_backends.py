@@ -213,7 +213,7 @@ def test_ragged_draft_extend_tile_choice_is_stable(monkeypatch):
     # v1 draft extend runs eagerly with 1..num_draft_tokens rows per request: the tile (a
     # compiled binary) is chosen from the bound, not from this step's longest accept
     import mla_spec.attention.triton_mla as tm
-    from mla_spec.kernels.mla_decode_paged import PagedConfig
+    from mla_spec.kernels.mla import PagedConfig
 
     seen, splits = [], []
 
@@ -248,7 +248,7 @@ def test_triton_backend_passes_the_e4m3_queries_choice_on(monkeypatch):
     # on an FP8 cache the defaults may round the queries to e4m3 (WE2); the backend option
     # e4m3_queries=False reaches paged_choice, which then passes those kernels over
     import mla_spec.attention.triton_mla as tm
-    from mla_spec.kernels.mla_decode_paged import PagedConfig
+    from mla_spec.kernels.mla import PagedConfig
 
     seen = []
 

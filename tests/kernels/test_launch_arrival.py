@@ -1,10 +1,10 @@
-"""The arrival-counter cache (``mla_spec.kernels.launch.arrival``) shared by the last-CTA kernels."""
+"""The arrival-counter cache (``mla_spec.kernels.launch.cuda_driver``) of the last-CTA kernels."""
 
 from __future__ import annotations
 
 import torch
 
-from mla_spec.kernels.launch import arrival
+from mla_spec.kernels.launch import cuda_driver as arrival
 
 
 def test_counters_are_zero_cached_and_grow(monkeypatch):

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import mla_spec.kernels.launch.pdl as pdl
+from mla_spec.kernels import options
 
 
 def _switch(monkeypatch, on: bool) -> None:
     """PDL and the attention kernels' KV prefetch together (neither may change a bit)."""
-    monkeypatch.setattr(pdl, "PDL", on)
-    monkeypatch.setattr(pdl, "L2_PREFETCH", on)
+    monkeypatch.setattr(options, "PDL", on)
+    monkeypatch.setattr(options, "L2_PREFETCH", on)
 
 
 def test_off_on_cpu():
@@ -27,14 +28,9 @@ def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq, fp4a, fp4b
            fp4c):
     """Each kernel consumes its predecessor's output; the GEMVs that read weights before the
     wait (pdl rule 3) follow the kernel that writes their activations."""
-    from mla_spec.kernels.bf16_gemv import bgemv
-    from mla_spec.kernels.moe_router import fused_route, gate_logits
-    from mla_spec.kernels.nvfp4_configs import NVFP4MmaConfig
-    from mla_spec.kernels.nvfp4_gemm import nvfp4_gemm
-    from mla_spec.kernels.nvfp4_gemv import packed_gemv_config
-    from mla_spec.kernels.nvfp4_moe import fused_moe_nvfp4
-    from mla_spec.kernels.rmsnorm import rms_norm
-    from mla_spec.kernels.rope import rope_qk
+    from mla_spec.kernels.nvfp4 import NVFP4MmaConfig, fused_moe_nvfp4, nvfp4_gemm
+    from mla_spec.kernels.nvfp4.gemv import packed_gemv_config
+    from mla_spec.kernels.ops import bgemv, fused_route, gate_logits, rms_norm, rope_qk
 
     h = rms_norm(x, w_norm)
     y = bgemv(h[None], w_lin[None], static_w=True)[0]  # consumes the norm right after it
@@ -44,12 +40,11 @@ def _chain(x, w_norm, w_gate, bias, w_lin, pos, q_pe, k_pe, inv_freq, fp4a, fp4b
     logits = gate_logits(h, w_gate)
     w, ids = fused_route(logits, bias, top_k=8, n_group=8, topk_group=4, norm_topk_prob=True,
                          routed_scaling_factor=2.5, ids_dtype=torch.int32)
-    moe = fused_moe_nvfp4(h, ids, w, w13, w2, path="gemv", gemv_packed=True,
-                          gemv_prefetch=True)
+    moe = fused_moe_nvfp4(h, ids, w, w13, w2, path="gemv")
     # the hand-written mma.sync kernel (weights before the wait, split-K counters) when it can
     # be built here; else the Triton choice for the same call
-    from mla_spec.kernels.nvfp4_configs import CudaMmaConfig
-    from mla_spec.kernels.nvfp4_gemm_cuda import cuda_kernels_available
+    from mla_spec.kernels.nvfp4 import CudaMmaConfig
+    from mla_spec.kernels.nvfp4.gemm_cuda import cuda_kernels_available
     z3 = nvfp4_gemm(moe.expand(5, -1).contiguous(), *fp4c,
                     config=None if cuda_kernels_available(moe.device)
                     else CudaMmaConfig(4, 4, 2, True, 2))

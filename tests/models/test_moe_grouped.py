@@ -1,4 +1,4 @@
-"""Unquantized experts as two grouped GEMMs (``models/moe_grouped.py``, opt-in in the MoE).
+"""Unquantized experts as two grouped GEMMs (``models/moe_grouped.py``, the MoE's CUDA path).
 
 The grouped path must equal the per-expert loop and the masked all-experts path on random
 routing (tokens 0, 1, 3, 7, 33; experts never chosen, experts chosen by every token), keep the
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from mla_spec.checkpoint_writer import tiny_config
-from mla_spec.models import moe as moe_mod
 from mla_spec.models.moe import DeepseekV3MoE
 from mla_spec.models.moe_grouped import (
     grouped_experts_forward,
@@ -29,8 +28,7 @@ CFG = tiny_config(hidden_size=40, moe_intermediate_size=24, n_routed_experts=6, 
                   topk_group=1, num_experts_per_tok=3)
 
 
-def _moe(monkeypatch, dtype=torch.float32) -> DeepseekV3MoE:
-    monkeypatch.setattr(moe_mod, "GROUPED_BF16_EXPERTS", True)
+def _moe(dtype=torch.float32) -> DeepseekV3MoE:
     moe = DeepseekV3MoE(CFG, dtype=dtype)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -40,8 +38,8 @@ def _moe(monkeypatch, dtype=torch.float32) -> DeepseekV3MoE:
 
 
 @pytest.mark.parametrize("n_tokens", [0, 1, 3, 7, 33])
-def test_grouped_equals_loop_and_masked(monkeypatch, n_tokens):
-    moe = _moe(monkeypatch)
+def test_grouped_equals_loop_and_masked(n_tokens):
+    moe = _moe()
     assert moe._dense is not None and still_stacked(moe.experts, *moe._dense)
     x = torch.randn(n_tokens, CFG.hidden_size, generator=torch.Generator().manual_seed(n_tokens))
     with torch.no_grad():
@@ -69,8 +67,8 @@ def test_every_token_on_one_expert_and_unused_experts():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_parameters_are_views_of_the_stack(monkeypatch):
-    moe = _moe(monkeypatch)
+def test_parameters_are_views_of_the_stack():
+    moe = _moe()
     w13, w2 = moe._dense
     e = moe.experts[4]
     with torch.no_grad():
@@ -82,8 +80,8 @@ def test_parameters_are_views_of_the_stack(monkeypatch):
         n for n, _ in DeepseekV3MoE(CFG).named_parameters()}  # same names, nothing extra
 
 
-def test_stale_stack_falls_back(monkeypatch):
-    moe = _moe(monkeypatch)
+def test_stale_stack_falls_back():
+    moe = _moe()
     x = torch.randn(3, CFG.hidden_size)
     moe.fused_mode = "grouped"
     assert not moe._use_grouped(x)  # grad mode: the differentiable loop
@@ -96,10 +94,8 @@ def test_stale_stack_falls_back(monkeypatch):
         torch.testing.assert_close(moe(x), ref)  # the loop ran: still right
 
 
-def test_on_by_default_and_refusals(monkeypatch):
-    assert moe_mod.GROUPED_BF16_EXPERTS is True
-    monkeypatch.setattr(moe_mod, "GROUPED_BF16_EXPERTS", False)
-    assert DeepseekV3MoE(CFG)._dense is None  # nothing stacked unless asked at build time
+def test_stacked_by_default_and_refusals():
+    assert DeepseekV3MoE(CFG)._dense is not None  # unquantized experts are stacked at build time
     w13 = torch.zeros(2, 16, 8)
     assert grouped_supported(torch.zeros(1, 8), w13) is None
     assert "bfloat16" in grouped_supported(torch.zeros(1, 8, dtype=torch.bfloat16), w13)
@@ -108,15 +104,14 @@ def test_on_by_default_and_refusals(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_tokens", [1, 4, 32])
-def test_grouped_cuda_bf16_matches_loop(monkeypatch, n_tokens):
+def test_grouped_cuda_bf16_matches_loop(n_tokens):
     """On an SM90 GPU in BF16 (what the MTP layer runs), also inside a CUDA graph."""
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("torch._grouped_mm needs SM90")
-    moe = _moe(monkeypatch, dtype=torch.bfloat16).cuda()  # .cuda() breaks the stack ...
+    moe = _moe(dtype=torch.bfloat16).cuda()  # .cuda() breaks the stack ...
     assert moe._dense is None or not still_stacked(moe.experts, *moe._dense)
-    monkeypatch.setattr(moe_mod, "GROUPED_BF16_EXPERTS", True)
     with torch.device("cuda"):
-        moe = _moe(monkeypatch, dtype=torch.bfloat16)  # ... built on the GPU it holds
+        moe = _moe(dtype=torch.bfloat16)  # ... built on the GPU it holds
     x = torch.randn(n_tokens, CFG.hidden_size, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         assert moe._use_grouped(x)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from mla_spec.checkpoint_writer import tiny_config
-from mla_spec.models.moe import DeepseekV3MoE, route_tokens
+from mla_spec.kernels.ops import route_tokens
+from mla_spec.models.moe import DeepseekV3MoE
 
 
 def _hf_router(cfg, weight, bias):
@@ -63,7 +64,7 @@ def test_moe_equals_dense_sum():
 
 def test_fused_nvfp4_experts_equal_loop(fp4_ckpt, tiny_cfg):
     """The stacked w13 / w2 views the fused kernel reads hold what the loader wrote."""
-    from mla_spec.kernels.nvfp4_moe import fused_moe_ref
+    from mla_spec.kernels.nvfp4 import fused_moe_ref
     from mla_spec.loader import load_checkpoint
 
     moe = load_checkpoint(fp4_ckpt, load_mtp=False).model.layers[1].mlp

@@ -1,4 +1,4 @@
-"""One GEMM for q_a_proj and kv_a_proj_with_mqa (``mla_spec.models.mla.FUSED_QKV_A``)."""
+"""One GEMM for q_a_proj and kv_a_proj_with_mqa (``MLAAttention._qkv_a_weight``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-import mla_spec.models.mla as mla
 from mla_spec.model_api import load_model
 from mla_spec.models.mla import MLAAttention
 
@@ -31,11 +30,14 @@ def test_loaded_weights_share_one_buffer(loaded, tiny_cfg):
             assert torch.equal(w, ref) and ref.abs().sum() > 0
 
 
-def test_fused_logits_equal_two_gemms(loaded, tiny_cfg, monkeypatch):
+def test_fused_logits_equal_two_gemms(fp32_ckpt, tiny_cfg):
     ids = torch.randint(0, tiny_cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    loaded = load_model(fp32_ckpt, device="cpu", attention_backend="torch")
     fused = loaded.logits(ids)
-    monkeypatch.setattr(mla, "FUSED_QKV_A", False)
     with torch.no_grad():
+        for a in _attns(loaded.model):  # separate allocations: the two-GEMM path
+            kv = a.kv_a_proj_with_mqa
+            kv.weight = nn.Parameter(kv.weight.detach().clone())
         assert all(a._qkv_a_weight() is None for a in _attns(loaded.model))
     split = loaded.logits(ids)
     torch.testing.assert_close(fused, split, rtol=1e-5, atol=1e-5)

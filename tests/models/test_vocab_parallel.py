@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from mla_spec.models.vocab_parallel import ParallelLMHead, VocabParallelEmbedding, lm_head_logits
-from mla_spec.parallel import launch
+from mla_spec.runtime.launch import launch
 
 V, D = 12, 5
 

@@ -131,7 +131,7 @@ def test_cuda_graph_replay_equals_eager(version):
 
 
 def test_cuda_graphs_need_a_gpu():
-    from mla_spec.cuda_graph import CudaGraphRunner
+    from mla_spec.runtime.cuda_graph import CudaGraphRunner
 
     eng = Engine(runner=build_mock_runner(), spec=SpecConfig(), cuda_graph=False)
     g = CudaGraphRunner.capture(eng.runner, eng.worker)

@@ -1,4 +1,4 @@
-"""The recorded bench_layer results (issue 9) load and chart as notebook 07 shows them."""
+"""The recorded bench_layer results load and chart as notebook 07 shows them."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def test_recorded_grid_is_complete(res):
 
 def test_piece_times_match_the_recorded_table(res):
     t = piece_times(res, mode="DECODE", bs=1, ctx=1024)
-    assert t["layer"] == {"ours": 117.0, "base": 252.1}  # seventh session (118.3 in the 6th)
+    assert t["layer"] == {"ours": 117.0, "base": 252.1}  # H200, 2026-11-30
     assert t["moe"] == {"ours": 49.9, "base": 170.5}  # router kernels, shared column, w2 loop
     assert t["attn"] == {"ours": 72.0, "base": 86.6}  # fused RoPE, BF16 GEMV, PDL
     assert t["dense"] == {"ours": 42.8, "base": 77.3}
@@ -50,7 +50,7 @@ def test_projection_numbers(res):
     ours, base = res["projection"]["ours"]["lines"], res["projection"]["base"]["lines"]
     assert [v["tok_s"] for v in ours.values()] == [107.7, 122.3, 149.9, 179.9]
     assert [v["tok_s"] for v in base.values()] == [57.9, 69.3, 85.0, 101.9]
-    assert res["projection_model"]["seed_bars_tok_s"] == {"no_mtp": 75.0, "mtp": 150.0}
+    assert res["projection_model"]["sglang_ci_bars_tok_s"] == {"no_mtp": 75.0, "mtp": 150.0}
 
 
 def test_figures_have_the_expected_traces(res):

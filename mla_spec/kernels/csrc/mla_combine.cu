@@ -4,10 +4,10 @@
 // bf16) and its log2-sum-exp lse_s (-inf: the split saw no KV; its partial may be garbage):
 //   out = sum_s w_s o_s / sum_s w_s,  w_s = 2^(lse_s - max_s lse_s),  lse = log2(sum) + max
 // (zeros and -inf when every split was empty). Same contract as the Triton combine
-// (mla_decode_combine.combine_splits), whose twin combine_splits_ref is the reference.
+// (mla/combine.py combine_splits), whose twin combine_splits_ref is the reference.
 //
 // Why a CUDA kernel: at batch 1 (32 rows x 128 splits) the Triton kernel's program took
-// 2.6-3.1 µs from its PDL release to its last store (benchmarks/bench_call_timeline.py): its
+// 2.6-3.1 µs from its PDL release to its last store (H200, 2026-11-30, global timer): its
 // [128 splits, 64 columns] slab on 2 warps compiles to ~1700 instructions, all run once from a
 // cold instruction cache. Here a CTA of 256 threads takes R rows x 64 columns; thread t holds
 // 8 columns (one 16-byte bf16 load, two fp32) of split group g (splits g, g + G, ...), so that
@@ -29,7 +29,7 @@ struct CombineParams {
   long long s_ps, s_ls, s_o_t, s_o_h;
   int rows, H, S, pad;
 };
-// mla_decode_combine_cuda._CombineParams mirrors this layout
+// mla/combine.py _CombineParams mirrors this layout
 static_assert(sizeof(CombineParams) == 80, "layout");
 
 namespace {

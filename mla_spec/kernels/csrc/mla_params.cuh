@@ -1,5 +1,5 @@
 // The parameters every hand-written MLA split kernel takes (passed by value; ctypes mirrors:
-// mla_decode_cuda._Params, and mla_decode_wgmma._WgParams around it).
+// mla/sm90_mma.py MlaParams, and mla/sm90_wgmma.py _WgParams around it).
 #pragma once
 #include <cuda_bf16.h>
 #include <stddef.h>
@@ -19,5 +19,6 @@ struct MlaParams {
   int H, q_len, num_splits, rpi_i64, kvl_i64, split, write_lse, part_bf16;
   float qk_scale_log2, v_scale;
 };
-// mla_decode_cuda._Params mirrors this layout (tests/kernels/test_mla_decode_cuda.py checks it)
+// mla/sm90_mma.py MlaParams mirrors this layout (tests/kernels/mla/test_mla_sm90_mma.py
+// checks it)
 static_assert(sizeof(MlaParams) == 192 && offsetof(MlaParams, qk_scale_log2) == 184, "layout");

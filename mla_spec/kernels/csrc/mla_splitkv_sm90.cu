@@ -6,7 +6,7 @@
 // whole KV rows to the bulk-copy engine (cp.async.bulk, completion on an mbarrier) as soon as a
 // stage is free, and every warp only multiplies (mma.sync m16n8k16, bf16 in, fp32 out).
 //
-// What it computes is exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache):
+// What it computes is exactly mla_spec.kernels.mla.mla_decode (fixed q_len, bf16 cache):
 // row r = i * H + h of request b sees KV positions j < kv_len - q_len + i + 1 and gets
 // v_scale * softmax_j(qk_scale * q . kv_j) @ kv_j[:512] (zeros for an empty window).
 //
@@ -18,7 +18,7 @@
 // Shared memory rows are 576 + 8 elements apart (1168 B), so ldmatrix's eight row addresses
 // fall in distinct banks; each KV row is therefore its own 1152-byte bulk copy.
 // Output: with split, the normalized fp32 partial and its log2-sum-exp per row (merged by
-// mla_decode_combine.combine_splits); without, the bf16 result and optionally the natural lse.
+// mla/combine.py combine_splits); without, the bf16 result and optionally the natural lse.
 #include "mla_params.cuh"
 #include "sm90_common.cuh"
 
@@ -315,8 +315,3 @@ __device__ __forceinline__ void mla_splitkv(const MlaParams& p) {
   }
 
 MLA_SPLITKV(32, 64, 2, 4)
-MLA_SPLITKV(32, 64, 2, 8)
-MLA_SPLITKV(32, 32, 4, 4)
-MLA_SPLITKV(16, 64, 2, 4)
-MLA_SPLITKV(16, 32, 4, 4)
-MLA_SPLITKV(16, 32, 2, 4)  // 95 KB of shared memory: two CTAs per SM

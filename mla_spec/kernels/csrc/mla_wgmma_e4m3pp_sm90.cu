@@ -1,13 +1,32 @@
-// The e4m3 kernel of mla_wgmma_e4m3_sm90.cu with its two consumer warpgroups taking turns:
-// warpgroup c multiplies the tiles it = c, c + 2, ... whole (all 18 e4m3 Q K steps, all 512
-// dims of P V), with its own running max, sum and O, and the two merge once at the end.
+// Split-KV MLA decode over an FP8 (e4m3) paged latent cache, 32 query rows per CTA, with e4m3
+// tensor-core products for Q K and the V operand fed to wgmma from registers (sm_90a; variants
+// WE2 and, with PV8, WE8).
 //
-// Why: in mla_wgmma_e4m3_sm90.cu both warpgroups work on the same tile in lockstep (half of Q
-// K's depth each, added through shared memory, then the same softmax), so a tile's steps run
-// one after another: Q K, the exchange, the softmax, P^T, P V. Its tile took ~2.2 µs at large
-// batch against ~1.2 µs to read the tile's bytes. Here no barrier joins the two warpgroups
-// inside the loop: while one runs its softmax or builds V fragments, the tensor cores can do
-// the other's MMAs (FA3's ping-pong, without its explicit turns).
+// Why: the swapped kernel (mla_wgmma_sm90.cu) widens every e4m3 tile to fp16 in shared memory
+// before multiplying it in fp16 (sm90_fp8.cuh): a 36 KB read and a 72 KB write per tile on top
+// of the MMAs' reads, and a barrier that stalls both warpgroups, so at large batch it was no
+// faster than its bf16 self (bs 128 ctx 8k: 341 vs 302 µs) although it reads half the bytes.
+// Here nothing is widened in shared memory:
+//   S^T[64 tok, 32] = K[64 tok, 576] . Q^T      e4m3 x e4m3 wgmma (m64n32k32), straight from
+//                                               the TMA tile; the queries quantized to e4m3
+//                                               per row (scale amax / 448) when the CTA starts
+//                                               (as TRT-LLM-gen quantizes them; the error this
+//                                               adds is bounded in mla_spec.quant.fp8)
+//   O^T[512, 32]  += V^T[512, 64 tok] . P^T      fp16 wgmma, A = V^T from registers: each
+//                                               thread loads its fragment's bytes, pairs two
+//                                               tokens' bytes with one prmt and converts them
+//                                               exactly with cvt.f16x2.e4m3x2 (e4m3 takes only
+//                                               K-major operands, and V^T would be M-major)
+// A producer warpgroup (one thread) issues a tile's five TMA boxes (dims 128 c.., 128-byte
+// swizzle; the last box's upper half is past the 576-dim row and TMA fills it with zeros) into
+// one of four 40 KB stages. The two consumer warpgroups take turns: warpgroup c multiplies the
+// tiles it = c, c + 2, ... whole (all 18 e4m3 Q K steps, all 512 dims of P V), with its own
+// running max, sum and O, and the two merge once at the end. With both warpgroups on the same
+// tile in lockstep (half of Q K's depth each, added through shared memory, then the same
+// softmax) a tile took ~2.2 µs at large batch against ~1.2 µs to read its bytes; taking turns,
+// no barrier joins the two warpgroups inside the loop: while one runs its softmax or builds V
+// fragments, the tensor cores can do the other's MMAs (FA3's ping-pong, without its explicit
+// turns): 1.3-1.8x faster (H200, 2026-11-30, docs/bench_mla.md).
 //
 // Per warpgroup and tile: S^T[64 tok, 32] in 18 m64n32k32 e4m3 steps, the softmax over its 4
 // warps (a reduction through shared memory and a 128-thread barrier), P^T into its own buffer,
@@ -18,17 +37,18 @@
 // 128 registers a thread, so the warpgroups get 232 with setmaxnreg and a producer warpgroup
 // (one thread issues the TMA boxes) keeps 40.
 //
-// The result is mla_wgmma_e4m3_sm90.cu's: the queries quantized to e4m3 per row, the same twin
-// (tests/kernels/test_mla_decode_wgmma.py); a row's two partial results merge as split-KV
-// partials do.
+// What it computes is mla_spec.kernels.mla.reference.mla_decode_ref with the queries replaced by
+// mla_spec.quant.fp8.quantize_rows_e4m3's round trip (tests/kernels/mla/test_mla_sm90_wgmma.py),
+// up to the e4m3 MMA's own rounding inside each instruction; a row's two partial results merge
+// as split-KV partials do.
 //
 // PV8 (kernel mla_wgmma_e4m3pp8_m32, variant WE8): P V as e4m3 MMAs too. P is rounded to e4m3
 // after a scale of 256 (store_p8), V^T's A fragments come from ldmatrix .trans of the tile's
 // bytes and one prmt a register (v8_frag: no conversion), 16 m64n32k32 MMAs a tile in four
 // groups; the stage goes back once V is in registers. Thread (wq, g, t4) then holds dims
-// 128 wq + 16 mt + 2 g (+1) of m64 tile mt (pairs 16 apart: store_row16<16>). Measured: bs 32
-// ctx 4k 31.6 vs 34.2 µs, bs 128 ctx 8k 155 vs 177 (docs/bench_mla.md v15); the error P's
-// rounding adds: quant.fp8.fp8_probability_attention_error_bound.
+// 128 wq + 16 mt + 2 g (+1) of m64 tile mt (pairs 16 apart: store_row16<16>). Measured (H200,
+// 2026-11-30, docs/bench_mla.md): bs 32 ctx 4k 31.6 vs 34.2 µs, bs 128 ctx 8k 155 vs 177; the
+// error P's rounding adds: quant.fp8.fp8_probability_attention_error_bound.
 #include "sm90_e4m3.cuh"
 
 namespace {
@@ -65,7 +85,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   CtaWork w;
   QueryLoad<BM> qload;
   constexpr int EARLY_KV = EARLY ? KV_E4M3 : -1;  // produce_early (sm90_wgmma.cuh)
-  if (!cta_begin<BM, false, NS, EARLY_KV>(wp, split, mb, b, tid, full, empty, w, qload, kv_s))
+  if (!cta_begin<BM, NS, EARLY_KV>(wp, split, mb, b, tid, full, empty, w, qload, kv_s))
     return;
   if (tid >= NT) {  // the producer warpgroup
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
@@ -169,7 +189,7 @@ __device__ __forceinline__ void mla_wgmma_e4m3pp(const WgParams& wp) {
   // float4 slots (conflict-free), and each thread adds and stores 4 rows x its 16 dims. This
   // runs once per CTA from a cold instruction cache; the earlier merge (fp32 rows through
   // shared memory, a finish by 4 lanes looping over 8 rows, then a strided store loop) cost
-  // ~11 µs a CTA (docs/bench_mla.md v12).
+  // ~11 µs a CTA (H200, 2026-11-30, docs/bench_mla.md).
   sum_over_g<NC>(l_r);
   if (g == 0) put_row_sums<BM>(red_wg, mx + wg * BM, l_r, m_r, wq, t4);
   named_barrier(B_PAIR, NT);  // the KV stages are free, every max and sum written

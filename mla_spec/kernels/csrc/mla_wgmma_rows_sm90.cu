@@ -2,11 +2,11 @@
 // CTA, bf16 or e4m3 cache. The 128-row classes (H 128 at q_len 1, H 32 at q_len 4) and 512
 // rows.
 //
-// Why not swapped like mla_wgmma64_sm90.cu: that kernel's warpgroups each multiply the whole
-// K tile against their 32 rows (m64n32, 216 KB of shared-memory operand reads per tile) and
-// its O^T = V^T P^T reads P^T from shared memory (128 KB more). Its time per tile grew with
-// those bytes (a variant with 64 KB more ran 8% slower, docs/bench_mla.md v10). Here, as in
-// FlashMLA:
+// Why not swapped like mla_wgmma_sm90.cu: a swapped 64-row kernel's warpgroups each multiply
+// the whole K tile against their 32 rows (m64n32, 216 KB of shared-memory operand reads per
+// tile) and its O^T = V^T P^T reads P^T from shared memory (128 KB more). Its time per tile grew
+// with those bytes (a variant with 64 KB more ran 8% slower; it ran 1.15-1.3x slower than this
+// kernel; H200, 2026-11-30, docs/bench_mla.md). Here, as in FlashMLA:
 //   warpgroup 0:  S[64 rows, 64 tok] = Q . K^T     (A = Q, B = K tile; 36 m64n64k16, 144 KB)
 //                 softmax in registers (a row lives in one quad: no cross-warp reduction)
 //                 O[:, 0:256]   += P . V[:, 0:256]  (A = P from registers, B = V; 32 KB)
@@ -18,7 +18,7 @@
 // An e4m3 tile lands as bytes and both warpgroups widen it to fp16 in place together
 // (sm90_fp8.cuh; warpgroup 0 with P V of the tile before on the tensor cores), then the
 // MMAs run in fp16 with the queries and P in fp16.
-// What it computes: exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len).
+// What it computes: exactly mla_spec.kernels.mla.mla_decode (fixed q_len).
 #include "sm90_fp8.cuh"
 
 namespace {
@@ -63,11 +63,11 @@ __device__ __forceinline__ void zero_v_half(unsigned char* stage_s, int nvalid, 
 // CLUSTER: the two splits of a (request, row block) run as one thread-block cluster (the
 // launcher's cluster dims (2, 1, 1): rank = split) and merge through distributed shared memory
 // instead of the split partials and the combine kernel (2 x 4096 bf16 rows at H 128 bs 32:
-// ~5.7 µs a call, docs/bench_mla.md v12). Each CTA stages O in fp32 as always and puts its rows'
-// v_scale / l and log2-sum-exp beside it; after a cluster barrier, CTA k weighs and adds both
-// CTAs' rows 32 k .. 32 k + 31 (the peer's read from its shared memory) and writes the result;
-// a second barrier keeps both CTAs' shared memory alive until both have read it. Clusters of 2
-// CTAs of this size: 66 at once on an H200, all 132 SMs.
+// ~5.7 µs a call, H200, 2026-11-30, docs/bench_mla.md). Each CTA stages O in fp32 as always
+// and puts its rows' v_scale / l and log2-sum-exp beside it; after a cluster barrier, CTA k
+// weighs and adds both CTAs' rows 32 k .. 32 k + 31 (the peer's read from its shared memory)
+// and writes the result; a second barrier keeps both CTAs' shared memory alive until both have
+// read it. Clusters of 2 CTAs of this size: 66 at once on an H200, all 132 SMs.
 template <int KV, bool CLUSTER>
 __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const MlaParams& p = wp.m;
@@ -87,7 +87,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
   const int lane = tid & 31, g = lane >> 2, t4 = lane & 3;
   CtaWork w;
   QueryLoad<BM> qload;
-  if (!cta_begin<BM, false>(wp, split, mb, b, tid, full, empty, w, qload)) return;
+  if (!cta_begin<BM>(wp, split, mb, b, tid, full, empty, w, qload)) return;
   if (tid >= NT) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     if (tid == NT) produce<KV>(wp, w, kv_s, full, empty);
@@ -219,9 +219,9 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     // stage goes back to the producer while Q K(it + 1) still runs. With two stages the load
     // of tile it + 2 can only start then, and Q K(it + 2) wants it one softmax later: released
     // after Q K(it + 1) (one group), the load's latency was exposed at every tile (ncu: warpgroup
-    // 0 waiting on the full barrier; H 128 bs 32 ctx 4k 88.5-88.7 -> 79.9-81.8 µs,
-    // docs/bench_mla.md v14). (Issuing Q K(it + 1) before the softmax instead, into a second
-    // S, measured 1.2x slower, v10.) On an e4m3 cache tile it + 1 is widened meanwhile.
+    // 0 waiting on the full barrier; H 128 bs 32 ctx 4k 88.5-88.7 -> 79.9-81.8 µs, H200,
+    // 2026-11-30, docs/bench_mla.md). (Issuing Q K(it + 1) before the softmax instead, into a
+    // second S, measured 1.2x slower.) On an e4m3 cache tile it + 1 is widened meanwhile.
     const auto step = [&](int it, bool more) {
       float alpha[2];
       softmax(it, alpha);
@@ -282,7 +282,7 @@ __device__ __forceinline__ void mla_wgmma_rows(const WgParams& wp) {
     }
   }
   // the next kernel may launch: here when it is not the combine (one split, or the cluster's
-  // merge), else after the stores (kernels/pdl.py rule 5)
+  // merge), else after the stores (kernels/launch/pdl.py rule 5)
   const bool combine_next = p.split && !CLUSTER;
   if (!combine_next) griddep_launch();
 

@@ -6,7 +6,7 @@
 // both operands straight from shared memory in the layout the TMA engine writes (128-byte
 // swizzle), so a tile costs two short MMA batches and a softmax.
 //
-// The product is "swapped" (as in mla_decode_swapab): the KV tile is the MMA's M side, so the
+// The product is "swapped" (as in mla/triton_paged.py): the KV tile is the MMA's M side, so the
 // 32 query rows of DeepSeek's decode at TP4 (H 32, q_len 1) fill N = 32 without padding to 64:
 //   S^T[64 tok, BM] = K[64 tok, 576] . Q^T          (A = K tile, B = Q; both K-major)
 //   O^T[512, BM]   += V^T[512, 64 tok] . P^T         (A = V^T: M-major view of the same tile;
@@ -20,17 +20,16 @@
 // group just before its k16 steps: a tile streams in over ~2 µs at batch 1 (a CTA's share of
 // the HBM), so most of Q K runs before its last box lands and the last tile's chain starts
 // later in its work (H200: batch 1 ctx 32k 0.961x, 16k 0.971x, bs 32 ctx 4k 0.995x, bs 128
-// ctx 1k 1.001x against one barrier a tile; nine groups 0.989x at 32k; docs/bench_mla.md v22).
+// ctx 1k 1.001x against one barrier a tile; nine groups 0.989x at 32k; 2026-12-01,
+// docs/bench_mla.md).
 //
-// What it computes is exactly mla_spec.kernels.mla_decode.mla_decode (fixed q_len, bf16 cache):
+// What it computes is exactly mla_spec.kernels.mla.mla_decode (fixed q_len, bf16 cache):
 // row r = i * H + h of request b sees KV positions j < kv_len - q_len + i + 1 and gets
 // v_scale * softmax_j(qk_scale * q . kv_j) @ kv_j[:512] (zeros for an empty window). Split
-// output as in mla_splitkv_sm90.cu (partials + log2-sum-exp, merged by the combine kernel, or
-// by the split CTAs themselves when the launcher passes barrier counters: sm90_grid_merge.cuh).
-// Requirements (mla_decode_wgmma.wgmma_mla_supported): page size a multiple of 64 (a tile is
+// output as in mla_splitkv_sm90.cu (partials + log2-sum-exp, merged by the combine kernel).
+// Requirements (mla/sm90_wgmma.py wgmma_mla_supported): page size a multiple of 64 (a tile is
 // 64 consecutive slots of one page), the cache a contiguous [slots, 576] bf16 tensor.
 #include "sm90_fp8.cuh"
-#include "sm90_grid_merge.cuh"
 
 namespace {
 
@@ -70,7 +69,7 @@ __device__ __forceinline__ void qk_groups(float (&s)[BM / 2], uint64_t a_desc, u
 #define W_GROUPS 3
 #endif
 
-template <int BM, bool L2PF, int KV, bool EARLY>
+template <int BM, int KV, bool EARLY>
 __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   const MlaParams& p = wp.m;
   using T = KvTraits<KV>;
@@ -95,7 +94,7 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   CtaWork w;
   QueryLoad<BM> qload;
   constexpr int EARLY_KV = EARLY ? KV : -1;  // produce_early (sm90_wgmma.cuh)
-  if (!cta_begin<BM, L2PF, STAGES, EARLY_KV, NG>(wp, split, mb, b, tid, full, empty, w, qload,
+  if (!cta_begin<BM, STAGES, EARLY_KV, NG>(wp, split, mb, b, tid, full, empty, w, qload,
                                                   kv_s))
     return;
   if (tid >= NT) {  // the producer warp
@@ -157,9 +156,9 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
       if (T::f16 && it + 1 < w.ntiles) ready_tile<KV>(kv_s, full, it + 1, w.lo, w.hi, tid);
     });  // then the stage is free
   }
-  // the next kernel may launch: here when it is not the combine (one split, or the splits
-  // merged inside this grid), else after the stores (kernels/pdl.py rule 5)
-  const bool combine_next = p.split && wp.merge == nullptr;
+  // the next kernel may launch: here when it is not the combine (one split), else after the
+  // stores (kernels/launch/pdl.py rule 5)
+  const bool combine_next = p.split;
   if (!combine_next) griddep_launch();
 
   // l over the tile rows (lanes g) and warps of warpgroup 0, then v_scale / l and lse per row
@@ -174,25 +173,18 @@ __device__ __forceinline__ void mla_wgmma(const WgParams& wp) {
   named_barrier(1, NT);
   store_rows<BM>(p, w, split, b, ost, rowv, tid);
   // the combine may launch now (it waits for this grid to finish): after the stores, not
-  // after the loop, 1.4-3.1% a call at batch 1 (kernels/pdl.py rule 5)
+  // after the loop, 1.4-3.1% a call at batch 1 (kernels/launch/pdl.py rule 5)
   if (combine_next) griddep_launch();
-  if (wp.merge != nullptr) {
-    if (p.part_bf16) grid_merge<BM, true>(wp, w, split, b, tid, 1, ost);
-    else grid_merge<BM, false>(wp, w, split, b, tid, 1, ost);
-  }
 }
 
 }  // namespace
 
-#define MLA_WGMMA(BM, L2PF, KV, SUFFIX, EARLY) \
-  WGMMA_ENTRY(mla_wgmma_m##BM##SUFFIX, NT + 32, mla_wgmma<BM, L2PF, KV, EARLY>)
+#define MLA_WGMMA(BM, KV, SUFFIX, EARLY) \
+  WGMMA_ENTRY(mla_wgmma_m##BM##SUFFIX, NT + 32, mla_wgmma<BM, KV, EARLY>)
 
-MLA_WGMMA(32, false, KV_BF16, , false)
-MLA_WGMMA(16, false, KV_BF16, , false)
-MLA_WGMMA(32, true, KV_BF16, p, false)  // the first tiles into L2 before the PDL wait
-MLA_WGMMA(32, false, KV_FP8, _f8, false)   // an e4m3 cache (sm90_fp8.cuh)
-MLA_WGMMA(16, false, KV_FP8, _f8, false)
+MLA_WGMMA(32, KV_BF16, , false)
+MLA_WGMMA(32, KV_FP8, _f8, false)  // an e4m3 cache (sm90_fp8.cuh)
 // the first tile into shared memory before the PDL wait (produce_early: WgParams::early_kv);
-// builds of their own, so that the others carry none of its code (v19)
-MLA_WGMMA(32, false, KV_BF16, _ek, true)
-MLA_WGMMA(32, false, KV_FP8, _f8_ek, true)
+// builds of their own, so that the others carry none of its code
+MLA_WGMMA(32, KV_BF16, _ek, true)
+MLA_WGMMA(32, KV_FP8, _f8_ek, true)

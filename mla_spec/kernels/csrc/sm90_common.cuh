@@ -10,7 +10,8 @@ namespace sm90 {
 // x / d for 0 <= x < 2^21 and d >= 1 through d's approximate reciprocal: the float quotient is
 // within one of the exact one and corrected both ways. Why not `/`: an int division is ~25
 // instructions, and code a CTA runs once runs from a cold instruction cache, ~10 cycles an
-// instruction (docs/bench_mla.md v12); the wgmma kernels' QueryLoad::issue had nine of them
+// instruction (H200, 2026-11-30, docs/bench_mla.md); the wgmma kernels' QueryLoad::issue had
+// nine of them
 __device__ __forceinline__ int div_small(int x, int d) {
   int q = __float2int_rz(__int2float_rn(x) * __fdividef(1.f, __int2float_rn(d)));
   q -= q * d > x;

@@ -1,7 +1,7 @@
-// What the wgmma MLA kernels that multiply an e4m3 cache as it lands share
-// (mla_wgmma_e4m3_sm90.cu, mla_wgmma_e4m3pp_sm90.cu): the e4m3 Q K and register-A P V wgmma
-// wrappers, the queries' per-row e4m3 quantization into shared memory, and the V fragments built
-// from the tile's bytes (the geometry is in mla_wgmma_e4m3_sm90.cu's header).
+// The parts of the wgmma MLA kernel that multiplies an e4m3 cache as it lands
+// (mla_wgmma_e4m3pp_sm90.cu): the e4m3 Q K and register-A P V wgmma wrappers, the queries'
+// per-row e4m3 quantization into shared memory, and the V fragments built from the tile's
+// bytes (the geometry is in mla_wgmma_e4m3pp_sm90.cu's header).
 #pragma once
 #include <cuda_fp8.h>
 

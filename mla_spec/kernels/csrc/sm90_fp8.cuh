@@ -13,7 +13,8 @@
 // boxes have, so from there on the kernels multiply exactly as for a bf16 cache. A freed
 // slot's NaN byte (0x7F) becomes a NaN, zeroed in V as for bf16 (zero_v_tail). Widening with
 // integer operations instead (the byte at bits 8-15 of a half, less its magnitude at bits
-// 7-13, is the fp16 of value / 256) measured 1-5% slower on the H200 (docs/bench_mla.md v9).
+// 7-13, is the fp16 of value / 256) measured 1-5% slower on the H200 (2026-11-30,
+// docs/bench_mla.md).
 #pragma once
 #include "sm90_wgmma.cuh"
 

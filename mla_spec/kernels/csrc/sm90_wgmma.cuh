@@ -1,5 +1,5 @@
-// What the warpgroup-MMA MLA kernels (mla_wgmma_sm90.cu, mla_wgmma64_sm90.cu,
-// mla_wgmma_rows_sm90.cu) share: the parameter struct, the tile geometry, TMA / stmatrix
+// What the warpgroup-MMA MLA kernels (mla_wgmma_sm90.cu, mla_wgmma_rows_sm90.cu,
+// mla_wgmma_e4m3pp_sm90.cu) share: the parameter struct, the tile geometry, TMA / stmatrix
 // wrappers (the wgmma ones: sm90_mma.cuh), and the parts of a CTA's life that do not depend on
 // how it multiplies (its start and work range, the queries' way into shared memory, the
 // producer, the output rows).
@@ -17,7 +17,7 @@ constexpr int TILE = NCH * BLK;                   // 72 KB
 constexpr int OSTRIDE = DV + 4;                   // fp32 output staging row (bank spread)
 
 // the cache the wgmma kernels read: bf16, e4m3 widened to fp16 in shared memory
-// (sm90_fp8.cuh), or e4m3 multiplied as it lands (mla_wgmma_e4m3_sm90.cu: boxes of 128 dims,
+// (sm90_fp8.cuh), or e4m3 multiplied as it lands (mla_wgmma_e4m3pp_sm90.cu: boxes of 128 dims,
 // 128-byte swizzled, the fifth half past the row's end and zero-filled by TMA)
 enum KvKind { KV_BF16 = 0, KV_FP8 = 1, KV_E4M3 = 2 };
 
@@ -41,21 +41,18 @@ struct alignas(64) TmaMap {
 };
 
 // the split kernels' parameters and the cache's TMA descriptor (the cache as [slots, 576] bf16,
-// box [64 tokens, 64 dims], swizzle 128B); mla_decode_wgmma._WgParams mirrors this layout
+// box [64 tokens, 64 dims], swizzle 128B); mla/sm90_wgmma.py _WgParams mirrors this layout
 struct alignas(64) WgParams {
   MlaParams m;  // m.kv is unused: the tiles come through kv_map
   TmaMap kv_map;
-  int* merge;   // null, or the split barriers' counters of the merge inside the grid
-                // (sm90_grid_merge.cuh)
   int early_kv;  // tiles the producer loads before the PDL wait (produce_early), at most
                  // its stages; 0: none
 };
 static_assert(sizeof(WgParams) == 384 && offsetof(WgParams, kv_map) == 192 &&
-              offsetof(WgParams, merge) == 320 && offsetof(WgParams, early_kv) == 328,
-              "layout");
+              offsetof(WgParams, early_kv) == 320, "layout");
 
 // The extern "C" entry NAME(WgParams) of a split kernel: THREADS threads (the launcher's
-// mla_decode_wgmma.WgmmaKind.threads), one CTA an SM, running the device function given last
+// mla/sm90_wgmma.py WgmmaKind.threads), one CTA an SM, running the device function given last
 // (a template instance: its commas pass through __VA_ARGS__)
 #define WGMMA_ENTRY(NAME, THREADS, ...)                                                      \
   extern "C" __global__ void __launch_bounds__(THREADS, 1)                                   \
@@ -74,13 +71,6 @@ __device__ __forceinline__ void tma_load_2d(void* dst, const TmaMap* map, int c0
       "[%0], [%1, {%2, %3}], [%4];\n" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(smem_u32(bar))
       : "memory");
-}
-
-// a box of the tensor into L2 only (no shared memory, no barrier)
-__device__ __forceinline__ void tma_prefetch_2d(const TmaMap* map, int c0, int c1) {
-  asm volatile("cp.async.bulk.prefetch.tensor.2d.L2.global.tile [%0, {%1, %2}];\n"
-               ::"l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1)
-               : "memory");
 }
 
 __device__ __forceinline__ void named_barrier(int id, int threads) {
@@ -177,11 +167,12 @@ __device__ __forceinline__ void issue_tile(const WgParams& p, unsigned char* kv_
 // The producer lane, before the PDL wait: the split's first WgParams::early_kv tiles (at most
 // the stages) into their stages, as long as a tile holds only KV rows older than this step
 // (positions < kv_len - q_len). Why: the next call's CTAs enter while the previous call's
-// combine runs and wait with the HBM idle (~1.5 µs a call at batch 1 ctx 32k, docs/bench_mla.md
-// v18); an L2 prefetch there did not fill it, a TMA load into shared memory cannot be dropped.
-// One tile: all the stages (2 x 72 KB bf16, 4 x 40 KB e4m3) flooded the memory system while
-// the previous call's combine still read its partials, and the calls got slower (v19).
-// Sound only under the launcher's contract (mla_decode_wgmma.launch_wgmma_mla, early_kv): the
+// combine runs and wait with the HBM idle (~1.5 µs a call at batch 1 ctx 32k; H200,
+// 2026-11-30, docs/bench_mla.md); an L2 prefetch there did not fill it, a TMA load into shared
+// memory cannot be dropped. One tile: all the stages (2 x 72 KB bf16, 4 x 40 KB e4m3) flooded
+// the memory system while the previous call's combine still read its partials, and the calls
+// got slower. Sound only under the launcher's contract (mla/sm90_wgmma.py launch_wgmma_mla,
+// early_kv): the
 // metadata (kv_lens, req_pool_indices, req_to_token) and every KV row but a request's last
 // q_len were written before the kernel ahead of this one began. produce() reads the slots
 // again after the wait and traps if they moved.
@@ -206,17 +197,15 @@ __device__ __forceinline__ void produce_early(const WgParams& p, int split, int 
 constexpr int B_START = 15;
 
 // The producer lane initializes the stage barriers (full: one arrival + the TMA bytes; empty:
-// the 8 consumer warps), prefetches the tensor map and, with L2PF, the split's first tiles into
-// L2 (from metadata read before the PDL wait: a stale value costs a wasted prefetch, never a
-// result, as the kernel reads it again after the wait and the tensor map bounds every box; the
-// Triton kernels' rule 4 in kernels/pdl.py); its warps arrive at B_START; then the grid waits
-// for its predecessor. The producer does not wait for the consumer warps: its first TMA
-// loads go out as soon as it knows the split's range, while the consumers still issue the
-// queries' loads (behind a __syncthreads after those and the old QueryLoad::issue, the first
-// load went out 0.8 µs later at batch 1 ctx 32k: bench_cta_phases.py, docs/bench_mla.md v16).
+// the 8 consumer warps), prefetches the tensor map and, when the call asks for early tiles,
+// issues them (produce_early); its warps arrive at B_START; then the grid waits for its
+// predecessor. The producer does not wait for the consumer warps: its first TMA loads go out
+// as soon as it knows the split's range, while the consumers still issue the queries' loads
+// (behind a __syncthreads after those and an earlier form of QueryLoad::issue, the first load
+// went out 0.8 µs later at batch 1 ctx 32k; H200, 2026-11-30, docs/bench_mla.md).
 // False when the row block is past the request's rows (the whole CTA exits, before any
 // barrier).
-template <int BM, bool L2PF, int NSTAGE = STAGES, int KV = -1, int NG = 1>
+template <int BM, int NSTAGE = STAGES, int KV = -1, int NG = 1>
 __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w,
                                           unsigned char* kv_s) {
@@ -233,16 +222,6 @@ __device__ __forceinline__ bool cta_start(const WgParams& p, int split, int mb, 
       mbar_fence_init();
       asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&p.kv_map))
                    : "memory");
-      if (L2PF) {
-        CtaWork pw = w;
-        cta_range<BM>(p.m, split, b, pw);
-        const int* r2t_row = split_slots(p.m, pw);
-        for (int t = 0; t < STAGES && t < pw.ntiles; ++t) {
-          const int slot0 = r2t_row[t * BN];
-#pragma unroll
-          for (int c = 0; c < NCH; ++c) tma_prefetch_2d(&p.kv_map, c * 64, slot0);
-        }
-      }
       if constexpr (KV >= 0)
         if (p.early_kv > 0) produce_early<BM, KV, NG>(p, split, b, w, kv_s, full);
     }
@@ -317,11 +296,11 @@ __device__ __forceinline__ void zero_acc(float (&a)[M][N]) {
 // issued by the consumer warps (stored by them once the producer has split off); the consumer
 // warps leave once the stage barriers are initialized, the producer warps at once (cta_start).
 // False when the row block is past the request's rows (the whole CTA exits)
-template <int BM, bool L2PF, int NSTAGE = STAGES, int KV = -1, int NG = 1>
+template <int BM, int NSTAGE = STAGES, int KV = -1, int NG = 1>
 __device__ __forceinline__ bool cta_begin(const WgParams& wp, int split, int mb, int b, int tid,
                                           uint64_t* full, uint64_t* empty, CtaWork& w,
                                           QueryLoad<BM>& qload, unsigned char* kv_s = nullptr) {
-  if (!cta_start<BM, L2PF, NSTAGE, KV, NG>(wp, split, mb, b, tid, full, empty, w, kv_s))
+  if (!cta_start<BM, NSTAGE, KV, NG>(wp, split, mb, b, tid, full, empty, w, kv_s))
     return false;
   if (tid < NT) qload.issue(wp.m, b, w.m0, w.n_rows, tid);  // beside the index loads
   cta_range<BM>(wp.m, split, b, w);
@@ -345,7 +324,7 @@ __device__ __forceinline__ void produce(const WgParams& p, const CtaWork& w, uns
     issue_tile<KV, NG>(p, kv_s, full, stage, slot0);
   }
   // the check after the loads: nothing in front of the first one on the path that times a
-  // call (code run once runs from a cold instruction cache, v12); a trap fails the launch
+  // call (code run once runs from a cold instruction cache); a trap fails the launch
   // all the same
   if (__builtin_expect(w.early > 0, 0)) {
 #pragma unroll
@@ -400,7 +379,7 @@ __device__ __forceinline__ __nv_bfloat16* out_row(const MlaParams& p, int b, int
 }
 
 // one thread's 16 output dims of the CTA's row r, normalized, straight from registers: v[2 k]
-// and v[2 k + 1] are dims d0 + PAIRS k and + 1 (PAIRS 2: d0 .. d0 + 15; 16: WE2 with pv8). The
+// and v[2 k + 1] are dims d0 + PAIRS k and + 1 (PAIRS 2: d0 .. d0 + 15; 16: WE8). The
 // bf16 result (8-byte stores: out rows are 8-byte aligned), or the split's partials (fp32, or
 // bf16 with part_bf16; 16-byte stores into the launcher's buffers); pairs apart go as 8- / 4-byte
 // stores
@@ -451,7 +430,7 @@ __device__ __forceinline__ void store_row16(const MlaParams& p, const CtaWork& w
 // the combine reads), or the bf16 result (coalesced, 16 B per thread). One loop per kind, and
 // no division or 64-bit product per row: this runs once per CTA from a cold instruction cache,
 // and with the kinds' branches and a (token, head) division in every row it took ~4.8 µs for
-// WR's 64 rows (bench_cta_phases.py --kernel WR, docs/bench_mla.md v13)
+// WR's 64 rows (H200, 2026-11-30, a global-timer stamp per phase; docs/bench_mla.md)
 template <int BM>
 __device__ __forceinline__ void store_rows(const MlaParams& p, const CtaWork& w, int split, int b,
                                            const float* ost, const float* rowv, int tid) {
@@ -627,7 +606,7 @@ __device__ __forceinline__ void rescale_cols(float (&o)[NM][NO], const float (&a
 
 // the CTA's rows finished, one a thread (tid < BM): the four warps' softmax sums in red
 // ([4][BM]) and the running maxima in mrow ([BM]). Four lanes looping over 8 rows each took
-// ~2 µs a CTA, ~6 from a cold instruction cache (docs/bench_mla.md v12)
+// ~2 µs a CTA, ~6 from a cold instruction cache (H200, 2026-11-30, docs/bench_mla.md)
 template <int BM>
 __device__ __forceinline__ void finish_rows(const MlaParams& p, const CtaWork& w, int split,
                                             int b, const float* red, const float* mrow,

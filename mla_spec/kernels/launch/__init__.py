@@ -1,4 +1,3 @@
-"""How the package's kernels are launched: the CUDA driver for the ``csrc/`` kernels
-(:mod:`.cuda_driver`), a cached direct relaunch of compiled Triton kernels
-(:mod:`.triton_launcher`), programmatic dependent launch (:mod:`.pdl`) and the arrival counters of
-kernels whose last CTA finishes a piece of work (:mod:`.arrival`)."""
+"""How the kernels launch: the CUDA driver (:mod:`.cuda_driver`), a cached Triton relaunch
+(:mod:`.triton_launcher`), PDL (:mod:`.pdl`).
+"""

@@ -1,15 +1,8 @@
-"""Build a CUDA C++ kernel file with ``nvcc`` and launch it through the CUDA driver (ctypes).
-
-Why not ``torch.utils.cpp_extension``: an extension compiles PyTorch's headers (a minute per
-fresh machine) and binds one torch ABI. The kernels here take plain pointers and a parameter
-struct, so the package ships the ``.cu`` source (``mla_spec/kernels/csrc``), compiles it to a
-cubin once per source / architecture / nvcc (about a second; cached under
-``$MLA_SPEC_CACHE`` or ``~/.cache/mla_spec``), loads it with ``cuModuleLoadData`` into the
-current (PyTorch's primary) context and launches with ``cuLaunchKernelEx`` on PyTorch's current
-stream, so CUDA-graph capture and programmatic dependent launch (PDL) work as for any kernel.
-
-Nothing here runs on the CPU: :func:`cuda_kernels_available` says why not (no GPU, no nvcc, no
-driver), and callers fall back to a Triton kernel or raise with that reason.
+"""Build a ``csrc`` CUDA file with ``nvcc`` (no ``torch.utils.cpp_extension``: PyTorch's headers,
+one torch ABI) and launch it through the CUDA driver (ctypes): a cubin per source / arch / nvcc,
+cached in ``$MLA_SPEC_CACHE`` or ``~/.cache/mla_spec``, launched with ``cuLaunchKernelEx`` on
+PyTorch's current stream, so CUDA graphs and PDL work. Nothing here runs on the CPU
+(:func:`cuda_kernels_available` says why).
 """
 
 from __future__ import annotations
@@ -25,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CudaKernel", "cuda_kernels_available", "compile_cubin", "nvcc_path", "CSRC",
-           "tensor_map_2d"]
+__all__ = ["CudaKernel", "arrival_counters", "cuda_kernels_available", "compile_cubin", "nvcc_path",
+           "CSRC", "tensor_map_2d"]
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
@@ -68,15 +61,12 @@ def _cache_dir() -> Path:
 
 
 def compile_cubin(src: Path, arch: str = "sm_90") -> bytes:
-    """The cubin of ``src`` for ``arch`` (``nvcc -cubin -O3``), from the cache when the source
-    (with the ``.cuh`` headers beside it), the architecture and the compiler are unchanged.
-    Raises RuntimeError with nvcc's message."""
+    """The cubin of ``src`` for ``arch``, cached by source, headers, arch and nvcc version."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise RuntimeError("nvcc not found (set MLA_SPEC_NVCC or CUDA_HOME): the CUDA kernels "
                            "are compiled on first use")
-    text = src.read_bytes() + b"".join(h.read_bytes()
-                                       for h in sorted(src.parent.glob("*.cuh")))
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.cuh")))
     key = hashlib.sha256(text + arch.encode() + _nvcc_version(nvcc).encode()).hexdigest()[:24]
     cache = _cache_dir()
     path = cache / f"{src.stem}-{arch}-{key}.cubin"
@@ -113,11 +103,7 @@ _TMAP_DTYPES = {torch.uint8: 0, torch.float16: 6, torch.float32: 7, torch.bfloat
 
 
 def tensor_map_2d(t: torch.Tensor, box_cols: int, box_rows: int, swizzle: bool = True) -> bytes:
-    """A TMA descriptor (``CUtensorMap``, 128 bytes) of the 2-D tensor ``t`` ``[rows, cols]``
-    (unit column stride, row stride a multiple of 16 B) with ``[box_rows, box_cols]`` boxes,
-    128-byte swizzle (``box_cols`` elements must span at most 128 B; ``swizzle=False``: box
-    rows land packed, unswizzled) and 256-byte L2 promotion; to be passed by value in a
-    kernel's ``__grid_constant__`` parameters."""
+    """A TMA descriptor (``CUtensorMap``) of the 2-D ``t``: boxes of <= 128 bytes a row."""
     if t.dtype not in _TMAP_DTYPES or t.dim() != 2 or t.stride(1) != 1:
         raise ValueError(f"tensor_map_2d takes a 2-D tensor with unit column stride of "
                          f"{list(_TMAP_DTYPES)} (got {t.dtype}, {tuple(t.shape)})")
@@ -150,8 +136,7 @@ def _check(res: int, what: str) -> None:
 
 @functools.cache
 def cuda_kernels_available(device: torch.device) -> str | None:
-    """None when the hand-written CUDA kernels can run on ``device``, else why not (cached: the
-    attention plan asks once per step)."""
+    """None when the hand-written CUDA kernels can run on ``device``, else why not."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return "the CUDA kernels need a CUDA device"
     if torch.cuda.get_device_capability(device) < (9, 0):
@@ -166,11 +151,7 @@ def cuda_kernels_available(device: torch.device) -> str | None:
 
 
 class CudaKernel:
-    """One ``extern "C" __global__`` function of a ``csrc`` file, loaded per device.
-
-    ``kernel(grid, block, smem, params, device, pdl=...)`` launches it on the current stream
-    of ``device`` with ``params`` (a ctypes Structure passed by value as the only argument).
-    """
+    """A ``csrc`` file's ``extern "C"`` kernel, loaded per device, called with a ctypes struct."""
 
     _lock = threading.Lock()
 
@@ -204,8 +185,7 @@ class CudaKernel:
 
     def __call__(self, grid, block: int, smem: int, params: ctypes.Structure,
                  device: torch.device, pdl: bool = False, cluster: int = 1) -> None:
-        """``cluster > 1``: thread-block clusters of ``(cluster, 1, 1)`` CTAs (``grid[0]`` a
-        multiple of it; the CTAs of a cluster are scheduled together, sm_90 and newer)."""
+        """``cluster > 1``: thread-block clusters of ``(cluster, 1, 1)`` CTAs."""
         fn = self._function(device, smem)
         cfg = _LaunchConfig(*grid, block, 1, 1, smem,
                             torch.cuda.current_stream(device).cuda_stream, None, 0)
@@ -225,3 +205,26 @@ class CudaKernel:
         arg = ctypes.c_void_p(ctypes.addressof(params))
         _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, ctypes.byref(arg), None),
                f"launching {self.name}")
+
+
+# ---- arrival counters of last-CTA kernels (the NVFP4 split-K GEMM): the last arrival resets its
+# counter, so buffers stay zero between calls (no memset; graphs replay as is) ------------------
+#: the smallest buffer cached (256 KB: 64 Ki pieces, e.g. 2048 requests x 32 row blocks)
+MIN_COUNTERS = 1 << 16
+
+_CACHE: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # a graph captured earlier may still point at one
+
+
+def arrival_counters(n: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 buffer of ``n``+ counters on ``device``, cached (except during a capture)."""
+    device = torch.device(device)
+    buf = _CACHE.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(max(n, 1), dtype=torch.int32, device=device)
+    if buf is not None:
+        _OUTGROWN.append(buf)
+    buf = _CACHE[device] = torch.zeros(max(n, MIN_COUNTERS), dtype=torch.int32, device=device)
+    return buf

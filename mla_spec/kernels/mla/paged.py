@@ -1,0 +1,140 @@
+"""``mla_decode_paged``: the page-granular fast path of ``mla_decode`` on Hopper (same result; twin:
+``reference.mla_decode_ref``). The ``PagedConfig`` (default :func:`choice.paged_choice`) picks the
+kernel: ``sm90_wgmma``, ``sm90_mma``, ``triton_vsplit`` or ``triton_paged``; the split count comes
+from :func:`choice.splits_for` unless the call or a default entry pins it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from mla_spec.device import cuda_capability, sm_count, triton_interpreting
+from mla_spec.kernels.launch.cuda_driver import cuda_kernels_available
+from mla_spec.kernels.mla.choice import (
+    PagedConfig,
+    cuda_cache_ok,
+    paged_choice,
+    paged_config,
+    splits_for,
+)
+from mla_spec.kernels.mla.sm90_mma import CudaTile, cuda_mla_supported, launch_cuda_mla
+from mla_spec.kernels.mla.sm90_wgmma import launch_wgmma_mla, wgmma_mla_supported
+from mla_spec.kernels.mla.triton_common import check_mla_inputs
+from mla_spec.kernels.mla.triton_paged import launch_paged
+from mla_spec.kernels.mla.triton_vsplit import launch_vsplit
+from mla_spec.quant.fp8 import FP8_DTYPE
+
+__all__ = ["mla_decode_paged", "paged_supported"]
+
+_LOG2E = 1.4426950408889634
+
+
+def paged_supported(device: torch.device, dv: int, dpe: int, page_size: int,
+                    kv_dtype: torch.dtype, cfg: PagedConfig | None = None) -> str | None:
+    """None when the paged kernels can run here, else why not (the caller falls back)."""
+    if device.type == "cuda":
+        if cuda_capability(device)[0] < 9:
+            return "the paged fast path is tuned for SM90+ (Hopper)"
+    elif not triton_interpreting():
+        return "needs CUDA or the Triton interpreter"
+    if kv_dtype == torch.float32:
+        return "fp32 caches use the generic kernel"
+    if cfg is not None and cfg.cuda:
+        if device.type != "cuda":
+            return "the CUDA kernel needs a CUDA device"
+        why = cuda_kernels_available(device)
+        if why:
+            return why
+        if not cuda_cache_ok(cfg, kv_dtype) or (dv, dpe) != (512, 64):
+            return ("the CUDA kernel takes a bf16 cache (wgmma: or fp8 e4m3; e4m3_mma: fp8 "
+                    "e4m3 only) with Dv 512 / Dpe 64")
+    if dv % 32 or dv & (dv - 1) or dpe & (dpe - 1) or dpe < 16:
+        return f"needs Dv a power of two >= 32 and Dpe a power of two >= 16 (got {dv}/{dpe})"
+    cfg = cfg or paged_config(1, kv_dtype, device, page_size)
+    if page_size % cfg.block_n:
+        return f"page_size {page_size} is not a multiple of BLOCK_N {cfg.block_n}"
+    return None
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_allocator():
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        def alloc(size: int, alignment: int, stream):
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+        triton.set_allocator(alloc)
+        _ALLOCATOR_SET = True
+
+
+def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, sm_scale,
+                     *, page_size: int, k_scale: float = 1.0, v_scale: float = 1.0,
+                     q_len: int | None = None, qo_indptr: torch.Tensor | None = None,
+                     max_q: int | None = None, max_kv: int | None = None,
+                     num_splits: int | None = None, return_lse: bool = False,
+                     out: torch.Tensor | None = None, config: PagedConfig | None = None,
+                     num_sms: int | None = None, early_kv: bool | None = None):
+    """:func:`mla_spec.kernels.mla.mla_decode` with a contiguous, page-aligned ``kv_flat``;
+    ``max_kv`` (host int: no sync), ``config``, ``early_kv`` (``sm90_wgmma.launch_wgmma_mla``)."""
+    check_mla_inputs(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr)
+    n, h, dv = q_nope.shape
+    dpe = q_pe.shape[-1]
+    bs = req_pool_indices.numel()
+    dev = q_nope.device
+    if (q_len is None) == (qo_indptr is None):
+        raise ValueError("give exactly one of q_len (fixed rows per request) or qo_indptr")
+    pinned = None
+    if config is None:
+        if max_kv is None and num_splits is None and dev.type == "cuda":
+            max_kv = int(kv_lens.max()) if bs else 0  # read below for the splits anyway
+        config, pinned = paged_choice((q_len or max_q or 1) * h, kv_flat.dtype, dev, page_size,
+                                      bs, max_kv, fixed=q_len is not None)
+    cfg = config
+    why = paged_supported(dev, dv, dpe, page_size, kv_flat.dtype, cfg)
+    if why:
+        raise ValueError(f"mla_decode_paged: {why}")
+    if kv_flat.shape[-1] != dv + dpe or not kv_flat.is_contiguous():
+        raise ValueError(f"kv_flat must be contiguous [slots, {dv + dpe}]")
+    if q_len is None and max_q is None:
+        max_q = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if bs else 0
+    rows = (q_len if q_len is not None else max_q) * h
+    m_blocks = max(1, triton.cdiv(rows, cfg.block_m))
+    if num_splits is None:
+        num_splits = pinned
+    if num_splits is None:
+        mk = max_kv if max_kv is not None else (int(kv_lens.max()) if bs else 0)
+        sms = num_sms or (sm_count(dev) if dev.type == "cuda" else 4)
+        num_splits = splits_for(cfg, bs, m_blocks, mk, rows,
+                                kv_flat.shape[-1] * kv_flat.element_size(), sms, dv)
+    if out is None:
+        out = torch.empty((n, h, dv), dtype=q_nope.dtype, device=dev)
+    lse = torch.empty((n, h), dtype=torch.float32, device=dev) if return_lse else None
+    if n == 0 or bs == 0:
+        return (out, lse) if return_lse else out
+    interp = dev.type == "cpu"
+    is_fp8 = kv_flat.dtype == FP8_DTYPE
+    if not (interp or is_fp8 or q_nope.dtype == kv_flat.dtype == q_pe.dtype):
+        raise ValueError(f"queries {q_nope.dtype} must match the {kv_flat.dtype} cache")
+    if cfg.tma and not interp:
+        _ensure_allocator()
+    args = (q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens)
+    scale = float(sm_scale) * float(k_scale) * _LOG2E
+    if cfg.cuda:
+        tile = CudaTile(cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_warps)
+        why = (wgmma_mla_supported(q_nope, q_pe, kv_flat, page_size, q_len, cfg)
+               if cfg.wgmma else cuda_mla_supported(q_nope, q_pe, kv_flat, page_size, tile, q_len))
+        if why:
+            raise ValueError(f"mla_decode_paged: config {cfg.tag}: {why}")
+        if cfg.wgmma:
+            launch_wgmma_mla(*args, out, lse, scale, v_scale, q_len=q_len, m_blocks=m_blocks,
+                             num_splits=num_splits, kind=cfg, early_kv=early_kv)
+        else:
+            launch_cuda_mla(*args, out, lse, scale, v_scale, q_len=q_len, m_blocks=m_blocks,
+                            num_splits=num_splits, tile=tile)
+        return (out, lse) if return_lse else out
+    launch = launch_vsplit if cfg.sibling_kernel else launch_paged
+    launch(*args, qo_indptr, out, lse, scale, v_scale, q_len=q_len, m_blocks=m_blocks,
+           num_splits=num_splits, cfg=cfg, interp=interp, is_fp8=is_fp8)
+    return (out, lse) if return_lse else out
