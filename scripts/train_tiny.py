@@ -1,65 +1,87 @@
-"""Train the embedded tiny DeepSeek-V3-architecture model from scratch, quantize it, ship it.
+"""Train the embedded tiny DeepSeek-V3-architecture model, landing its served scores in set bands.
 
-    python scripts/train_tiny.py --out mla_spec/data/tiny-dsv3-fp4            # GPU: a few minutes
-    python scripts/train_tiny.py --steps 20 --batch 8 --eval 16 --out /tmp/x  # CPU smoke test
+    python scripts/train_tiny.py --out $OUT/tiny-dsv3-fp4                     # one H200, ~8 min
+    python scripts/train_tiny.py --steps 20 --batch 8 --seq-len 128 --eval 16 \
+        --num-train-problems 20000 --out /tmp/tiny_smoke                     # CPU smoke, ~2 min
 
-What it does (everything seeded, so the same command gives the same checkpoint on the same
-hardware):
+The embedded model must be *imperfect* so that accuracy and accept-length checks can see bugs:
+served as shipped (NVFP4 weights, FP8 KV cache, MTP speculation v2 with 3 steps / topk 1 / 4 draft
+tokens, greedy, the demo's 2-shot prompts), its held-out accuracy must lie in [0.88, 0.97] and
+its average accept length in [2.5, 3.4] of 4. The script gets there by measuring, not by
+guessing (everything is seeded; how many steps fit the time budget depends on measured times,
+and ``training_config.json`` records them with every evaluation):
 
-1. Data: ``mla_spec.eval.gsm_synth`` training problems (held-out questions are never drawn),
-   formatted like few-shot prompts: ``<bos>Question: ...\\nAnswer: ... #### N\\n\\nQuestion: ...``
-   packed into ``seq_len`` windows, so the model learns to answer *and* to start the next
-   ``Question`` after ``#### N`` (the stop string of the few-shot harness).
-2. Tokenizer: the word-level ``tokenizer.json`` of ``mla_spec.eval.tokenizer`` (digits one by one).
-3. Model: the package's own ``DeepseekV3ForCausalLM.forward_train`` and
-   ``DeepseekV3MTP.forward_train`` (MLA with q_lora, 1 dense + MoE layers, sigmoid noaux_tc
-   routing with shared experts, one MTP layer).
-   Loss = CE(next token) + ``mtp_lambda`` * (CE(token t+2 from the MTP layer)
-   + ``mtp_chain_weight`` * CE(token t+3 from the MTP layer fed its own output: the chained
-   draft of EAGLE spec decoding)). DeepSeek-V3's MTP loss is the first MTP term.
-4. Aux-loss-free load balancing (DeepSeek-V3 §2.1.2): after every step each router's
-   ``e_score_correction_bias[e] += bias_update_speed * sign(mean_load - load[e])``; the bias only
-   changes which experts are chosen, never the gate weights, and gets no gradient.
-5. Evaluation at full precision: greedy few-shot decoding of held-out questions (dense
-   forward, no KV cache) scored by ``mla_spec.eval.run_eval``.
-6. Export: ``mla_spec.checkpoint_writer.save_checkpoint(quantize=True)``: NVFP4 dense MLP and
-   experts (ModelOpt layout), BF16 attention / router / lm_head / MTP layer, plus
-   ``tokenizer.json``, ``training_config.json`` and a model card.
+1. Data: ``mla_spec.eval.gsm_synth`` training problems (held-out questions are never drawn)
+   packed into ``<bos>Question: ...#### N\\n\\nQuestion: ...`` windows of ``seq_len`` tokens;
+   the word-level tokenizer of ``mla_spec.eval.tokenizer`` (digits one by one).
+2. Phase 1, joint training: ``DeepseekV3ForCausalLM.forward_train`` + ``DeepseekV3MTP``.
+   Loss = CE(next token) + ``mtp_lambda`` * (CE(t+2) + ``mtp_chain_weight`` * CE(t+3) of the MTP
+   layer fed its own output: the chained draft of EAGLE decoding); aux-loss-free balancing
+   (after each step ``e_score_correction_bias[e] += speed * sign(mean_load - load[e])``);
+   AdamW, warmup then cosine over the steps that fit the time budget.
+3. Evaluation through the serving path every ``eval_every`` steps: calibrate the FP8 KV scales,
+   quantize and write the checkpoint (``save_checkpoint``), serve ``eval_questions`` held-out
+   questions with ``Engine`` + ``run_eval`` in the shipped configuration (TP 1), and print a
+   (step, accuracy, accept length) row. Phase 1 ends at the first evaluation whose accuracy
+   reaches the middle band (``acc_mid_min``); if it jumped past ``acc_max`` the previous
+   evaluation is taken when it is closer to the middle band. The cosine is planned to end at
+   ``phase1_share`` of the budget (re-planned at each evaluation from the measured step and
+   evaluation times); while the accuracy is still below the band it goes on at the final rate
+   up to ``phase1_max_share``.
+4. Phase 2, the draft alone (target frozen, so served answers and accuracy stay as they are):
+   when the accept length is above the middle band the MTP layer is re-initialized, when below
+   it is trained on; it trains by itself (EAGLE-style) with evaluations every
+   ``mtp_eval_every`` steps until the accept length is in the middle band. An evaluation that
+   jumps past the band restores the previous draft and goes on at a quarter of the rate.
+5. Export: the evaluated checkpoint closest to the middle bands (both in band first), exactly
+   the bits that were scored, plus ``training_config.json`` (every evaluation row) and a model
+   card. Any failure on the way still writes the best checkpoint evaluated so far.
+
+FP8 KV scales: per layer ``amax / 448`` of the cached latent ``[ckv | rope(k_pe)]`` over
+calibration windows (``mla_spec.checkpoint_writer.calibrate_kv_scales``), written as
+``model.layers.{i}.self_attn.k_scale`` / ``v_scale`` (the MTP layer at ``i = num_hidden_layers``);
+the loader hands them to the FP8 KV pools.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import random
+import shutil
+import signal
 import sys
+import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (ROOT, ROOT / "scripts"):  # the package, and this script's helper modules
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
 
-from mla_spec.checkpoint_writer import save_checkpoint  # noqa: E402
-from mla_spec.config import ModelConfig  # noqa: E402
-from mla_spec.eval import (  # noqa: E402
-    build_tokenizer,
-    format_qa,
-    heldout_problems,
-    run_eval,
-    train_problems,
+from train_tiny_eval import Evaluator, in_band, write_outputs  # noqa: E402
+from train_tiny_phases import (  # noqa: E402
+    Run,
+    init_weights,
+    mtp_top1,
+    phase1,
+    phase2,
+    restore,
+    sample_batch,
+    snapshot,
 )
+
+from mla_spec.config import ModelConfig  # noqa: E402
+from mla_spec.eval import build_tokenizer, format_qa, train_problems  # noqa: E402
+from mla_spec.eval.gsm_synth import vocabulary_words  # noqa: E402
 from mla_spec.models.deepseek_v3 import DeepseekV3ForCausalLM  # noqa: E402
-from mla_spec.models.moe import MoEGate  # noqa: E402
 from mla_spec.models.mtp import DeepseekV3MTP  # noqa: E402
 
 MODEL_CONFIG = dict(
-    vocab_size=128, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+    vocab_size=192, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
     num_hidden_layers=4, num_nextn_predict_layers=1, num_attention_heads=4,
     num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5,
     kv_lora_rank=512, q_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
@@ -73,9 +95,9 @@ MODEL_CONFIG = dict(
 @dataclass(frozen=True)
 class TrainConfig:
     seed: int = 0
-    steps: int = 3000
-    batch: int = 64
-    seq_len: int = 256
+    steps: int = 8000  # phase-1 upper bound; the time budget usually cuts it (recorded)
+    batch: int = 128
+    seq_len: int = 512
     lr: float = 2e-3
     min_lr_ratio: float = 0.05
     warmup: int = 150
@@ -86,235 +108,134 @@ class TrainConfig:
     bias_update_speed: float = 1e-3
     init_std: float = 0.02
     num_train_problems: int = 200_000
-    eval_questions: int = 256
-    eval_every: int = 1000
-    k_shots: int = 2
-    time_budget_min: float = 0.0  # > 0: after 30 steps, cut `steps` to fit (recorded)
+    eval_questions: int = 200
+    eval_k_shots: int = 2  # the demo's prompts
+    eval_every: int = 100  # phase 1; halved once accuracy passes 0.6
+    calib_windows: int = 8
+    mtp_lr: float = 2e-3  # phase 2 (a fresh draft has to get there within the budget)
+    mtp_steps: int = 600  # phase-2 upper bound (capped at `steps`)
+    mtp_eval_every: int = 10
+    time_budget_min: float = 7.0  # setup and both phases; 0 = no limit
+    phase1_share: float = 0.75  # of the budget, for the cosine plan
+    phase1_max_share: float = 0.9  # phase 1 goes on to here while accuracy is below the band
+    acc_min: float = 0.88
+    acc_max: float = 0.97
+    acc_mid_min: float = 0.90
+    acc_mid_max: float = 0.95
+    accept_min: float = 2.5
+    accept_max: float = 3.4
+    accept_mid_min: float = 2.7
+    accept_mid_max: float = 3.2
+    attention_backend: str = "auto"
+    resume: str = ""  # a checkpoint folder: its target weights (dequantized), phase 2 only
 
 
-# ---- data ----------------------------------------------------------------------------------
+# ---- data ------------------------------------------------------------------------------------
 def make_blocks(tok, n: int, seed: int) -> list[list[int]]:
     """Token ids of ``n`` training problems, each ``"Question: ...#### N\\n\\n"`` (no bos)."""
     texts = [format_qa(p) + "\n\n" for p in train_problems(n, seed=seed)]
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
-def sample_batch(blocks, batch: int, seq_len: int, rng: random.Random, bos: int) -> torch.Tensor:
-    """``[batch, seq_len]`` windows: bos, then whole problems back to back (cut at the end)."""
-    rows = []
-    for _ in range(batch):
-        ids = [bos]
-        while len(ids) < seq_len:
-            ids.extend(blocks[rng.randrange(len(blocks))])
-        rows.append(ids[:seq_len])
-    return torch.tensor(rows, dtype=torch.int64)
+def load_target(model, folder: Path) -> None:
+    """Load the target model's weights from a checkpoint folder (NVFP4 weights dequantized)."""
+    from safetensors.torch import load_file
 
+    from mla_spec.quant.nvfp4 import dequantize_nvfp4
 
-# ---- model ---------------------------------------------------------------------------------
-def build_models(cfg: ModelConfig, device, std: float):
-    model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32, device=device)
-    mtp = DeepseekV3MTP(cfg, dtype=torch.float32, device=device,
-                        embed_tokens=model.embed_tokens, lm_head=model.lm_head)
-    n_resid = 2 * (cfg.num_hidden_layers + 1)
-    with torch.no_grad():
-        for mod in (model, mtp):
-            for name, p in mod.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith(".bias"):
-                    p.zero_()
-                elif name.endswith(("o_proj.weight", "down_proj.weight")):
-                    p.normal_(0.0, std / math.sqrt(n_resid))
-                else:
-                    p.normal_(0.0, std)
-            for b_name, b in mod.named_buffers():
-                if b_name.endswith("e_score_correction_bias"):
-                    b.zero_()
-    return model, mtp
-
-
-class LoadBalancer:
-    """Counts expert loads through forward hooks; ``update()`` applies the bias rule."""
-
-    def __init__(self, modules, speed: float) -> None:
-        self.gates = [m for mod in modules for m in mod.modules() if isinstance(m, MoEGate)]
-        self.counts = [None] * len(self.gates)
-        self.speed = speed
-        for i, g in enumerate(self.gates):
-            g.register_forward_hook(self._hook(i))
-
-    def _hook(self, i: int):
-        def hook(module, args, out):
-            _, ids = out
-            c = torch.bincount(ids.flatten(), minlength=module.weight.shape[0]).float()
-            self.counts[i] = c if self.counts[i] is None else self.counts[i] + c
-        return hook
-
-    @torch.no_grad()
-    def update(self) -> float:
-        """Apply the sign rule; return the worst max/mean load ratio of this step."""
-        worst = 0.0
-        for g, c in zip(self.gates, self.counts):
-            if c is None:
-                continue
-            g.e_score_correction_bias.add_(self.speed * torch.sign(c.mean() - c))
-            worst = max(worst, float(c.max() / c.mean().clamp_min(1)))
-        self.counts = [None] * len(self.gates)
-        return worst
-
-
-def losses(model, mtp, x: torch.Tensor, tc: TrainConfig) -> tuple[torch.Tensor, dict]:
-    """Main CE + lambda * (MTP CE(t+2) + chain_weight * MTP-chain CE(t+3))."""
-    h = model.forward_train(x)  # [B, T, hidden]
-    V = model.cfg.vocab_size
-    logits = model.compute_logits(h[:, :-1])
-    main = F.cross_entropy(logits.reshape(-1, V), x[:, 1:].reshape(-1))
-    m1 = mtp.forward_train(x[:, 1:], h[:, :-1])  # column p predicts x[p + 2]
-    l1 = F.cross_entropy(mtp.compute_logits(m1[:, :-1]).reshape(-1, V), x[:, 2:].reshape(-1))
-    T = x.shape[1]
-    pos2 = torch.arange(1, T - 1, device=x.device)
-    m2 = mtp.forward_train(x[:, 2:], m1[:, :-1], positions=pos2)  # column p predicts x[p + 3]
-    l2 = F.cross_entropy(mtp.compute_logits(m2[:, :-1]).reshape(-1, V), x[:, 3:].reshape(-1))
-    total = main + tc.mtp_lambda * (l1 + tc.mtp_chain_weight * l2)
-    return total, {"main": main.item(), "mtp1": l1.item(), "mtp2": l2.item()}
-
-
-# ---- evaluation (dense greedy decoding) -----------------------------------------------------
-def dense_generate_fn(model, tok, device, stop_token: int):
-    """``generate(prompts, max_new_tokens, stop)`` for run_eval, recomputing the full prefix."""
-
-    @torch.no_grad()
-    def generate(prompts, max_new_tokens, stop):
-        enc = [tok.encode(p).ids for p in prompts]
-        outs: list[list[int]] = [[] for _ in prompts]
-        by_len: dict[int, list[int]] = {}
-        for i, ids in enumerate(enc):
-            by_len.setdefault(len(ids), []).append(i)
-        for _, idx in sorted(by_len.items()):
-            seqs = torch.tensor([enc[i] for i in idx], device=device)
-            done = torch.zeros(len(idx), dtype=torch.bool, device=device)
-            for _ in range(max_new_tokens):
-                with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-                    h = model.forward_train(seqs)
-                nxt = model.compute_logits(h[:, -1]).argmax(-1)
-                seqs = torch.cat([seqs, nxt[:, None]], dim=1)
-                done |= nxt == stop_token
-                if bool(done.all()):
-                    break
-            for j, i in enumerate(idx):
-                outs[i] = seqs[j, len(enc[i]):].tolist()
-        return [{"text": tok.decode(o), "output_ids": o} for o in outs]
-
-    return generate
-
-
-@torch.no_grad()
-def mtp_top1(model, mtp, x: torch.Tensor) -> tuple[float, float]:
-    """Teacher-forced top-1 accuracy of the MTP layer on t+2 and of the chain on t+3."""
-    h = model.forward_train(x)
-    m1 = mtp.forward_train(x[:, 1:], h[:, :-1])
-    a1 = (mtp.compute_logits(m1[:, :-1]).argmax(-1) == x[:, 2:]).float().mean().item()
-    pos2 = torch.arange(1, x.shape[1] - 1, device=x.device)
-    m2 = mtp.forward_train(x[:, 2:], m1[:, :-1], positions=pos2)
-    a2 = (mtp.compute_logits(m2[:, :-1]).argmax(-1) == x[:, 3:]).float().mean().item()
-    return a1, a2
-
-
-def evaluate(model, tok, device, tc: TrainConfig, n: int):
-    model.eval()
-    gen = dense_generate_fn(model, tok, device, tok.token_to_id("Question"))
-    rep = run_eval(gen, heldout_problems(n), tc.k_shots, name="dense fp32 (training)")
-    model.train()
-    return rep
-
-
-# ---- main ----------------------------------------------------------------------------------
-def lr_at(step: int, tc: TrainConfig) -> float:
-    if step < tc.warmup:
-        return tc.lr * (step + 1) / tc.warmup
-    t = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
-    return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    state = model.state_dict()
+    for name in state:
+        base = name[: -len(".weight")] if name.endswith(".weight") else None
+        t = tensors[name]
+        if base is not None and f"{base}.weight_scale" in tensors:
+            t = dequantize_nvfp4(t, tensors[f"{base}.weight_scale"],
+                                 tensors[f"{base}.weight_scale_2"].float(), torch.float32)
+        state[name] = t.to(state[name].dtype)
+    model.load_state_dict(state)
 
 
 def train(tc: TrainConfig, out: Path, device: torch.device) -> dict:
-    torch.manual_seed(tc.seed)
-    rng = random.Random(tc.seed)
     t_start = time.perf_counter()
-    tok = build_tokenizer(format_qa(p) + "\n\n" for p in train_problems(20_000, seed=tc.seed))
+    torch.manual_seed(tc.seed)
+    texts = (format_qa(p) + "\n\n" for p in train_problems(20_000, seed=tc.seed))
+    tok = build_tokenizer(texts, words=vocabulary_words())
     cfg = ModelConfig(**MODEL_CONFIG)
     if tok.get_vocab_size() > cfg.vocab_size:
         raise ValueError(f"tokenizer has {tok.get_vocab_size()} tokens > vocab {cfg.vocab_size}")
     blocks = make_blocks(tok, tc.num_train_problems, tc.seed + 1)
     bos = tok.token_to_id("<bos>")
-    model, mtp = build_models(cfg, device, tc.init_std)
-    balancer = LoadBalancer([model, mtp], tc.bias_update_speed)
-    params = {id(p): p for m in (model, mtp) for p in m.parameters()}.values()
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": tc.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}],
-        lr=tc.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
-    )
-    n_params = sum(p.numel() for p in params)
-    print(f"params {n_params / 1e6:.2f} M, vocab {tok.get_vocab_size()}, device {device}",
+    model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32, device=device)
+    mtp = DeepseekV3MTP(cfg, dtype=torch.float32, device=device,
+                        embed_tokens=model.embed_tokens, lm_head=model.lm_head)
+    for mod in (model, mtp):
+        init_weights(mod, tc.init_std, cfg.num_hidden_layers + 1)
+    n_params = sum(p.numel() for p in {id(p): p for m in (model, mtp)
+                                       for p in m.parameters()}.values())
+    calib = sample_batch(blocks, tc.calib_windows, tc.seq_len, random.Random(99), bos).to(device)
+    work = Path(tempfile.mkdtemp(prefix="train_tiny_"))
+    run = Run(tc, model, mtp, blocks, bos, device, random.Random(tc.seed),
+              Evaluator(tc, cfg, tok, calib, device, work), t_start, [])
+    print(f"params {n_params / 1e6:.2f} M, vocabulary {tok.get_vocab_size()} / {cfg.vocab_size}, "
+          f"device {device}, {len(blocks)} training problems, setup "
+          f"{time.perf_counter() - t_start:.0f} s", flush=True)
+    print("| phase | step | accuracy | accept | eval | band |\n|---|---:|---:|---:|---:|---|",
           flush=True)
-    history, steps_done = [], 0
-    t10 = t_start
-    for step in range(tc.steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, tc)
-        x = sample_batch(blocks, tc.batch, tc.seq_len, rng, bos).to(device)
-        with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-            loss, parts = losses(model, mtp, x, tc)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(params), tc.grad_clip)
-        opt.step()
-        imbalance = balancer.update()
-        steps_done = step + 1
-        if step % 50 == 0 or step == tc.steps - 1:
-            el = time.perf_counter() - t_start
-            print(f"step {step:5d} loss {loss.item():.4f} main {parts['main']:.4f} "
-                  f"mtp1 {parts['mtp1']:.4f} mtp2 {parts['mtp2']:.4f} "
-                  f"max/mean load {imbalance:.2f} lr {lr_at(step, tc):.2e} {el:.0f}s", flush=True)
-            history.append({"step": step, **parts, "load_imbalance": imbalance})
-        if tc.eval_every and step and step % tc.eval_every == 0:
-            rep = evaluate(model, tok, device, tc, min(64, tc.eval_questions))
-            print(f"  eval@{step}: accuracy {rep.accuracy:.4f}", flush=True)
-        if step == 10:
-            t10 = time.perf_counter()
-        if step == 40 and tc.time_budget_min > 0:
-            per_step = (time.perf_counter() - t10) / 30
-            fit = int((tc.time_budget_min * 60 - (time.perf_counter() - t_start)) / per_step) + 41
-            if fit < tc.steps:
-                tc = replace(tc, steps=fit, time_budget_min=0.0)
-                print(f"{per_step * 1e3:.1f} ms/step: training {fit} steps to fit the budget "
-                      f"(reproduce with --steps {fit})", flush=True)
-        if steps_done >= tc.steps:
-            break
-    train_s = time.perf_counter() - t_start
-    rep = evaluate(model, tok, device, tc, tc.eval_questions)
-    xb = sample_batch(blocks, 16, tc.seq_len, random.Random(99), bos).to(device)
-    a1, a2 = mtp_top1(model, mtp, xb)
-    print(rep.pretty(), flush=True)
-    print(f"MTP top-1 (teacher forced): t+2 {a1:.4f}, chain t+3 {a2:.4f}", flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    model.cpu()  # quantize on the CPU (same bits wherever it trained); mtp shares embed/head
-    mtp.cpu()
-    save_checkpoint(model, cfg, out, quantize=True, mtp=mtp, dtype=torch.bfloat16,
-                    kv_cache_quant_algo="FP8")
-    tok.save(str(out / "tokenizer.json"))
     summary = {
-        "train_config": asdict(tc), "model_config": MODEL_CONFIG, "steps_done": steps_done,
-        "params": n_params, "train_seconds": round(train_s, 1), "device": str(device),
-        "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None,
-        "heldout_accuracy_fp32_dense": rep.accuracy, "heldout_questions": rep.num_questions,
-        "mtp_top1_t2": a1, "mtp_top1_chain_t3": a2, "history": history,
-        "command": " ".join(sys.argv),
+        "train_config": asdict(tc), "model_config": MODEL_CONFIG, "params": n_params,
+        "tokenizer_tokens": tok.get_vocab_size(), "device": str(device),
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "command": " ".join(["python", *sys.argv]), "phase1_steps": 0, "phase2_steps": 0,
+        "history": run.history,
     }
-    (out / "training_config.json").write_text(json.dumps(summary, indent=2))
+    error = None
+    try:
+        if tc.resume:
+            load_target(model, Path(tc.resume))
+            chosen, snap = run.evaluate(model, mtp, 0, 1, resumed=tc.resume), snapshot(model, mtp)
+        else:
+            chosen, snap = phase1(run)
+        summary["phase1_steps"] = max(r["step"] for r in run.evaluate.rows if r["phase"] == 1)
+        restore([model, mtp], snap)
+        summary["mtp_reinit"] = (chosen["accept"] or 0) > tc.accept_mid_max
+        if not in_band(chosen["accuracy"], chosen["accept"], tc, mid=True):
+            phase2(run, chosen)
+        summary["phase2_steps"] = max([0] + [r["step"] for r in run.evaluate.rows
+                                             if r["phase"] == 2])
+        summary["train_seconds"] = time.perf_counter() - t_start
+        summary["eval_seconds"] = run.evaluate.t_eval
+        xb = sample_batch(blocks, 8, tc.seq_len, random.Random(98), bos).to(device)
+        top1 = mtp_top1(model, mtp, xb)  # the state training ended in (maybe not the export)
+        summary["mtp_top1_t2_at_end"], summary["mtp_top1_chain_t3_at_end"] = top1
+    except BaseException as e:  # noqa: BLE001 - write what we have, then re-raise
+        error = e
+        summary["error"] = f"{type(e).__name__}: {e}"
+        print(f"training stopped: {summary['error']}; writing the best evaluated checkpoint",
+              flush=True)
+    summary.setdefault("train_seconds", time.perf_counter() - t_start)
+    best = write_outputs(run, out, summary)
+    if best is not None and error is None:
+        checks = {}
+        for k in sorted({1, tc.eval_k_shots}):  # the CI test's 1-shot prompts too
+            try:
+                rep = run.evaluate.serve(out, k)
+                checks[f"{k}-shot, {rep.num_questions} questions"] = {
+                    "accuracy": rep.accuracy, "accept": rep.avg_accept_length}
+            except Exception as e:  # noqa: BLE001 - the checkpoint is written already
+                checks[f"{k}-shot"] = {"accuracy": float("nan"), "accept": f"failed: {e}"}
+        summary["final_checks"] = checks
+        write_outputs(run, out, summary)
+    shutil.rmtree(work, ignore_errors=True)
+    if best is not None:
+        print(f"exported evaluation {best['index']} (phase {best['phase']}, step {best['step']}):"
+              f" accuracy {best['accuracy']:.3f}, accept length {best['accept']}, "
+              f"{'inside' if in_band(best['accuracy'], best['accept'], tc) else 'OUTSIDE'} the "
+              f"bands -> {out}", flush=True)
+    if error is not None:
+        raise error
     return summary
 
 
@@ -323,12 +244,20 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "mla_spec/data/tiny-dsv3-fp4")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     for f, default in asdict(TrainConfig()).items():
-        ap.add_argument(f"--{f.replace('_', '-')}", type=type(default), default=default)
+        names = [f"--{f.replace('_', '-')}"] + (["--eval"] if f == "eval_questions" else [])
+        ap.add_argument(*names, dest=f, type=type(default), default=default)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU threads for torch (default 1: on a shared CPU, more threads made "
+                         "the serving evaluation ~40x slower)")
     a = ap.parse_args(argv)
     tc = TrainConfig(**{f: getattr(a, f) for f in asdict(TrainConfig())})
-    if a.device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(max(1, a.threads))
+    signal.signal(signal.SIGTERM, _terminate)  # a time limit's SIGTERM still writes the best
     train(tc, a.out, torch.device(a.device))
+
+
+def _terminate(signum, frame):
+    raise SystemExit(f"stopped by signal {signum}")
 
 
 if __name__ == "__main__":

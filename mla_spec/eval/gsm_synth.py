@@ -2,11 +2,18 @@
 
 The embedded tiny model cannot be scored on the real GSM8K (it is far too small to read English),
 so it is trained and scored on templated problems of the same *shape*: a short story with names,
-objects and 1-3 operations on small numbers (2-digit ``+``/``-``, times tables), and a worked answer
-that writes each operation out and ends with GSM8K's final-answer marker::
+objects and 2-4 operations on numbers up to 999 (``+`` / ``-`` with carries and borrows,
+one-digit times two-digit ``*``, exact ``/``), often with a sentence that does not matter (a
+distractor with its own number), several wordings of each sentence, and a worked answer that
+writes each operation out and ends with GSM8K's final-answer marker::
 
-    Question: Mia has 12 apples. She buys 7 more apples. How many apples does Mia have now?
-    Answer: Mia has 12 + 7 = 19 apples now. #### 19
+    Question: Mia has 245 stickers. She buys 3 packs of stickers. Each pack has 48 stickers.
+    It is 21 degrees outside. How many stickers does Mia have now?
+    Answer: The packs have 3 * 48 = 144 stickers. Mia has 245 + 144 = 389 stickers now. #### 389
+
+The worked answer is a function of the question (no random wording in answers), at most
+:data:`MAX_ANSWER_TOKENS` tokens of ``mla_spec.eval.tokenizer`` (one per word, digit and
+punctuation mark), so it fits the harness's token limits with ``"\\n\\nQuestion"`` after it.
 
 Everything is generated from a seed (``random.Random``), so the sets are reproducible. The split
 is a property of the question *text*: a question belongs to the held-out split when the SHA-1 of
@@ -18,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
@@ -25,14 +33,19 @@ __all__ = [
     "Problem",
     "TEMPLATES",
     "HELDOUT_MODULUS",
+    "MAX_ANSWER_TOKENS",
+    "answer_tokens",
     "is_heldout",
     "make_problem",
     "train_problems",
     "heldout_problems",
     "format_qa",
+    "vocabulary_words",
 ]
 
 HELDOUT_MODULUS = 16
+#: longest worked answer in tokens (" ... #### N"); + "\n\nQuestion" stays within 56 new tokens
+MAX_ANSWER_TOKENS = 52
 
 # (name, subject pronoun, object pronoun)
 _PEOPLE = [
@@ -40,12 +53,17 @@ _PEOPLE = [
     ("Zoe", "She", "her"), ("Sam", "He", "him"), ("Ivy", "She", "her"), ("Ben", "He", "him"),
     ("Lily", "She", "her"), ("Max", "He", "him"), ("Emma", "She", "her"), ("Jack", "He", "him"),
     ("Nora", "She", "her"), ("Owen", "He", "him"), ("Ruby", "She", "her"), ("Eli", "He", "him"),
+    ("Rosa", "She", "her"), ("Finn", "He", "him"), ("Alma", "She", "her"), ("Omar", "He", "him"),
 ]
 _OBJECTS = [
     "apples", "pencils", "stickers", "marbles", "cookies", "books", "shells", "cards",
     "stamps", "coins", "balloons", "crayons", "eggs", "flowers", "candies", "toys",
+    "beads", "buttons", "rocks", "seeds",
 ]
-_ITEMS = ["book", "hat", "toy", "game", "ball", "kite", "lamp", "cake"]
+_ITEMS = ["books", "hats", "toys", "games", "balls", "kites", "lamps", "cakes", "mugs", "pens"]
+_CONTAINERS = ["packs", "boxes", "bags", "jars"]  # singular: strip the plural ending
+_FOODS = ["muffins", "cookies", "rolls", "pies", "tarts"]
+_DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
 
 
 @dataclass(frozen=True)
@@ -61,138 +79,267 @@ class Problem:
         return asdict(self)
 
 
-def _people(rng: random.Random) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
+def _one(word: str) -> str:
+    return word[:-2] if word.endswith(("xes", "ches")) else word[:-1]
+
+
+def _two(rng: random.Random) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
     a, b = rng.sample(_PEOPLE, 2)
     return a, b
 
 
-def _t_add_buy(rng: random.Random) -> tuple[str, str, int]:
-    (n, p, _), _m = _people(rng)
+def _distract(rng: random.Random, story: list[str], n: str, p: str, o: str) -> None:
+    """Insert, half of the time, one sentence whose number the answer must not use."""
+    if rng.random() < 0.5:
+        return
+    other = rng.choice([x for x in _OBJECTS if x != o])
+    m = rng.choice([x for x in _PEOPLE if x[0] != n])[0]
+    k = rng.randint(2, 999)
+    s = rng.choice([
+        f"{p} is {rng.randint(6, 60)} years old.",
+        f"The shop is {k} meters away.",
+        f"It is {rng.randint(2, 39)} degrees outside.",
+        f"{m} has {k} {other}.",
+        f"{p} also has {k} {other}.",
+        f"There are {k} {other} on the table.",
+    ])
+    story.insert(rng.randint(1, len(story)), s)
+
+
+def _finish(story: list[str], question: str) -> str:
+    return " ".join([*story, question])
+
+
+def _t_add_sub(rng):
+    (n, p, _), (m, _, _) = _two(rng)
     o = rng.choice(_OBJECTS)
-    a, b = rng.randint(10, 99), rng.randint(2, 99)
-    c = a + b
-    q = f"{n} has {a} {o}. {p} buys {b} more {o}. How many {o} does {n} have now?"
-    return q, f"{n} has {a} + {b} = {c} {o} now.", c
+    a, b = rng.randint(100, 999), rng.randint(10, 999)
+    s = a + b
+    c = rng.randint(10, min(999, s - 1))
+    r = s - c
+    story = [f"{n} has {a} {o}.", f"{p} {rng.choice(['buys', 'finds', 'gets'])} {b} more {o}.",
+             f"Then {p.lower()} gives {c} {o} to {m}."]
+    _distract(rng, story, n, p, o)
+    q = _finish(story, rng.choice([f"How many {o} does {n} have left?",
+                                   f"How many {o} does {n} have now?"]))
+    return q, f"{n} has {a} + {b} = {s} {o}. Then {n} has {s} - {c} = {r} {o}.", r
 
 
-def _t_sub_give(rng: random.Random) -> tuple[str, str, int]:
-    (n, p, _), (m, _, _) = _people(rng)
-    o = rng.choice(_OBJECTS)
-    a = rng.randint(20, 99)
-    b = rng.randint(2, a - 1)
-    c = a - b
-    q = f"{n} has {a} {o}. {p} gives {b} {o} to {m}. How many {o} does {n} have left?"
-    return q, f"{n} has {a} - {b} = {c} {o} left.", c
+def _t_pack_total(rng):
+    (n, p, _), _m = _two(rng)
+    o, box = rng.choice(_OBJECTS), rng.choice(_CONTAINERS)
+    a, k, s = rng.randint(10, 999), rng.randint(2, 9), rng.randint(10, 99)
+    m, t = k * s, a + k * s
+    story = [f"{n} has {a} {o}.", f"{p} buys {k} {box} of {o}.",
+             rng.choice([f"Each {_one(box)} has {s} {o}.",
+                         f"There are {s} {o} in each {_one(box)}."])]
+    _distract(rng, story, n, p, o)
+    q = _finish(story, f"How many {o} does {n} have now?")
+    return q, f"The {box} have {k} * {s} = {m} {o}. {n} has {a} + {m} = {t} {o} now.", t
 
 
-def _t_mul_boxes(rng: random.Random) -> tuple[str, str, int]:
-    (n, _, _), _m = _people(rng)
-    o = rng.choice(_OBJECTS)
-    a, b = rng.randint(2, 9), rng.randint(2, 12)
-    c = a * b
-    q = f"{n} has {a} boxes of {o}. Each box has {b} {o}. How many {o} does {n} have?"
-    return q, f"{n} has {a} * {b} = {c} {o}.", c
+def _t_three_ops(rng):
+    (n, p, _), (m, _, _) = _two(rng)
+    o, box = rng.choice(_OBJECTS), rng.choice(_CONTAINERS)
+    a, k, s = rng.randint(10, 500), rng.randint(2, 9), rng.randint(10, 99)
+    x = k * s
+    t = a + x
+    d = rng.randint(10, min(999, t - 1))
+    r = t - d
+    story = [f"{n} has {a} {o}.", f"{p} buys {k} {box} with {s} {o} in each {_one(box)}.",
+             rng.choice([f"Then {p.lower()} gives {d} {o} to {m}.",
+                         f"Then {p.lower()} loses {d} {o}."])]
+    _distract(rng, story, n, p, o)
+    q = _finish(story, f"How many {o} does {n} have left?")
+    return q, f"{k} * {s} = {x} {o}. {n} has {a} + {x} = {t}. Then {t} - {d} = {r} {o}.", r
 
 
-def _t_together(rng: random.Random) -> tuple[str, str, int]:
-    (n, _, _), (m, _, _) = _people(rng)
-    o = rng.choice(_OBJECTS)
-    a, b = rng.randint(2, 99), rng.randint(2, 99)
-    c = a + b
-    q = f"{n} has {a} {o} and {m} has {b} {o}. How many {o} do they have together?"
-    return q, f"Together they have {a} + {b} = {c} {o}.", c
-
-
-def _t_compare(rng: random.Random) -> tuple[str, str, int]:
-    (n, _, _), (m, _, _) = _people(rng)
-    o = rng.choice(_OBJECTS)
-    b = rng.randint(2, 90)
-    a = rng.randint(b + 1, 99)
-    c = a - b
-    q = f"{n} has {a} {o}. {m} has {b} {o}. How many more {o} does {n} have than {m}?"
-    return q, f"{n} has {a} - {b} = {c} more {o}.", c
-
-
-def _t_add_sub(rng: random.Random) -> tuple[str, str, int]:
-    (n, p, _), (m, _, _) = _people(rng)
-    o = rng.choice(_OBJECTS)
-    a, b = rng.randint(10, 60), rng.randint(2, 40)
-    c = a + b
-    d = rng.randint(2, c - 1)
-    e = c - d
-    q = (
-        f"{n} has {a} {o}. {p} buys {b} more {o} and then gives {d} {o} to {m}. "
-        f"How many {o} does {n} have left?"
-    )
-    return q, f"{n} has {a} + {b} = {c} {o}. Then {n} has {c} - {d} = {e} {o} left.", e
-
-
-def _t_mul_add(rng: random.Random) -> tuple[str, str, int]:
-    (n, _, _), (m, _, _) = _people(rng)
-    o = rng.choice(_OBJECTS)
-    a, b, d = rng.randint(2, 9), rng.randint(2, 12), rng.randint(2, 50)
-    c = a * b
-    e = c + d
-    q = (
-        f"{n} buys {a} bags of {o}. Each bag has {b} {o}. {m} gives {n} {d} more {o}. "
-        f"How many {o} does {n} have now?"
-    )
-    return q, f"The bags have {a} * {b} = {c} {o}. {n} has {c} + {d} = {e} {o} now.", e
-
-
-def _t_three_ops(rng: random.Random) -> tuple[str, str, int]:
-    (n, p, _), (m, _, _) = _people(rng)
-    o = rng.choice(_OBJECTS)
-    a, k, s = rng.randint(2, 40), rng.randint(2, 9), rng.randint(2, 12)
-    packs = k * s
-    total = a + packs
-    d = rng.randint(2, total - 1)
-    r = total - d
-    q = (
-        f"{n} has {a} {o}. {p} buys {k} packs with {s} {o} in each pack. "
-        f"Then {p.lower()} gives {d} {o} to {m}. How many {o} does {n} have left?"
-    )
-    ans = (
-        f"The packs have {k} * {s} = {packs} {o}. {n} has {a} + {packs} = {total} {o}. "
-        f"Then {n} has {total} - {d} = {r} {o} left."
-    )
+def _t_shop(rng):
+    (n, p, _), _m = _two(rng)
+    i1, i2 = rng.sample(_ITEMS, 2)
+    k, c1, c2 = rng.randint(2, 9), rng.randint(10, 99), rng.randint(10, 99)
+    x = k * c1
+    y = x + c2
+    a = rng.randint(y + 1, 999)
+    r = a - y
+    story = [f"{n} has {a} dollars.",
+             f"{p} buys {k} {i1} for {c1} dollars each and one of the {i2} for {c2} dollars."]
+    _distract(rng, story, n, p, i1)
+    q = _finish(story, rng.choice([f"How much money does {n} have left?",
+                                   f"How many dollars does {n} have left?"]))
+    ans = (f"The {i1} cost {k} * {c1} = {x}. {n} spends {x} + {c2} = {y}. "
+           f"{n} has {a} - {y} = {r} dollars left.")
     return q, ans, r
 
 
-def _t_money(rng: random.Random) -> tuple[str, str, int]:
-    (n, p, _), _m = _people(rng)
+def _t_share(rng):
+    (n, p, _), (m, _, _) = _two(rng)
+    o = rng.choice(_OBJECTS)
+    k, each = rng.randint(2, 9), rng.randint(10, 99)
+    t = k * each
+    a = rng.randint(5, t - 5)
+    b = t - a
+    story = [f"{n} has {a} {o}.", f"{m} gives {n} {b} more {o}.",
+             rng.choice([f"{n} shares them equally among {k} friends.",
+                         f"{p} puts them into {k} equal groups."])]
+    _distract(rng, story, n, p, o)
+    q = _finish(story, rng.choice([f"How many {o} are in each share?",
+                                   f"How many {o} does each share get?"]))
+    return q, f"{n} has {a} + {b} = {t} {o}. Each share gets {t} / {k} = {each} {o}.", each
+
+
+def _t_chain_compare(rng):
+    (n, p, _), (m, _, _) = _two(rng)
+    ell = rng.choice([x for x in _PEOPLE if x[0] not in (n, m)])[0]
+    o = rng.choice(_OBJECTS)
+    a, b = rng.randint(10, 400), rng.randint(10, 300)
+    y = a + b
+    c = rng.randint(10, y - 1)
+    z = y - c
+    t = y + z
+    story = [f"{n} has {a} {o}.", f"{m} has {b} more {o} than {n}.",
+             f"{ell} has {c} fewer {o} than {m}."]
+    _distract(rng, story, n, p, o)
+    q = _finish(story, f"How many {o} do {m} and {ell} have together?")
+    ans = f"{m} has {a} + {b} = {y}. {ell} has {y} - {c} = {z}. Together {y} + {z} = {t} {o}."
+    return q, ans, t
+
+
+def _t_wages(rng):
+    (n, p, _), _m = _two(rng)
+    d1, d2 = rng.sample(_DAYS, 2)
+    h, g, w = rng.randint(1, 5), rng.randint(1, 5), rng.randint(11, 99)
+    t = h + g
+    e = t * w
+    story = [rng.choice([f"{n} earns {w} dollars an hour.", f"{n} is paid {w} dollars an hour."]),
+             f"{p} works {h} hours on {d1} and {g} hours on {d2}."]
+    _distract(rng, story, n, p, "coins")
+    q = _finish(story, f"How much does {n} earn on the two days?")
+    return q, f"{n} works {h} + {g} = {t} hours. {n} earns {t} * {w} = {e} dollars.", e
+
+
+def _t_bakery(rng):
+    (n, p, _), (m, _, _) = _two(rng)
+    f = rng.choice(_FOODS)
+    k, s = rng.randint(2, 9), rng.randint(10, 99)
+    t = k * s
+    c = rng.randint(10, t - 10)
+    d = rng.randint(2, t - c - 1)
+    u = c + d
+    r = t - u
+    story = [f"{n} bakes {k} trays of {f} with {s} {f} on each tray.",
+             f"{p} sells {c} {f} and gives {d} {f} to {m}."]
+    _distract(rng, story, n, p, f)
+    q = _finish(story, rng.choice([f"How many {f} are left?", f"How many {f} does {n} have left?"]))
+    ans = f"{n} bakes {k} * {s} = {t}. {n} uses {c} + {d} = {u}. {t} - {u} = {r} {f} are left."
+    return q, ans, r
+
+
+def _t_transfer(rng):
+    (n, p, _), (m, _, _) = _two(rng)
+    o = rng.choice(_OBJECTS)
+    a = rng.randint(100, 999)
+    c = rng.randint(10, a - 10)
+    x = a - c
+    b = rng.randint(max(10, x - c + 1), 999)
+    y = b + c
+    d = y - x
+    story = [f"{n} has {a} {o} and {m} has {b} {o}.", f"{n} gives {c} {o} to {m}."]
+    _distract(rng, story, n, p, o)
+    q = _finish(story, f"How many more {o} does {m} have than {n} now?")
+    ans = f"{n} has {a} - {c} = {x}. {m} has {b} + {c} = {y}. {y} - {x} = {d} more {o}."
+    return q, ans, d
+
+
+def _t_two_buys(rng):
+    (n, p, _), _m = _two(rng)
     i1, i2 = rng.sample(_ITEMS, 2)
-    b, d = rng.randint(2, 40), rng.randint(2, 40)
-    c = b + d
-    a = rng.randint(c + 1, 99)
-    e = a - c
-    q = (
-        f"{n} has {a} dollars. {p} spends {b} dollars on a {i1} and {d} dollars on a {i2}. "
-        f"How much money does {n} have left?"
-    )
-    return q, f"{n} spends {b} + {d} = {c} dollars. {n} has {a} - {c} = {e} dollars left.", e
+    k1, k2 = rng.randint(2, 9), rng.randint(2, 9)
+    c1, c2 = rng.randint(10, 99), rng.randint(10, 99)
+    x, y = k1 * c1, k2 * c2
+    t = x + y
+    story = [f"{n} buys {k1} {i1} for {c1} dollars each.",
+             f"{p} also buys {k2} {i2} for {c2} dollars each."]
+    _distract(rng, story, n, p, i1)
+    q = _finish(story, rng.choice([f"How much does {n} spend?",
+                                   f"How many dollars does {n} spend?"]))
+    return q, f"{k1} * {c1} = {x}. {k2} * {c2} = {y}. {n} spends {x} + {y} = {t} dollars.", t
 
 
-def _t_days(rng: random.Random) -> tuple[str, str, int]:
-    (n, _, _), _m = _people(rng)
-    a, b = rng.randint(2, 12), rng.randint(2, 9)
-    c = a * b
-    q = f"{n} reads {a} pages every day. How many pages does {n} read in {b} days?"
-    return q, f"{n} reads {a} * {b} = {c} pages.", c
+def _t_pages(rng):
+    (n, p, _), _m = _two(rng)
+    a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
+    x = a + b
+    y = x + c
+    total = rng.randint(y + 1, 999)
+    r = total - y
+    story = [f"{n} has a book with {total} pages.",
+             f"{p} reads {a} pages on Monday, {b} pages on Tuesday and {c} pages on Wednesday."]
+    _distract(rng, story, n, p, "books")
+    q = _finish(story, f"How many pages does {n} have left to read?")
+    ans = f"{n} reads {a} + {b} = {x}. Then {x} + {c} = {y} pages. {total} - {y} = {r} pages."
+    return q, ans, r
+
+
+def _t_four_ops(rng):
+    (n, p, _), (m, _, _) = _two(rng)
+    o, box = rng.choice(_OBJECTS), rng.choice(_CONTAINERS)
+    a, k, s, b = rng.randint(10, 99), rng.randint(2, 9), rng.randint(10, 99), rng.randint(10, 99)
+    x = k * s
+    y = a + x
+    z = y + b
+    d = rng.randint(10, min(999, z - 1))
+    r = z - d
+    story = [f"{n} has {a} {o}.", f"{p} buys {k} {box} of {s} {o} and finds {b} more.",
+             f"Then {p.lower()} gives {d} {o} to {m}."]
+    _distract(rng, story, n, p, o)
+    q = _finish(story, f"How many {o} does {n} have left?")
+    return q, f"{k} * {s} = {x}. {a} + {x} = {y}. {y} + {b} = {z}. {z} - {d} = {r}.", r
+
+
+def _t_times_more(rng):
+    (n, p, _), (m, _, _) = _two(rng)
+    o = rng.choice(_OBJECTS)
+    a, k = rng.randint(10, 99), rng.randint(2, 9)
+    b = a * k
+    d = b - a
+    story = [f"{n} has {a} {o}.",
+             rng.choice([f"{m} has {k} times as many {o} as {n}.",
+                         f"{m} has {k} times more {o} than {n}."])]
+    _distract(rng, story, n, p, o)
+    q = _finish(story, f"How many more {o} does {m} have than {n}?")
+    return q, f"{m} has {a} * {k} = {b} {o}. {m} has {b} - {a} = {d} more {o}.", d
 
 
 TEMPLATES: dict[str, Callable[[random.Random], tuple[str, str, int]]] = {
-    "add_buy": _t_add_buy,
-    "sub_give": _t_sub_give,
-    "mul_boxes": _t_mul_boxes,
-    "together": _t_together,
-    "compare": _t_compare,
     "add_sub": _t_add_sub,
-    "mul_add": _t_mul_add,
+    "pack_total": _t_pack_total,
     "three_ops": _t_three_ops,
-    "money": _t_money,
-    "days": _t_days,
+    "shop": _t_shop,
+    "share": _t_share,
+    "chain_compare": _t_chain_compare,
+    "wages": _t_wages,
+    "bakery": _t_bakery,
+    "transfer": _t_transfer,
+    "two_buys": _t_two_buys,
+    "pages": _t_pages,
+    "four_ops": _t_four_ops,
+    "times_more": _t_times_more,
 }
+
+_TOKEN_RE = re.compile(r"\n+|\d|[.,?!:;]|[^\s\d.,?!:;]+")
+
+
+def answer_tokens(text: str) -> int:
+    """Tokens of ``text`` under the task's word-level tokenizer (words, digits, punctuation)."""
+    return len(_TOKEN_RE.findall(text))
+
+
+def vocabulary_words() -> list[str]:
+    """Every name, object and other slot word the templates draw from (for the tokenizer)."""
+    words = [w for person in _PEOPLE for w in person] + [p.lower() for _, p, _ in _PEOPLE]
+    words += _OBJECTS + _ITEMS + _CONTAINERS + [_one(c) for c in _CONTAINERS] + _FOODS + _DAYS
+    return sorted(set(words))
 
 
 def is_heldout(question: str) -> bool:
@@ -207,7 +354,10 @@ def make_problem(rng: random.Random, template: str | None = None) -> Problem:
     if name not in TEMPLATES:
         raise ValueError(f"template {name!r}: supported {', '.join(sorted(TEMPLATES))}")
     q, steps, label = TEMPLATES[name](rng)
-    return Problem(question=q, answer=f"{steps} #### {label}", label=label, template=name)
+    answer = f"{steps} #### {label}"
+    if answer_tokens(" " + answer) > MAX_ANSWER_TOKENS:
+        raise AssertionError(f"template {name}: answer longer than {MAX_ANSWER_TOKENS} tokens")
+    return Problem(question=q, answer=answer, label=label, template=name)
 
 
 def _stream(seed: int, heldout: bool) -> Iterator[Problem]:

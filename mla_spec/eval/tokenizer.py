@@ -41,13 +41,16 @@ def _pipeline(tok: Tokenizer) -> None:
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never", split=True)
 
 
-def build_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Tokenizer:
+def build_tokenizer(texts: Iterable[str], vocab_size: int = 512,
+                    words: Iterable[str] = ()) -> Tokenizer:
     """Train the word-level vocabulary on ``texts`` (all digits are always included).
 
     Parameters
     ----------
     texts : training text (the generated problems)
     vocab_size : upper bound on the vocabulary (special tokens included)
+    words : words to include even if ``texts`` lacks them, in their ``"▁word"`` form (the
+        task's word list: ``mla_spec.eval.gsm_synth.vocabulary_words()``)
 
     Returns
     -------
@@ -59,7 +62,8 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Tokenizer:
     trainer = trainers.WordLevelTrainer(
         vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS)
     )
-    tok.train_from_iterator([digits, *texts], trainer=trainer)
+    listed = " " + " ".join(words)  # a leading space: every word in its "▁word" form
+    tok.train_from_iterator([digits, listed, *texts], trainer=trainer)
     bos = tok.token_to_id("<bos>")
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos)]
