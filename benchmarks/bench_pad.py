@@ -6,12 +6,13 @@
     python benchmarks/bench_pad.py --small-bytes 4194304   # override SMALL_CALL_BYTES
 
 Implementations (all move the same bytes: the real rows, read + written; padded rows untouched):
-- ours: ``mla_spec.kernels.pad`` (align="end", fill_padding=False, validate=False,
-  variant="auto": the one-round-trip "small" kernels below ``SMALL_CALL_BYTES``, else "large");
-  the columns ``small`` / ``large`` time both variants forced (graph), so one run shows where
-  the threshold belongs. ``ours_nopdl``: the same without programmatic dependent launch
-  (``mla_spec.kernels.launch.pdl``, ``options.PDL``): in a graph of consecutive calls each launch
-  then starts after the previous call has finished instead of overlapping its tail.
+- ours: ``mla_spec.kernels.pad`` exactly as ``TRTLLMMLABackend.forward`` calls it
+  (align="end", fill_padding=False into a reused ``out=`` buffer, validate=False,
+  variant="auto": the one-round-trip "small" kernels below ``SMALL_CALL_BYTES``, else
+  "large"); the columns ``small`` / ``large`` time both variants forced (graph), so one run
+  shows where the threshold belongs. ``ours_nopdl``: the same without programmatic dependent
+  launch (``options.PDL``): in a graph of consecutive calls each launch then starts after the
+  previous call has finished instead of overlapping its tail.
 - sglang-style: written here from the description in ``shared/reference/sglang.md`` §4.6: one
   program per (padded row, 64-head tile, 64-dim tile), masked, contiguous tensors, launched through
   the normal Triton path with its ints specialized.

@@ -9,9 +9,10 @@ the end of each request's KV.
 
 Ragged modes (v1 DRAFT_EXTEND) are padded to ``max_q`` rows with
 ``mla_spec.kernels.pad.pad_draft_extend_query(align="end")`` (real rows at the bottom,
-so each sees exactly its own causal window) and the output is unpadded with
-``unpad_draft_extend_output``. Prefill (EXTEND / MIXED) is not this kernel's job (SGLang runs
-ragged MHA over decompressed K/V there) and is reported unsupported.
+so each sees exactly its own causal window; ``align="start"``, SGLang's layout, only to measure
+what it costs) and the output is unpadded with ``unpad_draft_extend_output``. Prefill (EXTEND /
+MIXED) is not this kernel's job (SGLang runs ragged MHA over decompressed K/V there) and is
+reported unsupported.
 
 We have no Blackwell GPU. The kernel call is injectable (``kernel=``): the CPU tests pass
 :func:`reference_trtllm_kernel`, an fp32 torch implementation of the *same contract* (block tables,
@@ -82,8 +83,8 @@ class TRTLLMMLABackend(MLABackend):
     kv_dtypes = (torch.bfloat16, FP8_DTYPE)
 
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
-                 kernel: Callable | None = None, q_scale: float = 1.0):
-        self._kernel = kernel
+                 kernel: Callable | None = None, q_scale: float = 1.0, align: str = "end"):
+        self._kernel, self.align = kernel, align
         super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
         if kv_pool.page_size not in (32, 64):
             raise ValueError(f"trtllm-gen MLA supports page_size 32 or 64, not {kv_pool.page_size}")
@@ -125,6 +126,16 @@ class TRTLLMMLABackend(MLABackend):
         batch.extra[self.name] = plan
         return plan
 
+    def _pad_buffer(self, plan, q: torch.Tensor) -> torch.Tensor:
+        """``[bs, max_q, H, D]``: the first ``bs`` rows of a zeroed buffer kept per (max_q, dtype)
+        and grown to the largest batch seen."""
+        key = (plan.max_q, *q.shape[1:], q.dtype)
+        buffers = self.__dict__.setdefault("_pad_buffers", {})
+        buf = buffers.get(key)
+        if buf is None or buf.shape[0] < plan.bs:
+            buf = buffers[key] = torch.zeros((plan.bs, *key[:-1]), dtype=q.dtype, device=q.device)
+        return buf[: plan.bs]
+
     def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):
         plan = self.checked_plan(q_nope, q_pe, layer_id, batch)
         if plan is None:
@@ -141,8 +152,14 @@ class TRTLLMMLABackend(MLABackend):
             q = q.to(pool.dtype)
         ragged = plan.fixed_q is None
         if ragged:
+            # Padded rows are left as they are (fill_padding=False): each output row depends
+            # only on its own query row (static bmm1 / bmm2 scales, no reduction across rows) and
+            # the unpad drops padded rows, so their contents never reach a result. The buffer is
+            # zeroed once per shape and reused (no NaN bit patterns; graph-safe: no allocation
+            # and, with validate=False, no host sync per call; the plan checked the lengths).
             query = pad_draft_extend_query(q, plan.seq_lens_q, plan.qo_indptr, plan.max_q,
-                                           align="end")
+                                           align=self.align, out=self._pad_buffer(plan, q),
+                                           fill_padding=False, validate=False)
         else:
             query = q.view(plan.bs, plan.fixed_q, self.num_heads, -1)
         kv_cache = pool.get_kv(layer_id).unsqueeze(1)  # [pages, 1, page, 576]
@@ -155,7 +172,7 @@ class TRTLLMMLABackend(MLABackend):
         )
         if ragged:
             res = unpad_draft_extend_output(raw, plan.seq_lens_q, plan.qo_indptr, plan.total_q,
-                                            align="end")
+                                            align=self.align)
         else:
             res = raw.reshape(plan.total_q, self.num_heads, -1)
         return write_output(res.to(q_nope.dtype), out)
