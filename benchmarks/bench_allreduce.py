@@ -1,6 +1,6 @@
 """TP collectives measured over NCCL: all-reduce of activations, all-gather of logits.
 
-What the projection (``mla_spec.projection``) otherwise estimates: DeepSeek-V3 at TP N runs two
+What the projection (``benchmarks/projection.py``) otherwise estimates: DeepSeek-V3 at TP N runs two
 all-reduces of the ``[rows, 7168]`` bf16 hidden state per layer (rows = bs * q_len) and one
 all-gather of the sampled rows' logits (``[rows, 129280 / N]`` bf16 per rank). This benchmark
 starts N ranks with :func:`mla_spec.runtime.launch.launch` (NCCL, one GPU each) and times
@@ -14,7 +14,7 @@ Each rank first checks the all-reduce and all-gather results against the host (i
 data: exact in bf16). Per size: median over ``--repeats``, then the max over ranks. The table
 puts the projection's estimate (``allreduce_us`` / ``allgather_us`` on ``NVLINK4_H200``) beside
 the measurement; its JSON (``$OUT/bench_allreduce.json``, ``--json PATH``) is what
-``mla_spec.projection.load_measured_link`` and ``bench_layer.py --allreduce-json`` read.
+``projection.load_measured_link`` and ``bench_layer.py --allreduce-json`` read.
 
     python benchmarks/bench_allreduce.py                    # every visible GPU
     python benchmarks/bench_allreduce.py --world 2
@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mla_spec import projection as proj  # noqa: E402
+import projection as proj  # noqa: E402  (benchmarks/projection.py)
 
 HIDDEN = 7168
 VOCAB = 129280
@@ -183,7 +183,7 @@ def format_table(res: dict, world: int) -> str:
     lines = []
     for kind, shape in (("allreduce", f"[rows, {HIDDEN}] bf16"),
                         ("allgather", f"[rows, {VOCAB // world}] bf16 per rank")):
-        lines.append(f"{kind} over {world} ranks, {shape}; estimate = mla_spec.projection "
+        lines.append(f"{kind} over {world} ranks, {shape}; estimate = benchmarks/projection.py "
                      f"on {proj.NVLINK4_H200.name}; ratio = measured (graph, else eager) / est.")
         lines.append(f"{'rows':>5} {'bytes':>10} {'eager us':>9} {'graph us':>9} "
                      f"{'estimate us':>11} {'ratio':>6}")

@@ -1,7 +1,7 @@
 """One real-size DeepSeek-V3 layer on one GPU at TP-4 shard shapes: decode / verify latency.
 
 What runs (one GPU holds what a TP-4 rank holds; the all-reduces are left out here and
-*estimated* in ``mla_spec.projection``):
+*estimated* in ``benchmarks/projection.py``):
 
 - **target MoE layer** (``DeepseekV3DecoderLayer``): hidden 7168, 32 of 128 heads, q_lora 1536,
   kv_lora 512, 256 routed experts with intermediate 2048 / 4 = 512, top-8, 1 shared expert;
@@ -49,7 +49,8 @@ from torch import nn
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mla_spec import projection as proj  # noqa: E402
+import projection as proj  # noqa: E402  (benchmarks/projection.py)
+
 from mla_spec.attention import create_backend  # noqa: E402
 from mla_spec.config import ModelConfig  # noqa: E402
 from mla_spec.forward_batch import ForwardBatch  # noqa: E402

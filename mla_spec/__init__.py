@@ -31,6 +31,7 @@ _LAZY = {
     # engine and runner
     "Engine": "mla_spec.engine",
     "Result": "mla_spec.engine",
+    "PipelineStepper": "mla_spec.pipeline",
     "RequestRejectedError": "mla_spec.engine",
     "ModelRunner": "mla_spec.model_runner",
     # model, checkpoints, parallelism
@@ -51,6 +52,8 @@ _LAZY = {
     "KVCacheFullError": "mla_spec.kv_cache",
     "create_backend": "mla_spec.attention",
     "MLABackend": "mla_spec.attention.base",
+    "register_backend": "mla_spec.attention",
+    "check_backend": "mla_spec.attention.conformance",
     # kernels and quantization
     "pad_draft_extend_query": "mla_spec.kernels.pad",
     "unpad_draft_extend_output": "mla_spec.kernels.pad",

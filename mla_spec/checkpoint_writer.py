@@ -1,23 +1,7 @@
 """Write small DeepSeek-V3 checkpoints in NVIDIA's FP4 layout (or plain BF16 / FP32).
 
-The folder looks like ``nvidia/DeepSeek-V3-0324-FP4`` in miniature::
-
-    config.json                     ModelConfig.to_dict()
-    hf_quant_config.json            {"producer": {"name": "modelopt", ...},
-                                     "quantization": {"quant_algo": "NVFP4",
-                                       "kv_cache_quant_algo": "FP8", "group_size": 16,
-                                       "exclude_modules": [...]}}     (quantized variant only)
-    model-0000i-of-0000N.safetensors + model.safetensors.index.json   (or model.safetensors)
-
-Quantized variant: dense MLPs, routed experts and shared experts of the target layers are NVFP4
-(``weight`` uint8, ``weight_scale`` e4m3, ``weight_scale_2`` / ``input_scale`` fp32); attention
-projections, the router, embeddings, norms, ``lm_head`` and the whole MTP layer
-(``model.layers.{num_hidden_layers}.*``) are BF16. The MTP layer also carries copies of the
-embedding and head (``embed_tokens``, ``shared_head.head``) as DeepSeek's checkpoints do.
-
-:func:`random_state_dict` makes O(1)-scale random weights (activations stay O(1) through depth;
-the routing bias is non-zero so it matters); :func:`save_checkpoint` writes any full (TP 1)
-state dict, or a model + MTP pair (the trainer saves the embedded model with it).
+``nvidia/DeepSeek-V3-0324-FP4`` in miniature: dense MLPs and experts NVFP4, the rest BF16.
+:func:`random_state_dict` makes random weights that keep activations O(1) through depth.
 """
 
 from __future__ import annotations
@@ -34,29 +18,18 @@ from safetensors.torch import save_file
 from mla_spec.config import ModelConfig
 from mla_spec.models.quant_config import QuantConfig
 
-__all__ = [
-    "calibrate_kv_scales",
-    "tiny_config",
-    "random_state_dict",
-    "export_state_dict",
-    "save_checkpoint",
-    "default_exclude_modules",
-    "LINEAR_RE",
-]
+__all__ = ["calibrate_kv_scales", "tiny_config", "random_state_dict", "export_state_dict",
+           "save_checkpoint", "default_exclude_modules", "LINEAR_RE"]
 
-# Module names of every linear layer (quantization candidates).
-LINEAR_RE = re.compile(
-    r"(.*\.mlp(\.experts\.\d+|\.shared_experts)?\.(gate|up|down)_proj"
-    r"|.*\.self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
-    r"|.*\.eh_proj|lm_head)\.weight"
-)
+# The weight of every linear layer (quantization candidates).
+LINEAR_RE = re.compile(r"(.*\.mlp(\.experts\.\d+|\.shared_experts)?\.(gate|up|down)_proj"
+                       r"|.*\.self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj"
+                       r"|o_proj)|.*\.eh_proj|lm_head)\.weight")
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:
-    """A DeepSeek-V3-shaped config small enough for CPU tests (TP 1, 2 and 4 with NVFP4).
-
-    3 layers (1 dense, 2 MoE) + 1 MTP layer, 4 heads, 8 experts in 4 groups, YaRN RoPE.
-    """
+    """A DeepSeek-V3-shaped config for CPU tests (TP 1, 2, 4 with NVFP4): 3 layers (1 dense,
+    2 MoE) + 1 MTP layer, 4 heads, 8 experts in 4 groups, YaRN RoPE."""
     base: dict[str, Any] = dict(
         vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
         num_hidden_layers=3, num_nextn_predict_layers=1, num_attention_heads=4,
@@ -96,11 +69,8 @@ def _build_fp32(cfg: ModelConfig):
 
 
 def export_state_dict(model, mtp=None) -> dict[str, torch.Tensor]:
-    """Checkpoint-named tensors of a TP-1 target model and (optionally) its MTP layer.
-
-    The MTP layer's tensors go to ``model.layers.{num_hidden_layers}.*`` (decoder parts without the
-    ``decoder.`` prefix) plus copies of the shared ``embed_tokens`` and ``shared_head.head``.
-    """
+    """Checkpoint-named tensors of a TP-1 target model and its MTP layer (at
+    ``model.layers.{num_hidden_layers}.*``, with copies of the shared embedding and head)."""
     if getattr(model, "tp_size", 1) != 1:
         raise ValueError("export_state_dict needs the TP-1 model (tensors are not gathered)")
     out = {k: v for k, v in model.state_dict().items()}
@@ -132,12 +102,8 @@ def random_state_dict(cfg: ModelConfig, seed: int = 0, *, mtp: bool = True
 
 def default_exclude_modules(cfg: ModelConfig) -> list[str]:
     """BF16 modules of NVIDIA's DeepSeek FP4 checkpoints: attention, router, lm_head, MTP."""
-    return [
-        "lm_head",
-        "model.layers.*.self_attn*",
-        "model.layers.*.mlp.gate",
-        f"model.layers.{cfg.num_hidden_layers}*",
-    ]
+    return ["lm_head", "model.layers.*.self_attn*", "model.layers.*.mlp.gate",
+            f"model.layers.{cfg.num_hidden_layers}*"]
 
 
 def _quantize_all(sd: Mapping[str, torch.Tensor], qcfg: QuantConfig, dtype: torch.dtype
@@ -181,17 +147,8 @@ def _write_shards(tensors: dict[str, torch.Tensor], path: Path, shards: int) -> 
 
 @torch.no_grad()
 def calibrate_kv_scales(model, mtp, input_ids: torch.Tensor) -> dict[int, tuple[float, float]]:
-    """Per-layer FP8 KV scales from calibration text: ``amax / 448`` of the cached latent rows.
-
-    Runs ``model.forward_train(input_ids [B, T])`` (and the MTP layer on it, plain and chained,
-    as the trainer does) and records, per attention layer, the largest ``|x|`` of what the KV
-    cache stores: ``[kv_a_layernorm(ckv) | rope(k_pe)]``. The scale maps that to e4m3's 448
-    (``real = stored * scale``). K and V are the same row in MLA, so ``k_scale == v_scale``.
-
-    Returns ``{checkpoint layer: (k_scale, v_scale)}``: target layers ``0..n-1`` and, with
-    ``mtp``, the MTP layer at ``n`` (``num_hidden_layers``), ready for
-    ``save_checkpoint(kv_scales=...)``.
-    """
+    """Per-layer FP8 KV scales ``amax / 448`` of the cached ``[ckv | k_pe]`` rows over
+    ``forward_train(input_ids)`` (target and MTP); ``{layer: (k_scale, v_scale)}``, equal."""
     from mla_spec.quant.fp8 import FP8_E4M3_MAX
 
     if input_ids.dim() != 2 or input_ids.numel() == 0:
@@ -231,35 +188,14 @@ def calibrate_kv_scales(model, mtp, input_ids: torch.Tensor) -> dict[int, tuple[
     return out
 
 
-def save_checkpoint(
-    state_dict_like,
-    cfg: ModelConfig,
-    path: str | Path,
-    quantize: bool = True,
-    shards: int = 1,
-    *,
-    mtp=None,
-    dtype: torch.dtype = torch.bfloat16,
-    exclude_modules: list[str] | None = None,
-    kv_cache_quant_algo: str | None = "FP8",
-    kv_scales: Mapping[int, tuple[float, float]] | None = None,
-) -> Path:
-    """Write a checkpoint folder; return its path.
-
-    Parameters
-    ----------
-    state_dict_like : full (TP 1) ``{checkpoint name: tensor}``, or a ``DeepseekV3ForCausalLM``
-        (then ``mtp`` may give its ``DeepseekV3MTP``)
-    cfg : the ModelConfig written to config.json
-    quantize : NVFP4 for dense MLPs and experts (ModelOpt layout + hf_quant_config.json); else
-        every weight in ``dtype``
-    shards : number of safetensors files (> 1 writes ``model.safetensors.index.json``)
-    dtype : dtype of the non-quantized weights (bf16 like NVIDIA's; fp32 for exact CPU tests)
-    exclude_modules : BF16 modules (default :func:`default_exclude_modules`)
-    kv_scales : optional ``{layer: (k_scale, v_scale)}`` written as fp32 scalars
-        ``model.layers.{layer}.self_attn.k_scale`` / ``v_scale`` (the loader hands them to the
-        FP8 KV pools; :func:`calibrate_kv_scales` computes them)
-    """
+def save_checkpoint(state_dict_like, cfg: ModelConfig, path: str | Path, quantize: bool = True,
+                    shards: int = 1, *, mtp=None, dtype: torch.dtype = torch.bfloat16,
+                    exclude_modules: list[str] | None = None,
+                    kv_cache_quant_algo: str | None = "FP8",
+                    kv_scales: Mapping[int, tuple[float, float]] | None = None) -> Path:
+    """Write a checkpoint folder; return its path. ``state_dict_like``: a TP-1 ``{name: tensor}``
+    or a ``DeepseekV3ForCausalLM``; ``quantize``: NVFP4 except ``exclude_modules``; ``shards`` > 1
+    writes an index; ``kv_scales`` as from :func:`calibrate_kv_scales`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if isinstance(state_dict_like, Mapping):
@@ -268,13 +204,11 @@ def save_checkpoint(
         sd = export_state_dict(state_dict_like, mtp)
     qcfg = None
     if quantize:
-        qcfg = QuantConfig(
-            quant_algo="NVFP4", group_size=16,
-            exclude_modules=tuple(exclude_modules or default_exclude_modules(cfg)),
-            kv_cache_quant_algo=kv_cache_quant_algo,
-            producer={"name": "modelopt", "version": "0.29.0"},
-            mtp_layer_id=cfg.num_hidden_layers,
-        )
+        qcfg = QuantConfig(quant_algo="NVFP4", group_size=16,
+                           exclude_modules=tuple(exclude_modules or default_exclude_modules(cfg)),
+                           kv_cache_quant_algo=kv_cache_quant_algo,
+                           producer={"name": "modelopt", "version": "0.29.0"},
+                           mtp_layer_id=cfg.num_hidden_layers)
         tensors = _quantize_all(sd, qcfg, dtype)
         (path / "hf_quant_config.json").write_text(json.dumps(qcfg.to_hf_quant_config(), indent=2))
     else:

@@ -4,13 +4,10 @@
     mla-spec generate --model PATH --prompt "Question: ..." [--max-new-tokens 64] [--stop ...]
     mla-spec memory-plan [--tp 4] [--gpu H200] [--kv-dtype fp8_e4m3]
 
-``demo`` serves few-shot questions through the embedded tiny DeepSeek-V3-architecture model
-(``mla_spec/data/tiny-dsv3-fp4``; a random checkpoint with the task's tokenizer when it is not
-installed) at TP 4 with MTP speculative decoding (v2) over an FP8 KV cache, shows a progress bar,
-then prints accuracy, average accept length, tokens/s and the time per forward mode. Flags that
-cannot work together are refused before anything starts, with a message saying what would work.
-At TP > 1 a rank that dies ends the run with an error naming it; if rank 0 stays blocked in the
-GPU, the process exits 15 s later (``MLA_SPEC_HARD_EXIT_S``, see ``mla_spec.runtime.workers``).
+``demo`` serves few-shot questions through the embedded tiny DeepSeek-V3 model at TP 4 with MTP
+speculation (v2) over an FP8 KV cache and prints accuracy, accept length, tokens/s and time per
+forward mode. Exit codes: 1 if a request ended in error, 2 for refused flags, 130 after Ctrl-C.
+At TP > 1 a rank that dies or hangs for --timeout-s ends the run with one line naming it.
 """
 
 from __future__ import annotations
@@ -28,12 +25,24 @@ __all__ = ["main", "build_parser", "DEMO_MODEL"]
 
 DEMO_MODEL = Path(__file__).parent / "data" / "tiny-dsv3-fp4"
 _KV = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
-_BACKENDS = ("auto", "torch", "triton", "flashinfer", "trtllm")
+
+
+def _attention_backend(spec: str) -> str:
+    from mla_spec.attention import get_backend_class
+
+    try:
+        if spec != "auto":
+            get_backend_class(spec)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 def _add_engine_flags(p: argparse.ArgumentParser, *, tp: int, spec: str, kv: str) -> None:
     p.add_argument("--tp", type=int, default=tp, help=f"tensor-parallel ranks (default {tp})")
-    p.add_argument("--attention-backend", default="auto", choices=_BACKENDS)
+    p.add_argument("--attention-backend", default="auto", type=_attention_backend,
+                   help="auto | torch | triton | flashinfer | trtllm | module.path:ClassName "
+                        "(an MLABackend subclass, imported and registered)")
     p.add_argument("--kv-dtype", default=kv, choices=_KV, help=f"KV cache dtype (default {kv})")
     p.add_argument("--spec", default=spec, choices=("off", "v1", "v2"),
                    help=f"MTP speculative decoding (default {spec})")
@@ -45,12 +54,23 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, tp: int, spec: str, kv: str
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens to generate per prompt, >= 1 (generate: 64; demo: the eval's)")
     p.add_argument("--no-cuda-graph", action="store_true", help="run every forward eagerly")
+    p.add_argument("--max-context-len", type=int, default=2048,
+                   help="KV positions per request: prompt + max new tokens + a step (default "
+                        "2048)")
+    p.add_argument("--timeout-s", type=float, default=None,
+                   help="TP > 1: seconds without progress on any rank before the hung rank is "
+                        "named and the run ends (default 30; first step of each kind: "
+                        "max(300, 10x))")
+    p.add_argument("--no-check-finite", action="store_true",
+                   help="skip the NaN / inf scan of the checkpoint at load")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="mla-spec", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="mla-spec", description=__doc__.split("\n\n")[0],
+                                 epilog=__doc__.split("\n\n")[-1])
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="few-shot questions through the embedded model")
+    d = sub.add_parser("demo", help="few-shot questions through the embedded model",
+                       epilog=__doc__.split("\n\n")[-1])
     _add_engine_flags(d, tp=4, spec="v2", kv="fp8_e4m3")
     d.add_argument("--model", default=None, help="checkpoint folder (default: embedded model)")
     d.add_argument("--num-questions", type=int, default=50)
@@ -87,6 +107,10 @@ def _check_numbers(args, ap) -> None:
     """Refuse counts and stop strings that cannot mean anything (before anything starts)."""
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         ap.error(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+    if args.max_context_len < 2:
+        ap.error(f"--max-context-len {args.max_context_len}: must be >= 2")
+    if args.timeout_s is not None and not args.timeout_s > 0:
+        ap.error(f"--timeout-s {args.timeout_s}: must be > 0 seconds")
     if getattr(args, "num_questions", 1) < 1:
         ap.error(f"--num-questions {args.num_questions}: must be >= 1")
     if getattr(args, "k_shots", 0) < 0:
@@ -113,7 +137,10 @@ def _check(args, ap, model: Path, spec) -> torch.device:
     dev = _device(args, ap)
     if not (model / "config.json").exists():
         ap.error(f"--model {model}: no config.json there (a DeepSeek-V3 checkpoint folder)")
-    cfg = ModelConfig.from_hf(model)
+    try:
+        cfg = ModelConfig.from_hf(model)
+    except ValueError as e:  # a missing key, unreadable JSON
+        ap.error(f"--model {model}: {e}")
     if args.tp < 1 or cfg.num_attention_heads % args.tp:
         ok = [t for t in range(1, cfg.num_attention_heads + 1) if cfg.num_attention_heads % t == 0]
         ap.error(f"--tp {args.tp}: must divide the {cfg.num_attention_heads} attention heads; "
@@ -150,7 +177,9 @@ def _engine(args, model: Path, spec, dev):
     return Engine(model, tp_size=args.tp, spec=spec,
                   cache=CacheConfig(page_size=args.page_size, kv_dtype=args.kv_dtype),
                   attention_backend=args.attention_backend, device=dev,
-                  cuda_graph=False if args.no_cuda_graph or dev.type == "cpu" else None)
+                  cuda_graph=False if args.no_cuda_graph or dev.type == "cpu" else None,
+                  max_context_len=args.max_context_len, timeout_s=args.timeout_s,
+                  check_finite=not args.no_check_finite)
 
 
 # ---- commands -----------------------------------------------------------------------------------
@@ -194,13 +223,21 @@ def format_demo_report(rep: dict) -> str:
         f"model {rep['model']}  tp {rep['tp_size']}  spec {rep['spec']}  kv {rep['kv_dtype']}",
         f"accuracy            {rep['accuracy']:.3f}  ({rep['num_questions']} questions, "
         f"{rep['invalid']:.1%} invalid)",
-        f"avg accept length   {acc:.3f}" if acc is not None else "avg accept length   - (spec off)",
+        f"avg accept length   {acc:.3f}" if acc is not None else
+        f"avg accept length   - ({'spec off' if rep['spec'] == 'off' else 'no round ran'})",
         f"output tokens       {rep['output_tokens']}",
         f"tokens/s            {rep['tokens_per_s']:.1f}",
         "",
         format_mode_table(rep["modes"]),
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _error_lines(rep.get("errors") or [], rep["num_questions"]))
+
+
+def _error_lines(errors: list[dict], n: int) -> list[str]:
+    return [f"{len(errors)} of {n} requests ended in error; request {e['request']}: "
+            f"[{e['finished_reason']}] {e['error']}"
+            + (" (the prompts grow with --k-shots)" if "prompt" in e["error"] else "")
+            for e in errors[:1]]
 
 
 def _demo(args, ap) -> int:
@@ -217,15 +254,27 @@ def _demo(args, ap) -> int:
               file=sys.stderr)
     dev = _check(args, ap, model, spec)
     kw = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
+    errors: list[dict] = []
     with _engine(args, model, spec, dev) as engine:
-        gen = lambda prompts, max_new_tokens, stop: engine.generate(  # noqa: E731
-            prompts, max_new_tokens, stop, progress=not args.json)
+        def gen(prompts, max_new_tokens, stop):
+            res = engine.generate(prompts, max_new_tokens, stop, progress=not args.json)
+            errors.extend(_errors(res))
+            return res
+
         report = run_eval(gen, heldout_problems(args.num_questions), args.k_shots, **kw)
-        rep = demo_report(engine, report)
+        rep = dict(demo_report(engine, report), errors=errors)
     print(json.dumps(rep, indent=2) if args.json else format_demo_report(rep))
     if tmp is not None:
         tmp.cleanup()
-    return 0
+    return 1 if errors else 0
+
+
+def _errors(results) -> list[dict]:
+    """Each failed request's error, its advice in flag names (the engine's are parameters)."""
+    flags = lambda t: t.replace("max_new_tokens", "--max-new-tokens").replace(  # noqa: E731
+        "max_context_len", "--max-context-len")
+    return [{"request": i, "finished_reason": r.finished_reason, "error": flags(r.error)}
+            for i, r in enumerate(results) if r.error is not None]
 
 
 def _generate(args, ap) -> int:
@@ -240,17 +289,21 @@ def _generate(args, ap) -> int:
         res = engine.generate(args.prompt, max_new, args.stop)
         summary = engine.metrics.summary()
     if args.json:
+        errs = {e["request"]: e["error"] for e in _errors(res)}
         print(json.dumps({"results": [{"text": r.text, "output_ids": r.output_ids,
-                                       "finished_reason": r.finished_reason,
-                                       "accept_lengths": r.accept_lengths} for r in res],
+                                       "finished_reason": r.finished_reason, "error": errs.get(i),
+                                       "accept_lengths": r.accept_lengths}
+                                      for i, r in enumerate(res)],
                           "metrics": summary}, indent=2))
     else:
         for p, r in zip(args.prompt, res):
             print(f"--- {p!r}\n{r.text}  [{r.finished_reason}, {len(r.output_ids)} tokens]")
+        for e in _errors(res):
+            print(f"error (prompt {e['request']}): {e['error']}", file=sys.stderr)
         acc = summary["avg_accept_length"]
         print(f"tokens/s {summary['tokens_per_s']:.1f}"
               + (f"  avg accept length {acc:.3f}" if acc else ""))
-    return 0
+    return 1 if _errors(res) else 0
 
 
 def _memory_plan(args, ap) -> int:
@@ -275,13 +328,20 @@ def _memory_plan(args, ap) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mla_spec.loader import CheckpointError
+    from mla_spec.runtime.workers import RankFailedError
+
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.command == "demo":
-        return _demo(args, ap)
-    if args.command == "generate":
-        return _generate(args, ap)
-    return _memory_plan(args, ap)
+    run = {"demo": _demo, "generate": _generate}.get(args.command, _memory_plan)
+    try:
+        return run(args, ap)
+    except KeyboardInterrupt:
+        print("mla-spec: interrupted", file=sys.stderr)
+        return 130
+    except (RankFailedError, CheckpointError) as e:
+        print(f"mla-spec: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

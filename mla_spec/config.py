@@ -1,14 +1,5 @@
 """Frozen configuration dataclasses: model, KV cache, speculative decoding, parallelism.
-
-``ModelConfig.from_hf`` reads a DeepSeek-V3 ``config.json`` (path, folder or dict). Derived
-values are properties. The softmax scale of the absorbed 576-wide MLA kernel is
-``1/sqrt(qk_nope_head_dim + qk_rope_head_dim) * mscale**2`` where, under YaRN rope scaling,
-``mscale = 0.1 * mscale_all_dim * ln(factor) + 1`` (1.0 when ``factor <= 1``). For DeepSeek-V3
-(factor 40, mscale_all_dim 1.0) this is 0.1352338.
-
-``from_hf`` refuses a config.json that lacks a key in ``REQUIRED_CONFIG_KEYS`` (shapes, routing,
-norms, rope: a guessed value would silently change the outputs); every other field it reads
-takes its default when absent, logged once per file and key with ``logging.warning``.
+``ModelConfig.from_hf`` refuses a config.json lacking a ``REQUIRED_CONFIG_KEYS`` key.
 """
 
 from __future__ import annotations
@@ -28,10 +19,8 @@ __all__ = ["ModelConfig", "CacheConfig", "SpecConfig", "ParallelConfig", "yarn_m
 
 log = logging.getLogger(__name__)
 
-#: config.json keys without which ``ModelConfig.from_hf`` refuses to build a model: each one
-#: changes the shapes or the math (transformers' ``DeepseekV3Config`` writes all of them;
-#: ``q_lora_rank`` may be null, the others may not). ``rope_theta`` may sit inside
-#: ``rope_parameters`` (transformers >= 5).
+#: config.json keys ``ModelConfig.from_hf`` requires: each changes the shapes or the math (only
+#: ``q_lora_rank`` may be null; ``rope_theta`` may sit in ``rope_parameters``).
 REQUIRED_CONFIG_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
     "num_hidden_layers", "num_attention_heads", "n_shared_experts", "n_routed_experts",
@@ -99,23 +88,16 @@ class ModelConfig:
         if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
             raise ValueError(f"topk_method {self.topk_method!r}: supported noaux_tc, greedy")
         if self.n_routed_experts and self.n_routed_experts % self.n_group:
-            raise ValueError(
-                f"n_routed_experts {self.n_routed_experts} must be a multiple of n_group "
-                f"{self.n_group}"
-            )
+            raise ValueError(f"n_routed_experts {self.n_routed_experts} must be a multiple of "
+                             f"n_group {self.n_group}")
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group {self.topk_group} > n_group {self.n_group}")
 
     @classmethod
     def from_hf(cls, path_or_dict: str | Path | Mapping[str, Any], *,
                 source: str | Path | None = None) -> ModelConfig:
-        """Build from a config.json path, a model folder, or the parsed dict.
-
-        Unknown keys are ignored. A missing (or null) key of ``REQUIRED_CONFIG_KEYS`` raises
-        ``ValueError`` naming the key and the file (``source`` names a dict's file in
-        messages); any other absent field takes the dataclass default (DeepSeek-V3's value),
-        logged once per file and key.
-        """
+        """Build from a config.json path, a model folder, or the parsed dict (``source``: its file).
+        Unknown keys are ignored; absent fields take defaults, logged once per file and key."""
         if isinstance(path_or_dict, Mapping):
             raw = dict(path_or_dict)
             src = str(source) if source is not None else "config.json (dict)"
@@ -142,11 +124,10 @@ class ModelConfig:
         missing = [k for k in REQUIRED_CONFIG_KEYS
                    if k not in kwargs or kwargs[k] is None and k not in _NULLABLE_KEYS]
         if missing:
-            raise ValueError(
-                f"{src}: missing or null key(s) {', '.join(map(repr, missing))}: the "
-                f"DeepSeek-V3 architecture needs them (no default is guessed, it would change "
-                f"the outputs); required keys: {', '.join(REQUIRED_CONFIG_KEYS)}"
-            )
+            raise ValueError(f"{src}: missing or null key(s) {', '.join(map(repr, missing))}: the "
+                             "DeepSeek-V3 architecture needs them (no default is guessed, it would "
+                             "change the outputs); required keys: "
+                             f"{', '.join(REQUIRED_CONFIG_KEYS)}")
         given = set(kwargs) | ({"rope_scaling"} if isinstance(rope, Mapping) else set())
         for f in fields(cls):
             if f.name in given or f.name in _UNLOGGED_KEYS or (src, f.name) in _logged_defaults:
@@ -168,7 +149,6 @@ class ModelConfig:
         d["architectures"] = ["DeepseekV3ForCausalLM"]
         return d
 
-    # ---- derived --------------------------------------------------------------------------
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -187,34 +167,23 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
+        """``1/sqrt(qk_head_dim) * mscale**2`` (0.1352338 for DeepSeek-V3: YaRN factor 40)."""
         return self.qk_head_dim**-0.5 * self.mscale**2
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Layers from ``first_k_dense_replace`` on are MoE (every ``moe_layer_freq``-th)."""
-        return (
-            self.n_routed_experts > 0
-            and layer_id >= self.first_k_dense_replace
-            and layer_id % self.moe_layer_freq == 0
-        )
+        return (self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace
+                and layer_id % self.moe_layer_freq == 0)
 
 
-_KV_DTYPES = {
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "fp8_e4m3": torch.float8_e4m3fn,
-}
+_KV_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+              "float32": torch.float32, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged latent KV cache.
-
-    ``kv_dtype``: ``"auto"`` (the model's dtype: bf16 on GPU, fp32 for CPU reference runs),
-    ``"bfloat16"``, ``"float16"``, ``"float32"`` or ``"fp8_e4m3"``. ``k_scale`` / ``v_scale`` are
-    the per-layer-uniform FP8 dequant scales (real = stored * scale), applied on write and read.
-    """
+    """Paged latent KV cache. ``kv_dtype``: "auto" (the model's dtype) or one of ``_KV_DTYPES``;
+    ``k_scale`` / ``v_scale``: FP8 scales (real = stored * scale) for every layer."""
 
     page_size: int = 64
     kv_dtype: str = "auto"
@@ -223,9 +192,8 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.kv_dtype != "auto" and self.kv_dtype not in _KV_DTYPES:
-            raise ValueError(
-                f"kv_dtype {self.kv_dtype!r}: supported 'auto', " + ", ".join(map(repr, _KV_DTYPES))
-            )
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: supported 'auto', "
+                             + ", ".join(map(repr, _KV_DTYPES)))
         if self.page_size < 1:
             raise ValueError(f"page_size {self.page_size}: must be >= 1")
         for name in ("k_scale", "v_scale"):
@@ -244,11 +212,9 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """EAGLE / NEXTN speculative decoding with DeepSeek's MTP layer as the draft model.
-
-    ``version`` "v1" runs ragged DRAFT_EXTEND (accept_length rows); "v2" runs DRAFT_EXTEND_V2
-    (num_draft_tokens rows, fixed shape, no host sync). ``algorithm`` "NONE" turns it off.
-    """
+    """EAGLE / NEXTN speculative decoding with DeepSeek's MTP layer as the draft model. ``version``
+    "v1": ragged DRAFT_EXTEND over the accepted rows; "v2": DRAFT_EXTEND_V2 over
+    ``num_draft_tokens`` rows (fixed shape, no host sync). ``algorithm`` "NONE" turns it off."""
 
     algorithm: str = "EAGLE"
     num_steps: int = 3
@@ -271,10 +237,8 @@ class SpecConfig:
         if self.num_steps < 1:
             raise ValueError(f"num_steps {self.num_steps}: must be >= 1")
         if self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(
-                f"num_draft_tokens {self.num_draft_tokens} with topk 1 must be num_steps + 1 "
-                f"= {self.num_steps + 1}"
-            )
+            raise ValueError(f"num_draft_tokens {self.num_draft_tokens} with topk 1 must be "
+                             f"num_steps + 1 = {self.num_steps + 1}")
 
     @property
     def enabled(self) -> bool:
@@ -287,12 +251,8 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism. ``backend``: "auto" (nccl on GPUs, gloo on CPU), "nccl" or "gloo".
-
-    ``timeout_s``: collective timeout; None = ``mla_spec.distributed``'s default per backend (300 s
-    on gloo, where 4 ranks may share 2 cores; 30 s on NCCL). A dead rank is detected by the process
-    watchdog within seconds either way.
-    """
+    """Tensor parallelism. ``backend``: "auto" (nccl on GPUs, gloo on CPU), "nccl" or "gloo";
+    ``timeout_s``: collective timeout (None: ``mla_spec.distributed``'s default per backend)."""
 
     tp_size: int = 1
     backend: str = "auto"

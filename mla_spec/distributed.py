@@ -1,20 +1,12 @@
 """Tensor-parallel group state and collectives: the one distributed module the models import.
 
-DeepSeek-V3 is split Megatron-style over ``tp_size`` ranks: attention heads (``q_b_proj`` /
-``kv_b_proj`` column-parallel, ``o_proj`` row-parallel; the 576-wide latent KV cache is shared by
-all heads, so it is replicated), MLP and expert intermediate dims (``gate_proj`` / ``up_proj``
-column, ``down_proj`` row), with one all-reduce after attention and one after the MLP / MoE.
-Everything else is replicated, so all ranks hold the same hidden state and the same logits.
-The linears are ``mla_spec.models.linear``.
-
-Here: :func:`init_distributed` (NCCL when every rank gets a GPU, gloo otherwise), the rank's
-device, :func:`tp_rank` / :func:`tp_size`, and the collectives :func:`tp_all_reduce` /
-:func:`tp_all_gather`. Collectives time out after ``timeout_s``: by default 300 s under gloo
-(CPU ranks sharing a couple of busy cores can be that far apart: one rank still loading while
-another waits in its first all-reduce) and 30 s under NCCL. This module imports nothing from the
-package. Starting the ranks as processes and failing fast when one dies is the runtime layer:
-:mod:`mla_spec.runtime.workers` (:func:`spawn_workers`, :class:`RankFailedError`) and
-:mod:`mla_spec.runtime.launch` (:func:`launch`).
+DeepSeek-V3 is split Megatron-style: attention heads and MLP / expert intermediate dims over
+``tp_size`` ranks (the 576-wide latent KV cache is replicated), one all-reduce after attention
+and one after the MLP / MoE; everything else is replicated, so all ranks hold the same logits.
+Here: :func:`init_distributed` (NCCL when every rank has a GPU, else gloo), rank / size, and the
+collectives, which time out after ``timeout_s`` (300 s gloo, 30 s NCCL). :func:`track_progress`
+counts collectives so a hung rank can be named. Process management: :mod:`mla_spec.runtime`.
+Imports nothing from the package.
 """
 
 from __future__ import annotations
@@ -35,6 +27,8 @@ __all__ = [
     "tp_size",
     "tp_all_reduce",
     "tp_all_gather",
+    "track_progress",
+    "note_progress",
 ]
 
 DEFAULT_TIMEOUT_S = {"gloo": 300.0, "nccl": 30.0}
@@ -64,9 +58,8 @@ def rank_device(rank: int, backend: str) -> torch.device:
 
 
 def _debug_hooks() -> None:
-    """Opt-in diagnostics for multi-rank runs, read from the environment on every rank:
-    ``MLA_SPEC_STACK_DUMP_S=N`` dumps every thread's Python stack to stderr every N seconds
-    (where a hang sits), ``MLA_SPEC_LOG_LEVEL=INFO`` turns on this package's progress logs."""
+    """Opt-in diagnostics on every rank: ``MLA_SPEC_STACK_DUMP_S=N`` dumps all Python stacks
+    every N seconds; ``MLA_SPEC_LOG_LEVEL=INFO`` turns on progress logs."""
     every = os.environ.get("MLA_SPEC_STACK_DUMP_S")
     if every:
         import faulthandler
@@ -89,11 +82,7 @@ def init_distributed(
     timeout_s: float | None = None,
 ) -> str:
     """Initialize the default process group (no-op if it already is); return the backend.
-
-    Without arguments the rank, world size and rendezvous come from the environment
-    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), as ``torchrun`` sets them.
-    ``timeout_s`` bounds the rendezvous and every collective (default: ``default_timeout_s``).
-    """
+    Without arguments, rank and rendezvous come from the environment, as ``torchrun`` sets them."""
     if dist.is_initialized():
         return dist.get_backend()
     _debug_hooks()
@@ -112,6 +101,21 @@ def init_distributed(
     return backend
 
 
+_progress: tuple | None = None  # (shared counters, this rank's slot)
+
+
+def track_progress(counters=None, rank: int = 0) -> None:
+    """Count this rank's progress (:func:`note_progress`) into the shared ``counters[rank]`` the
+    workers' watchdog reads; None stops counting."""
+    global _progress
+    _progress = None if counters is None else (counters, rank)
+
+
+def note_progress() -> None:
+    if _progress is not None:
+        _progress[0][_progress[1]] += 1
+
+
 def tp_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -121,12 +125,8 @@ def tp_size() -> int:
 
 
 def tp_all_reduce(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
-    """Sum ``x`` over the tensor-parallel ranks (in place; returns ``x``). No-op at TP 1.
-    Inference only: raises NotImplementedError when autograd would need it (training is TP 1).
-
-    ``size`` is the caller's TP size (skips the call when 1 even if a group exists). Every rank
-    receives the same bits, so replicated code after it stays identical across ranks.
-    """
+    """Sum ``x`` over the TP ranks in place (returns ``x``); no-op when ``size`` is 1.
+    Inference only: NotImplementedError under autograd. Every rank receives the same bits."""
     n = tp_size() if size is None else size
     if n == 1:
         return x
@@ -136,6 +136,7 @@ def tp_all_reduce(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
             "sharded ones would need their gradients reduced): run forward_train at TP 1, or "
             "under torch.no_grad() for evaluation"
         )
+    note_progress()
     if x.dtype == torch.bfloat16 and not x.is_cuda:
         # gloo sums bf16 correctly but in bf16 steps; fp32 keeps TP results close to TP 1.
         y = x.float()
@@ -154,6 +155,7 @@ def tp_all_gather(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
     if x.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError("training under tensor parallelism is not supported: run at "
                                   "TP 1, or under torch.no_grad() for evaluation")
+    note_progress()
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(n)]
     dist.all_gather(parts, x)

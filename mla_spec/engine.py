@@ -1,24 +1,19 @@
 """Engine: requests in, tokens out; continuous batching with MTP speculative decoding.
 
-The request path (rank 0, in the caller's process)::
+Rank 0, in the caller's process::
 
     Engine.generate(prompts)                      text -> token ids (the model's tokenizer.json)
       -> Scheduler.schedule() -> StepPlan         admission, pages, preemption (host only)
       -> send the plan to ranks 1..N-1            (tensor parallel: they execute the same plan)
       -> EagleWorker.execute(plan)                prefill / decode / one speculative round
-           -> ModelRunner.prepare + run           ForwardBatch, out_cache_loc, plan(), forward
       -> one device-to-host copy of the results   new tokens, accept lengths
       -> stop checks, metrics (StepRecord)        eos, stop strings, max_new_tokens
 
-Ranks 1..N-1 (:mod:`mla_spec.runtime.tp_worker`, started with
-:func:`mla_spec.runtime.workers.spawn_workers`) each build their shard with
-:func:`mla_spec.spec.eagle.build_rank` and loop on plans from a queue.
-Their collectives (one all-reduce after attention and after the MLP) pair with rank 0's because
-every rank runs the same plan through the same code. A dead rank is seen by the watchdog of
-``spawn_workers`` within a fraction of a second (and by collective timeouts otherwise) and
-surfaces as ``RankFailedError``.
-
-Greedy sampling only. Speculation is lossless: the tokens equal plain greedy decoding.
+Ranks 1..N-1 (:mod:`mla_spec.runtime.tp_worker`) run the same plans, so collectives pair up.
+Failures: a malformed request is refused when added (:mod:`mla_spec.request_checks`); at TP 1 a
+step that raises fails only the requests it can blame (:meth:`Scheduler.step_failed`) and
+serving goes on; at TP > 1 the engine shuts down and raises ``RankFailedError`` naming the rank
+that died or hung (``docs/architecture.md``). Greedy only; speculation is lossless.
 """
 
 from __future__ import annotations
@@ -32,9 +27,13 @@ from pathlib import Path
 
 import torch
 
+from mla_spec.attention import get_backend_class
 from mla_spec.config import CacheConfig, SpecConfig
+from mla_spec.distributed import note_progress
 from mla_spec.metrics import EngineMetrics, RequestMetrics, StepRecord
 from mla_spec.model_runner import ModelRunner
+from mla_spec.request_checks import check_max_new_tokens as _check_max_new
+from mla_spec.request_checks import check_stop, commit_tokens, prompt_token_ids
 from mla_spec.runtime import tp_worker
 from mla_spec.runtime.cuda_graph import attach_graphs
 from mla_spec.runtime.workers import RankFailedError
@@ -63,24 +62,13 @@ class Result:
 class Engine:
     """Serve greedy generation requests over the paged KV cache (see the module docstring).
 
-    Parameters
-    ----------
-    model_path : a DeepSeek-V3 checkpoint folder (config.json, safetensors, tokenizer.json)
-    tp_size : tensor-parallel ranks (GPUs under NCCL, CPU processes under gloo)
-    spec : ``SpecConfig`` (default EAGLE 3 steps / topk 1 / 4 draft tokens, v2), or
-        ``SpecConfig.off()``
-    cache : ``CacheConfig`` (page size, kv dtype: "auto" | "bfloat16" | "fp8_e4m3" ...)
-    attention_backend : "auto" | "torch" | "triton" | "flashinfer" | "trtllm"
-    device : rank 0's device (default: the GPU when there is one)
-    num_pages, max_reqs, max_context_len : KV pool pages, request rows, context columns
-    max_running, max_prefill_tokens : batching limits
-    cuda_graph : capture DECODE / TARGET_VERIFY / draft decode / DRAFT_EXTEND_V2 (GPU only)
-    runner : an already built ``ModelRunner`` (tests with mock models; TP 1 only)
-    tokenizer : a ``tokenizers.Tokenizer`` (default: ``model_path/tokenizer.json`` if present)
-    stop_token_ids : token ids that end a request (default: the config's eos_token_id)
-    timeout_s : collective timeout of the tensor-parallel group (default
-        :func:`mla_spec.distributed.default_timeout_s`: 300 s on CPU / gloo, 30 s on NCCL)
-    """
+    ``model_path``: a DeepSeek-V3 checkpoint folder; ``spec``: ``SpecConfig`` (default EAGLE 3
+    steps / topk 1 / 4 draft tokens, v2) or ``SpecConfig.off()``; ``attention_backend``: "auto" |
+    "torch" | "triton" | "flashinfer" | "trtllm", a registered name, ``"module.path:ClassName"`` or
+    an ``MLABackend`` subclass; ``cuda_graph``: capture the decode-side modes (GPU only);
+    ``runner``: a prebuilt ``ModelRunner`` (tests; TP 1 only); ``stop_token_ids`` default to the
+    config's eos; ``timeout_s``: TP > 1 seconds without progress before the hung rank is named
+    (first step of each kind: max(300, 10x)); ``check_finite``: scan for NaN / inf."""
 
     def __init__(self, model_path: str | Path | None = None, tp_size: int = 1,
                  spec: SpecConfig | None = None, cache: CacheConfig | None = None,
@@ -90,12 +78,17 @@ class Engine:
                  cuda_graph: bool | None = None, graph_batch_sizes: Sequence[int] | None = None,
                  runner: ModelRunner | None = None, tokenizer=None,
                  stop_token_ids: Sequence[int] | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, check_finite: bool = True) -> None:
         self.spec = spec if spec is not None else SpecConfig()
         self.cache = cache if cache is not None else CacheConfig()
         self.tp_size = tp_size
         self.model_path = None if model_path is None else Path(model_path)
-        self._timeout_s = timeout_s
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s {timeout_s}: must be > 0 seconds")
+        self.timeout_s = 30.0 if timeout_s is None else float(timeout_s)
+        self.first_step_timeout_s = max(300.0, 10 * self.timeout_s)
+        self._warm: set[str] = set()  # step kinds run once (their first step may compile)
+        self._check_finite = check_finite
         self._threads: int | None = None
         self.workers = None
         self._queues: list = []
@@ -131,8 +124,9 @@ class Engine:
         cfg = runner.config
         eos = getattr(cfg, "eos_token_id", None) if stop_token_ids is None else None
         self.stop_token_ids = tuple(stop_token_ids or ([] if eos is None else [eos]))
+        self._vocab_size = getattr(cfg if cfg is not None else runner.target, "vocab_size", None)
+        self._max_positions = getattr(cfg, "max_position_embeddings", None)
         self.metrics = EngineMetrics()
-        self._requests: dict[int, Req] = {}
         logger.info("rank 0: shard loaded on %s", runner.device)
         if self._use_graphs(cuda_graph):
             attach_graphs(runner, self.worker, graph_batch_sizes)
@@ -148,10 +142,13 @@ class Engine:
                max_context_len, cuda_graph, graph_batch_sizes) -> ModelRunner:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if num_pages is None:
-            tokens = min(max_reqs * max_context_len, 1 << 16)
+            tokens = max(min(max_reqs * max_context_len, 1 << 16), max_context_len)
             num_pages = 1 + -(-tokens // self.cache.page_size)
+        if backend != "auto":  # the class travels to the ranks (by value from a notebook)
+            backend = get_backend_class(backend)
         kw = dict(path=path, cache=self.cache, attention_backend=backend, dtype=dtype,
-                  num_pages=num_pages, max_reqs=max_reqs, max_context_len=max_context_len)
+                  num_pages=num_pages, max_reqs=max_reqs, max_context_len=max_context_len,
+                  check_finite=self._check_finite)
         if tp_size > 1:
             if device.type == "cpu":
                 # tp_size CPU ranks share the cores: one thread each (restored at shutdown)
@@ -163,19 +160,15 @@ class Engine:
             if device.type == "cuda" and cuda_graph is not False:  # workers capture on GPU
                 worker_kw.update(cuda_graph=True, graph_batch_sizes=graph_batch_sizes)
             self.workers = tp_worker.start_tp_workers(
-                self._queues, build_rank, (worker_kw, self.spec), timeout_s=self._timeout_s)
+                self._queues, build_rank, (worker_kw, self.spec),
+                timeout_s=self.first_step_timeout_s + 30)  # a backstop: the watchdog acts first
             device = self.workers.device
         return ModelRunner.from_checkpoint(**kw, device=device, tp_rank=0, tp_size=tp_size,
                                            with_draft=self.spec.enabled)
 
     # ---- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("text prompts need a tokenizer (tokenizer.json in the model "
-                                 "folder or tokenizer=); or pass token ids")
-            return list(self.tokenizer.encode(prompt).ids)
-        return [int(t) for t in prompt]
+        return prompt_token_ids(prompt, self.tokenizer, None, None, 1)  # not checked for range
 
     def decode_text(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -183,26 +176,23 @@ class Engine:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def add_request(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
-                    stop: Sequence[str] | None = None) -> Req:
-        """Queue one request; raises :class:`RequestRejectedError` if it can never fit.
-
-        An empty stop string would end every request at its first token: ValueError.
-        """
-        if stop is not None and any(s == "" for s in stop):
-            raise ValueError(f"stop = {list(stop)!r}: an empty stop string matches at once; "
-                             "stop strings must be non-empty")
-        req = self.scheduler.add(self.encode(prompt), max_new_tokens, stop=tuple(stop or ()),
+                    stop: str | Sequence[str] | None = None) -> Req:
+        """Queue one request; refused at once if malformed or if it can never fit
+        (:class:`RequestRejectedError`, TypeError, ValueError: :mod:`mla_spec.request_checks`)."""
+        max_new_tokens, stop = _check_max_new(max_new_tokens), check_stop(stop)
+        ids = prompt_token_ids(prompt, self.tokenizer, self._vocab_size, self._max_positions,
+                               max_new_tokens)
+        req = self.scheduler.add(ids, max_new_tokens, stop=stop,
                                  stop_token_ids=self.stop_token_ids)
-        self._requests[req.rid] = req
         return req
 
-    def generate(self, prompts, max_new_tokens: int = 64, stop: Sequence[str] | None = None,
+    def generate(self, prompts, max_new_tokens: int = 64, stop: str | Sequence[str] | None = None,
                  progress: bool = False) -> list[Result]:
         """Generate for every prompt (text or token ids); results in prompt order.
 
-        A request that can never fit the KV pool comes back with ``finished_reason="abort"``
-        and ``error`` saying what would fit; the others are served normally.
-        """
+        A refused prompt ends ``"abort"`` with ``error`` saying why; a request whose step
+        failed ends ``"error"``. An exception leaving this call leaves none of them queued."""
+        max_new_tokens, stop = _check_max_new(max_new_tokens), check_stop(stop)
         single = isinstance(prompts, str) or (
             len(prompts) > 0 and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
@@ -212,34 +202,40 @@ class Engine:
                 reqs.append(self.add_request(p, max_new_tokens, stop))
             except RequestRejectedError as e:
                 logger.warning("request rejected: %s", e)
-                reqs.append(Req(-1, self.encode(p), max_new_tokens, finished_reason="abort",
-                                error=str(e)))
+                ids = []
+                with contextlib.suppress(RequestRejectedError):
+                    ids = self.encode(p)
+                reqs.append(Req(-1, ids, max_new_tokens, finished_reason="abort", error=str(e)))
         bar = _progress(len(reqs)) if progress else None
         t0 = time.perf_counter()
         done = sum(r.finished for r in reqs)
-        while self.scheduler.has_work:
-            self.step()
+        try:
+            while self.scheduler.has_work:
+                self.step()
+                if bar is not None:
+                    now = sum(r.finished for r in reqs)
+                    bar.update(now - done)
+                    done = now
+        except BaseException as e:
+            for r in reqs:
+                if not r.finished:
+                    self.scheduler.finish(r, "error", f"{type(e).__name__}: {e}")
+            raise
+        finally:
             if bar is not None:
-                now = sum(r.finished for r in reqs)
-                bar.update(now - done)
-                done = now
+                bar.close()
         self.metrics.add_wall_time(time.perf_counter() - t0)
-        if bar is not None:
-            bar.close()
         return [self._result(r) for r in reqs]
 
     def _result(self, r: Req) -> Result:
-        self._requests.pop(r.rid, None)
         return Result(r.rid, r.prompt_ids, list(r.output_ids), r.text, r.finished_reason,
                       r.error, list(r.metrics.accept_lengths), r.metrics)
 
     # ---- one step ----------------------------------------------------------------------------
-    def step(self) -> StepRecord | None:
-        """Schedule and run one step (prefill, decode, or one speculative round).
-
-        A dead rank raises :class:`~mla_spec.runtime.workers.RankFailedError` after shutting the
-        engine down (workers joined, queues closed); a shut-down TP engine refuses further steps.
-        """
+    def step(self, plan: StepPlan | None = None) -> StepRecord | None:
+        """Schedule and run one step (or run ``plan``, as ``mla_spec.pipeline`` does for a phase).
+        On failure: at TP 1 see :meth:`Scheduler.step_failed` (an ``"error"`` record); at TP > 1 the
+        engine shuts down and raises."""
         if self.tp_size > 1 and self.workers is None:
             raise RankFailedError("this tensor-parallel engine is shut down (or a rank failed): "
                                   "build a new Engine")
@@ -247,102 +243,75 @@ class Engine:
             err = RankFailedError(self.workers.failure)
             self.shutdown()
             raise err
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule() if plan is None else plan
         if plan is None:
             return None
         reqs = self._plan_reqs(plan)
         logger.debug("step %d: %s, bs %d", len(self.metrics.steps), plan.kind, plan.batch_size)
         t0 = time.perf_counter()
-        tp_worker.broadcast_plan(self._queues, plan)
         try:
-            out = self.worker.execute(plan)
-            # the first host sync of the step: under NCCL an aborted collective surfaces here
-            if out.accept is not None:
-                predict, accept = out.predict.tolist(), out.accept.tolist()
-                new = [p[:a] for p, a in zip(predict, accept)]
-            else:
-                accept, new = None, [[t] for t in out.next_ids.tolist()]
-        except Exception as e:
+            accept, new = self._run_plan(plan)
+        except BaseException as e:
             if self.tp_size > 1:
-                try:
-                    self._raise_if_rank_died(e)
-                except RankFailedError:
-                    self.shutdown()
-                    raise
-                self.shutdown()  # the other ranks ran the same plan: they are mid-step too
-            raise
+                raise  # _run_plan shut the engine down
+            msg = f"{plan.kind} step failed: {type(e).__name__}: {e}"
+            with contextlib.suppress(Exception):
+                self.runner.timer.collect()  # drop the failed step's forward records
+            if not isinstance(e, Exception):  # Ctrl-C: its requests are recomputed later
+                self.scheduler.step_failed(reqs, None)
+                raise
+            logger.warning("%s (requests %s)", msg, [r.rid for r in reqs])
+            self.scheduler.step_failed(reqs, msg)
+            return StepRecord(len(self.metrics.steps), "error", plan.batch_size,
+                              time.perf_counter() - t0, 0)
         seconds = time.perf_counter() - t0
+        self._warm.add(plan.kind)
         n_new = 0
         for i, (req, toks) in enumerate(zip(reqs, new)):
+            req.suspect = req.suspect and plan.kind == "prefill"  # cleared by a decode step
             if plan.kind == "prefill" and plan.known_next_ids[i] >= 0:
                 continue  # a resumed request: its next token is already in output_ids
             if accept is not None:
                 req.metrics.accept_lengths.append(accept[i])
-            n_new += self._append(req, toks)
+            n, reason = commit_tokens(req, toks, self.decode_text)
+            n_new += n
+            if reason is not None:
+                self.scheduler.finish(req, reason)
         kind = "prefill" if plan.kind == "prefill" else ("spec" if accept else "decode")
         rec = StepRecord(len(self.metrics.steps), kind, plan.batch_size, seconds, n_new,
                          self.runner.timer.collect(), accept)
         self.metrics.add_step(rec)
         return rec
 
+    def _run_plan(self, plan: StepPlan) -> tuple[list[int] | None, list[list[int]]]:
+        """Execute ``plan`` on every rank -> (accept lengths or None, new tokens per request)."""
+        workers = self.workers
+        if workers is not None:  # the watchdog names a rank that hangs in this step
+            workers.arm(self.timeout_s if plan.kind in self._warm else self.first_step_timeout_s)
+            note_progress()
+        tp_worker.broadcast_plan(self._queues, plan)
+        try:
+            out = self.worker.execute(plan)
+            # the first host sync of the step: under NCCL an aborted collective surfaces here
+            if out.accept is not None:
+                predict, accept = out.predict.tolist(), out.accept.tolist()
+                return accept, [p[:a] for p, a in zip(predict, accept)]
+            return None, [[t] for t in out.next_ids.tolist()]
+        except BaseException as e:
+            if workers is not None:  # the other ranks are mid-step: shut down, name the culprit
+                cause = workers.blame(e)
+                self.shutdown()
+                if cause is not None:
+                    raise RankFailedError(f"{cause} (during a step; then rank 0 saw "
+                                          f"{type(e).__name__})") from e
+            raise
+        finally:
+            if workers is not None:
+                workers.disarm()
+
     def _plan_reqs(self, plan: StepPlan) -> list[Req]:
         by_row = {r.req_pool_idx: r for r in self.scheduler.running}
         return [by_row[i] for i in plan.req_pool_indices]
-
-    def _append(self, req: Req, toks: list[int]) -> int:
-        """Commit new tokens of ``req``; finish it on eos / stop string / max_new_tokens.
-
-        A speculative round brings up to ``num_draft_tokens`` tokens at once. They are committed
-        as plain decoding would, one at a time: the request ends at the first token that is eos,
-        reaches max_new_tokens, or completes a stop string, and the accepted tokens after it are
-        dropped, so output ids, token counts and tokens/s equal those of spec off.
-        """
-        start = len(req.output_ids)
-        if req.metrics.first_token_time is None:
-            req.metrics.first_token_time = time.perf_counter()
-        reason = None
-        for t in toks:
-            if req.remaining <= 0:
-                break
-            req.output_ids.append(int(t))
-            if t in req.stop_token_ids:
-                reason = "eos"
-                break
-        if reason is None and req.remaining <= 0:
-            reason = "length"
-        n = len(req.output_ids)
-        if req.stop:  # the first new token whose text (as plain decoding saw it) has a stop string
-            text = req.text
-            for end in range(start + 1, n + 1):
-                text = self._text(req, end, reason if end == n else None)
-                cut = _stop_at(text, req.stop)
-                if cut is not None:
-                    del req.output_ids[end:]
-                    text, reason = text[:cut], "stop"
-                    break
-            req.text = text
-        elif reason is not None:
-            req.text = self._text(req, n, reason)
-        req.metrics.completion_tokens = len(req.output_ids)
-        if reason is not None:
-            self.scheduler.finish(req, reason)
-        return len(req.output_ids) - start
-
-    def _text(self, req: Req, end: int, reason: str | None) -> str:
-        """Text of ``output_ids[:end]`` (without the eos token when ``reason == "eos"``)."""
-        return self.decode_text(req.output_ids[: end - 1 if reason == "eos" else end])
-
-    def _raise_if_rank_died(self, err: Exception) -> None:
-        if self.workers is None:
-            return
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            dead = [r for r, p in enumerate(self.workers.processes, 1) if not p.is_alive()]
-            if dead or self.workers.failure:
-                msg = self.workers.failure or f"rank {dead[0]} died"
-                raise RankFailedError(f"{msg} during a step ({type(err).__name__}: {err})"
-                                      ) from err
-            time.sleep(0.1)
 
     # ---- reports -----------------------------------------------------------------------------
     @property
@@ -350,12 +319,8 @@ class Engine:
         return self.metrics.avg_accept_length
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers and release their queues (no-op at TP 1).
-
-        Safe to call twice and after a failure: queues to dead workers are not flushed (nobody
-        reads them), every queue is closed and its feeder thread joined, so no semaphore or
-        thread outlives the engine.
-        """
+        """Stop the tensor-parallel workers and release their queues (no-op at TP 1). Safe twice and
+        after a failure: queues to dead workers are closed unflushed, feeder threads joined."""
         workers, self.workers = self.workers, None
         if workers is not None and getattr(self, "runner", None) is not None:
             self.runner.release_graphs()  # before the group: see ModelRunner.release_graphs
@@ -390,8 +355,3 @@ def _progress(total: int):
 
     return tqdm(total=total, desc="requests", unit="req")
 
-
-def _stop_at(text: str, stop: Sequence[str]) -> int | None:
-    """Index of the earliest stop string in ``text`` (None when there is none)."""
-    cut = [i for i in (text.find(s) for s in stop) if i >= 0]
-    return min(cut) if cut else None

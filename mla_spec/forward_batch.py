@@ -1,30 +1,24 @@
 """ForwardBatch: everything one forward step hands to the model and the attention backend.
 
-A batch has ``batch_size`` requests; request ``b`` contributes ``seq_lens_q[b]`` query rows
-(the rows are packed, request after request, into ``N = total_q`` rows: ``qo_indptr`` /
-``cu_seqlens_q`` give the offsets) and attends over ``kv_lens[b]`` KV positions. Row ``i`` of
-request ``b`` sits at position ``kv_lens[b] - seq_lens_q[b] + i`` and sees KV positions ``<=``
-its own (causal, aligned to the end of the KV).
+Request ``b`` of ``batch_size`` contributes ``seq_lens_q[b]`` query rows, packed request after
+request into ``N = total_q`` rows (offsets ``qo_indptr``), and attends over ``kv_lens[b]`` KV
+positions: its row ``i`` sits at ``kv_lens[b] - seq_lens_q[b] + i`` and sees the positions up to
+its own (causal, aligned to the end of the KV). ``seq_lens`` follows SGLang per mode:
 
-``seq_lens`` follows SGLang's convention per mode, which is not always the KV length:
+==================  =====================  ==============================  ==============
+mode                rows per request       ``seq_lens``                    ``kv_lens``
+==================  =====================  ==============================  ==============
+EXTEND / MIXED      ``extend_seq_lens``    prefix + extend                 = seq_lens
+DECODE              1                      KV length incl. the new token   = seq_lens
+TARGET_VERIFY       ``num_draft_tokens``   prefix only (drafts excluded)   seq_lens + ndt
+DRAFT_EXTEND (v1)   ``accept_length``      prefix + accepted rows          = seq_lens
+DRAFT_EXTEND_V2     ``num_draft_tokens``   prefix + ndt                    = seq_lens
+IDLE                0                      empty                           empty
+==================  =====================  ==============================  ==============
 
-==================  =========================  ==============================  =================
-mode                rows per request           ``seq_lens``                    ``kv_lens``
-==================  =========================  ==============================  =================
-EXTEND / MIXED      ``extend_seq_lens``        prefix + extend                 = seq_lens
-DECODE              1                          KV length incl. the new token   = seq_lens
-TARGET_VERIFY       ``num_draft_tokens``       prefix only (drafts excluded)   seq_lens + ndt
-DRAFT_EXTEND (v1)   ``accept_length``          prefix + accepted rows          = seq_lens
-DRAFT_EXTEND_V2     ``num_draft_tokens``       prefix + ndt                    = seq_lens
-IDLE                0                          empty                           empty
-==================  =========================  ==============================  =================
-
-``accept_length`` has one meaning throughout the package: the tokens a verify step accepted
-*including the bonus token*, in ``1..num_draft_tokens`` (SGLang's v1 stores accepted drafts and
-adds 1 later; we store the sum).
-
-The builders (:meth:`ForwardBatch.decode`, ``.extend``, ``.target_verify``, ``.draft_extend``,
-``.draft_extend_v2``, ``.idle``) take plain Python lists, validate them, and derive the rest.
+``accept_length`` always counts the bonus token: ``1..num_draft_tokens``. The builders
+(``decode``, ``extend``, ``target_verify``, ``draft_extend``, ``draft_extend_v2``, ``idle``) take
+Python lists, validate them, and derive the rest.
 """
 
 from __future__ import annotations
@@ -55,11 +49,7 @@ def _i32(values: Sequence[int], device) -> torch.Tensor:
 
 @dataclass
 class ForwardBatch:
-    """One step's batch. Tensors live on ``device``; the ``*_cpu`` lists mirror them on the host.
-
-    Shapes: ``seq_lens``, ``seq_lens_q``, ``kv_lens``, ``req_pool_indices`` ``[bs]``;
-    ``qo_indptr`` ``[bs + 1]``; ``positions`` ``[N]`` int64; ``out_cache_loc`` ``[N]`` int64.
-    """
+    """One step's batch; tensors live on ``device``, the ``*_cpu`` lists mirror them on the host."""
 
     forward_mode: ForwardMode
     batch_size: int
@@ -76,13 +66,11 @@ class ForwardBatch:
     req_pool_indices: torch.Tensor | None = None  # [bs] int64, rows of req_to_token
     out_cache_loc: torch.Tensor | None = None  # [N] int64, KV slot of each new row
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
-    # Set by the model runner (SGLang keeps them on the batch too): the paged KV pool of this
-    # model and the attention backend planned for this batch.
+    # set by the model runner: this model's paged KV pool and the backend planned for the batch
     token_to_kv_pool: Any = None
     attn_backend: Any = None
     extra: dict = field(default_factory=dict)  # backend-private planning results
 
-    # ---- derived views -------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
         return self.seq_lens.device
@@ -97,10 +85,6 @@ class ForwardBatch:
         """Rows per request (SGLang's name in extend-like modes)."""
         return self.seq_lens_q
 
-    @property
-    def extend_seq_lens_cpu(self) -> list[int]:
-        return self.seq_lens_q_cpu
-
     @cached_property
     def extend_prefix_lens(self) -> torch.Tensor:
         return _i32(self.extend_prefix_lens_cpu, self.device)
@@ -112,8 +96,7 @@ class ForwardBatch:
 
     @cached_property
     def kv_lens(self) -> torch.Tensor:
-        """``[bs]`` int32 on the batch's device, built once (no host copy per layer or inside a
-        CUDA-graph capture)."""
+        """``[bs]`` int32 on the batch's device, built once (no host copy per layer or capture)."""
         return _i32(self.kv_lens_cpu, self.device)
 
     @property
@@ -129,10 +112,6 @@ class ForwardBatch:
         """N, the number of packed query rows (SGLang's ``sum_seq_lens_q``)."""
         return sum(self.seq_lens_q_cpu)
 
-    @property
-    def sum_seq_lens_q(self) -> int:
-        return self.total_q
-
     def to(self, device) -> ForwardBatch:
         """A copy with every tensor on ``device``."""
         moved = {}
@@ -142,22 +121,13 @@ class ForwardBatch:
             moved[name] = None if t is None else t.to(device)
         return replace(self, **moved, extra={})
 
-    # ---- construction --------------------------------------------------------------------
     @classmethod
-    def _build(
-        cls,
-        mode: ForwardMode,
-        prefix_lens: list[int],
-        q_lens: list[int],
-        seq_lens: list[int],
-        *,
-        device=None,
-        num_draft_tokens: int | None = None,
-        accept_lengths: list[int] | None = None,
-        capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
-        req_pool_indices: Sequence[int] | None = None,
-        out_cache_loc: torch.Tensor | None = None,
-    ) -> ForwardBatch:
+    def _build(cls, mode: ForwardMode, prefix_lens: list[int], q_lens: list[int],
+               seq_lens: list[int], *, device=None, num_draft_tokens: int | None = None,
+               accept_lengths: list[int] | None = None,
+               capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
+               req_pool_indices: Sequence[int] | None = None,
+               out_cache_loc: torch.Tensor | None = None) -> ForwardBatch:
         device = torch.device(device or "cpu")
         bs = len(q_lens)
         indptr = [0]
@@ -165,33 +135,22 @@ class ForwardBatch:
             indptr.append(indptr[-1] + q)
         positions = [p + i for p, q in zip(prefix_lens, q_lens) for i in range(q)]
         if req_pool_indices is not None and len(req_pool_indices) != bs:
-            raise ValueError(
-                f"req_pool_indices has {len(req_pool_indices)} entries; batch_size is {bs}"
-            )
+            raise ValueError(f"req_pool_indices has {len(req_pool_indices)} entries; batch_size "
+                             f"is {bs}")
         if out_cache_loc is not None and out_cache_loc.numel() != indptr[-1]:
-            raise ValueError(
-                f"out_cache_loc has {out_cache_loc.numel()} entries; the batch has "
-                f"{indptr[-1]} query rows"
-            )
-        return cls(
-            forward_mode=mode,
-            batch_size=bs,
-            seq_lens=_i32(seq_lens, device),
-            seq_lens_q=_i32(q_lens, device),
-            qo_indptr=_i32(indptr, device),
-            positions=torch.tensor(positions, dtype=torch.int64, device=device),
-            seq_lens_cpu=list(seq_lens),
-            seq_lens_q_cpu=list(q_lens),
-            extend_prefix_lens_cpu=list(prefix_lens),
-            num_draft_tokens=num_draft_tokens,
-            accept_length=None if accept_lengths is None else _i32(accept_lengths, device),
-            accept_length_cpu=None if accept_lengths is None else list(accept_lengths),
-            req_pool_indices=None
-            if req_pool_indices is None
-            else torch.tensor(list(req_pool_indices), dtype=torch.int64, device=device),
-            out_cache_loc=None if out_cache_loc is None else out_cache_loc.to(device),
-            capture_hidden_mode=capture_hidden_mode,
-        )
+            raise ValueError(f"out_cache_loc has {out_cache_loc.numel()} entries; the batch has "
+                             f"{indptr[-1]} query rows")
+        return cls(forward_mode=mode, batch_size=bs, seq_lens=_i32(seq_lens, device),
+                   seq_lens_q=_i32(q_lens, device), qo_indptr=_i32(indptr, device),
+                   positions=torch.tensor(positions, dtype=torch.int64, device=device),
+                   seq_lens_cpu=list(seq_lens), seq_lens_q_cpu=list(q_lens),
+                   extend_prefix_lens_cpu=list(prefix_lens), num_draft_tokens=num_draft_tokens,
+                   accept_length=None if accept_lengths is None else _i32(accept_lengths, device),
+                   accept_length_cpu=None if accept_lengths is None else list(accept_lengths),
+                   req_pool_indices=None if req_pool_indices is None else torch.tensor(
+                       list(req_pool_indices), dtype=torch.int64, device=device),
+                   out_cache_loc=None if out_cache_loc is None else out_cache_loc.to(device),
+                   capture_hidden_mode=capture_hidden_mode)
 
     @classmethod
     def decode(cls, seq_lens: Sequence[int], **kw) -> ForwardBatch:
@@ -201,93 +160,58 @@ class ForwardBatch:
         return cls._build(ForwardMode.DECODE, [s - 1 for s in seq], [1] * len(seq), seq, **kw)
 
     @classmethod
-    def extend(
-        cls, prefix_lens: Sequence[int], extend_lens: Sequence[int], *, mixed: bool = False, **kw
-    ) -> ForwardBatch:
-        """EXTEND (or MIXED): ``extend_lens[b]`` new rows on top of ``prefix_lens[b]`` cached ones.
-
-        ``seq_lens = prefix + extend``. An extend length of 0 is allowed (a request with nothing
-        new this step); a batch with no rows at all is not.
-        """
+    def extend(cls, prefix_lens: Sequence[int], extend_lens: Sequence[int], *,
+               mixed: bool = False, **kw) -> ForwardBatch:
+        """EXTEND (or MIXED): ``extend_lens[b]`` new rows on top of ``prefix_lens[b]`` cached ones
+        (0 is allowed for a request, not for the whole batch)."""
         prefix = _check_lens("prefix_lens", prefix_lens)
         ext = _check_lens("extend_lens", extend_lens)
         if len(prefix) != len(ext):
-            raise ValueError(
-                f"prefix_lens has {len(prefix)} entries and extend_lens {len(ext)}: one per request"
-            )
+            raise ValueError(f"prefix_lens has {len(prefix)} entries and extend_lens {len(ext)}: "
+                             "one per request")
         _nonempty("extend", ext)
         mode = ForwardMode.MIXED if mixed else ForwardMode.EXTEND
         return cls._build(mode, prefix, ext, [p + e for p, e in zip(prefix, ext)], **kw)
 
     @classmethod
-    def target_verify(
-        cls, seq_lens: Sequence[int], num_draft_tokens: int, **kw
-    ) -> ForwardBatch:
-        """TARGET_VERIFY: ``num_draft_tokens`` rows per request.
-
-        ``seq_lens`` is the committed prefix, *excluding* the draft rows (SGLang's convention;
-        backends attend over ``seq_lens + num_draft_tokens``).
-        """
+    def target_verify(cls, seq_lens: Sequence[int], num_draft_tokens: int, **kw) -> ForwardBatch:
+        """TARGET_VERIFY: ``num_draft_tokens`` rows per request; ``seq_lens`` the committed prefix,
+        *excluding* the draft rows (backends attend over ``seq_lens + num_draft_tokens``)."""
         seq = _check_lens("seq_lens", seq_lens)
         _check_ndt(num_draft_tokens)
         _nonempty("target_verify", seq)
         kw.setdefault("capture_hidden_mode", CaptureHiddenMode.FULL)
-        return cls._build(
-            ForwardMode.TARGET_VERIFY, seq, [num_draft_tokens] * len(seq), seq,
-            num_draft_tokens=num_draft_tokens, **kw,
-        )
+        return cls._build(ForwardMode.TARGET_VERIFY, seq, [num_draft_tokens] * len(seq), seq,
+                          num_draft_tokens=num_draft_tokens, **kw)
 
     @classmethod
-    def draft_extend(
-        cls,
-        seq_lens: Sequence[int],
-        accept_lengths: Sequence[int],
-        num_draft_tokens: int | None = None,
-        **kw,
-    ) -> ForwardBatch:
-        """DRAFT_EXTEND (spec v1): ``accept_lengths[b]`` rows per request (ragged).
-
-        ``seq_lens`` is the length *after* acceptance, the accepted rows included, so each
-        ``seq_lens[b] >= accept_lengths[b]``. ``accept_lengths`` are in ``1..num_draft_tokens``
-        (bonus token included).
-        """
+    def draft_extend(cls, seq_lens: Sequence[int], accept_lengths: Sequence[int],
+                     num_draft_tokens: int | None = None, **kw) -> ForwardBatch:
+        """DRAFT_EXTEND (spec v1): ``accept_lengths[b]`` rows per request (ragged); ``seq_lens``
+        the length *after* acceptance, the accepted rows included."""
         seq = _check_lens("seq_lens", seq_lens)
         acc = _check_accept(accept_lengths, len(seq), num_draft_tokens)
         for b, (s, a) in enumerate(zip(seq, acc)):
             if s < a:
-                raise ValueError(
-                    f"seq_lens[{b}] = {s} < accept_lengths[{b}] = {a}: in DRAFT_EXTEND seq_lens "
-                    "already includes the accepted rows"
-                )
+                raise ValueError(f"seq_lens[{b}] = {s} < accept_lengths[{b}] = {a}: in "
+                                 "DRAFT_EXTEND seq_lens already includes the accepted rows")
         kw.setdefault("capture_hidden_mode", CaptureHiddenMode.LAST)
-        return cls._build(
-            ForwardMode.DRAFT_EXTEND, [s - a for s, a in zip(seq, acc)], acc, seq,
-            num_draft_tokens=num_draft_tokens, accept_lengths=acc, **kw,
-        )
+        return cls._build(ForwardMode.DRAFT_EXTEND, [s - a for s, a in zip(seq, acc)], acc, seq,
+                          num_draft_tokens=num_draft_tokens, accept_lengths=acc, **kw)
 
     @classmethod
-    def draft_extend_v2(
-        cls,
-        seq_lens: Sequence[int],
-        num_draft_tokens: int,
-        accept_lengths: Sequence[int],
-        **kw,
-    ) -> ForwardBatch:
-        """DRAFT_EXTEND_V2 (spec v2): every request has ``num_draft_tokens`` rows (fixed shape).
-
-        ``seq_lens`` here is the prefix *before* the verified rows, as the verify step saw it;
-        the batch stores SGLang's ``seq_lens + num_draft_tokens``. ``accept_lengths`` does not
-        shape attention; it only selects row ``accept_length - 1`` of each request afterwards.
-        """
+    def draft_extend_v2(cls, seq_lens: Sequence[int], num_draft_tokens: int,
+                        accept_lengths: Sequence[int], **kw) -> ForwardBatch:
+        """DRAFT_EXTEND_V2 (spec v2): ``num_draft_tokens`` rows per request (fixed shape).
+        ``seq_lens`` is the prefix the verify saw (the batch stores ``+ num_draft_tokens``).
+        ``accept_lengths`` does not shape attention: it selects row ``accept_length - 1`` after."""
         prefix = _check_lens("seq_lens", seq_lens)
         _check_ndt(num_draft_tokens)
         acc = _check_accept(accept_lengths, len(prefix), num_draft_tokens)
         kw.setdefault("capture_hidden_mode", CaptureHiddenMode.FULL)
-        return cls._build(
-            ForwardMode.DRAFT_EXTEND_V2, prefix, [num_draft_tokens] * len(prefix),
-            [p + num_draft_tokens for p in prefix],
-            num_draft_tokens=num_draft_tokens, accept_lengths=acc, **kw,
-        )
+        return cls._build(ForwardMode.DRAFT_EXTEND_V2, prefix, [num_draft_tokens] * len(prefix),
+                          [p + num_draft_tokens for p in prefix],
+                          num_draft_tokens=num_draft_tokens, accept_lengths=acc, **kw)
 
     @classmethod
     def idle(cls, *, device=None) -> ForwardBatch:
@@ -295,11 +219,8 @@ class ForwardBatch:
         return cls._build(ForwardMode.IDLE, [], [], [], device=device)
 
     def select_last_rows(self) -> torch.Tensor:
-        """Index of each request's last row in the packed ``[N, ...]`` tensors (``[bs]`` int64).
-
-        For DRAFT_EXTEND_V2 this is row ``accept_length - 1`` of each request instead: the
-        position of the last accepted token.
-        """
+        """``[bs]`` int64 index of each request's last row in the packed ``[N, ...]`` tensors
+        (DRAFT_EXTEND_V2: row ``accept_length - 1``, the last accepted token)."""
         start = self.qo_indptr[:-1].to(torch.int64)
         if self.forward_mode.is_draft_extend_v2() and self.accept_length is not None:
             return start + self.accept_length.to(torch.int64) - 1
@@ -326,8 +247,6 @@ def _check_accept(values: Sequence[int], bs: int, ndt: int | None) -> list[int]:
     hi = ndt if ndt is not None else max(acc)
     for b, a in enumerate(acc):
         if not 1 <= a <= hi:
-            raise ValueError(
-                f"accept_lengths[{b}] = {a}: accept_length counts the bonus token and must be in "
-                f"1..num_draft_tokens ({hi})"
-            )
+            raise ValueError(f"accept_lengths[{b}] = {a}: accept_length counts the bonus token "
+                             f"and must be in 1..num_draft_tokens ({hi})")
     return acc

@@ -1,15 +1,8 @@
 """Forward modes of the speculative-decoding loop, with SGLang's names and predicates.
 
-Every step the engine runs is one :class:`ForwardMode`. Attention backends, the model and the
-CUDA-graph runner branch only through the predicates below, never through ``==`` tests, so the
-subtle cases stay in one place (the truth table is SGLang's at commit d98b81e26):
-
-- ``TARGET_VERIFY`` counts as "extend" (it writes ``num_draft_tokens`` new KV rows per request);
-- ``DRAFT_EXTEND_V2`` is *not* extend unless asked (``is_extend(include_draft_extend_v2=True)``);
-- ``SPLIT_PREFILL`` is not ``is_extend()`` but is ``is_extend_or_draft_extend_or_mixed()``.
-
-:class:`CaptureHiddenMode` says which hidden states a forward must keep for the draft model:
-none, the last row of each request, or every row (verify and draft extend v2 keep all of them).
+Backends, model and CUDA-graph runner branch only through the predicates (SGLang's truth table
+at commit d98b81e26): ``TARGET_VERIFY`` counts as extend; ``DRAFT_EXTEND_V2`` does not unless
+asked; ``SPLIT_PREFILL`` is not ``is_extend()`` but is ``is_extend_or_draft_extend_or_mixed()``.
 """
 
 from __future__ import annotations
@@ -34,12 +27,8 @@ class ForwardMode(IntEnum):
 
     def is_extend(self, include_draft_extend_v2: bool = False) -> bool:
         """EXTEND, MIXED, TARGET_VERIFY, DRAFT_EXTEND (and DRAFT_EXTEND_V2 when asked)."""
-        modes = {
-            ForwardMode.EXTEND,
-            ForwardMode.MIXED,
-            ForwardMode.TARGET_VERIFY,
-            ForwardMode.DRAFT_EXTEND,
-        }
+        modes = {ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY,
+                 ForwardMode.DRAFT_EXTEND}
         if include_draft_extend_v2:
             modes.add(ForwardMode.DRAFT_EXTEND_V2)
         return self in modes
@@ -73,12 +62,8 @@ class ForwardMode(IntEnum):
         return self == ForwardMode.DRAFT_EXTEND_V2
 
     def is_extend_or_draft_extend_or_mixed(self) -> bool:
-        return self in (
-            ForwardMode.EXTEND,
-            ForwardMode.DRAFT_EXTEND,
-            ForwardMode.MIXED,
-            ForwardMode.SPLIT_PREFILL,
-        )
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND, ForwardMode.MIXED,
+                        ForwardMode.SPLIT_PREFILL)
 
     def is_cuda_graph(self) -> bool:
         """Modes SGLang's target graph runner captures (fixed rows per request)."""
@@ -89,14 +74,6 @@ class ForwardMode(IntEnum):
 
     def is_split_prefill(self) -> bool:
         return self == ForwardMode.SPLIT_PREFILL
-
-    def is_spec_mode(self) -> bool:
-        """Not in SGLang: the modes that only the speculative loop produces."""
-        return self in (
-            ForwardMode.TARGET_VERIFY,
-            ForwardMode.DRAFT_EXTEND,
-            ForwardMode.DRAFT_EXTEND_V2,
-        )
 
 
 @total_ordering

@@ -1,31 +1,12 @@
 """The paged MLA latent KV cache, the request -> slot table, and the page tables backends need.
 
-Layout. Each layer owns ``kv_buffer[layer]`` of shape ``[num_pages, page_size, 576]``: one row per
-token, ``[ckv (kv_lora_rank = 512) | kpe (qk_rope_head_dim = 64)]``. The same row is the key (all
-576 columns enter the score) and the value (its first 512 columns). A token's *slot* is
-``page * page_size + offset``; ``ReqToTokenPool.req_to_token[req, pos]`` holds the slot of
-position ``pos`` of request ``req`` (int32). Pages come from a :class:`PageAllocator`.
-
-FP8 scheme (``dtype=torch.float8_e4m3fn``). Each layer has a ``k_scale`` and a ``v_scale``
-(default 1.0, loadable from a checkpoint with :meth:`MLATokenToKVPool.load_scales`). Because
-K and V share one stored row, one scale must be used on write: the whole row is stored as
-``s = saturate(x / k_scale)``. On read, the key is ``s * k_scale`` and the value is
-``s[:512] * v_scale``. Kernels fold the scales out of the inner loops exactly:
-
-    score = sm_scale * k_scale * (q . s)        out = v_scale * (softmax(score) @ s[:512])
-
-With ``k_scale == v_scale`` (what calibration gives for MLA, where K and V are the same
-tensor) both round-trip to ``x``; with different scales V reads ``s * v_scale`` by definition
-(the checkpoint's calibrated meaning). SGLang instead folds only ``k_scale`` into the softmax
-scale and ignores ``v_scale``; here both are applied. Non-FP8 pools store rows as they come and
-read with scale 1.0 (:meth:`MLATokenToKVPool.read_scales`).
-
-Memory per token per layer: 576 * 2 = 1152 B in bf16, 576 B in fp8.
-
-Page tables, derived from ``req_to_token`` for a batch (:func:`build_block_tables`,
-:func:`build_kv_indices`): ``block_tables [bs, max_pages]`` int32 with -1 fill (TRT-LLM-gen wants
-``max_pages`` a multiple of ``128 / page_size``), and FlashInfer's ``kv_indptr [bs + 1]`` /
-``kv_indices`` (page ids) / ``kv_last_page_len``.
+Each layer owns ``kv_buffer[layer] [num_pages, page_size, 576]``: one ``[ckv 512 | kpe 64]`` row
+per token, the key (all 576 columns) and the value (the first 512). A token's slot is ``page *
+page_size + offset``; ``ReqToTokenPool.req_to_token[req, pos]`` holds it. FP8: the row is stored
+once as ``s = sat(x / k_scale)``; kernels fold the scales out: ``score = sm_scale * k_scale *
+(q . s)``, ``out = v_scale * (softmax(score) @ s[:512])`` (non-FP8 pools read scale 1.0).
+Page tables: ``block_tables`` (-1 fill) and FlashInfer's ``kv_indptr`` / ``kv_indices`` /
+``kv_last_page_len``.
 """
 
 from __future__ import annotations
@@ -39,15 +20,8 @@ import torch
 from mla_spec.kernels.ops import store_kv
 from mla_spec.quant.fp8 import FP8_DTYPE
 
-__all__ = [
-    "KVCacheFullError",
-    "PageAllocator",
-    "ReqToTokenPool",
-    "MLATokenToKVPool",
-    "build_block_tables",
-    "build_kv_indices",
-    "assign_request_slots",
-]
+__all__ = ["KVCacheFullError", "PageAllocator", "ReqToTokenPool", "MLATokenToKVPool",
+           "build_block_tables", "build_kv_indices", "assign_request_slots"]
 
 _KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32, FP8_DTYPE)
 
@@ -75,9 +49,8 @@ class PageAllocator:
         if n < 0:
             raise ValueError(f"alloc({n}): n must be >= 0")
         if n > len(self._free):
-            raise KVCacheFullError(
-                f"KV cache full: asked for {n} pages, {len(self._free)} of {self.num_pages} free"
-            )
+            raise KVCacheFullError(f"KV cache full: asked for {n} pages, {len(self._free)} of "
+                                   f"{self.num_pages} free")
         pages = [self._free.pop() for _ in range(n)]
         self._used.update(pages)
         return pages
@@ -101,9 +74,8 @@ class ReqToTokenPool:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
         self.device = torch.device(device or "cpu")
-        self.req_to_token = torch.zeros(
-            (max_reqs, max_context_len), dtype=torch.int32, device=self.device
-        )
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int32,
+                                        device=self.device)
         self._free = list(range(max_reqs - 1, -1, -1))
 
     @property
@@ -136,30 +108,13 @@ def _per_layer(name: str, value, num_layers: int) -> list[float]:
 
 
 class MLATokenToKVPool:
-    """Per-layer paged latent KV rows; see the module docstring for layout and the FP8 scheme.
+    """Per-layer paged latent KV rows (bf16, fp16, fp32 or e4m3); ``k_scale`` / ``v_scale``: one
+    float, or one per layer (read by FP8 pools only)."""
 
-    Parameters
-    ----------
-    num_layers, num_pages, page_size : int
-    dtype : torch.bfloat16 | float16 | float32 | float8_e4m3fn
-    device : torch device
-    k_scale, v_scale : float, or one float per layer (FP8 only; 1.0 by default)
-    kv_lora_rank, qk_rope_head_dim : row layout (512 + 64 for DeepSeek-V3)
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_pages: int,
-        page_size: int,
-        dtype: torch.dtype,
-        device=None,
-        k_scale: float | Sequence[float] = 1.0,
-        v_scale: float | Sequence[float] = 1.0,
-        *,
-        kv_lora_rank: int = 512,
-        qk_rope_head_dim: int = 64,
-    ):
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, dtype: torch.dtype,
+                 device=None, k_scale: float | Sequence[float] = 1.0,
+                 v_scale: float | Sequence[float] = 1.0, *, kv_lora_rank: int = 512,
+                 qk_rope_head_dim: int = 64):
         if dtype not in _KV_DTYPES:
             raise ValueError(f"kv dtype {dtype}: supported {', '.join(map(str, _KV_DTYPES))}")
         if num_layers < 1 or num_pages < 1 or page_size < 1:
@@ -175,7 +130,6 @@ class MLATokenToKVPool:
         self.kv_buffer = [torch.zeros(shape, dtype=dtype, device=self.device)
                           for _ in range(num_layers)]
 
-    # ---- facts -----------------------------------------------------------------------------
     @property
     def is_fp8(self) -> bool:
         return self.dtype == FP8_DTYPE
@@ -203,7 +157,6 @@ class MLATokenToKVPool:
         """KV bytes one token occupies across all layers."""
         return self.num_layers * self.kv_cache_dim * self.kv_buffer[0].element_size()
 
-    # ---- scales from a checkpoint -------------------------------------------------------------
     def set_scales(self, layer_id: int, k_scale: float, v_scale: float | None = None) -> None:
         """Set one layer's scales (``v_scale`` defaults to ``k_scale``). Set before writing rows."""
         v_scale = k_scale if v_scale is None else v_scale
@@ -212,11 +165,8 @@ class MLATokenToKVPool:
 
     def load_scales(self, tensors: Mapping[str, torch.Tensor | float],
                     layer_offset: int = 0) -> int:
-        """Read ``...layers.{i}....k_scale`` / ``v_scale`` entries (ModelOpt / HF naming).
-
-        Returns how many scales were set. ``layer_offset`` maps checkpoint layer ``i`` to pool
-        layer ``i - layer_offset`` (the MTP layer is checkpoint layer 61 of DeepSeek-V3).
-        """
+        """Read ``...layers.{i}....k_scale`` / ``v_scale`` entries (checkpoint layer ``i`` is
+        pool layer ``i - layer_offset``); return how many scales were set."""
         pat = re.compile(r"(?:^|\.)layers\.(\d+)\..*\b([kv])_scale$")
         n = 0
         for key, val in tensors.items():
@@ -232,33 +182,20 @@ class MLATokenToKVPool:
             n += 1
         return n
 
-    # ---- access ----------------------------------------------------------------------------------
     def get_kv(self, layer_id: int) -> torch.Tensor:
         """``[num_pages, page_size, 576]`` buffer of ``layer_id`` (the stored dtype)."""
         return self.kv_buffer[layer_id]
 
-    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[layer_id]
-
-    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        return self.kv_buffer[layer_id][..., : self.kv_lora_rank]
-
-    def store(
-        self, layer_id: int, loc: torch.Tensor, ckv: torch.Tensor, kpe: torch.Tensor
-    ) -> None:
-        """Write ``[ckv | kpe]`` rows at slots ``loc [N]`` (negative = skip); FP8: x / k_scale.
-
-        ``ckv`` ``[N, kv_lora_rank]`` and ``kpe`` ``[N, qk_rope_head_dim]`` (a singleton head
-        axis is accepted). Triton kernel on GPU / interpreter, torch twin otherwise.
-        """
+    def store(self, layer_id: int, loc: torch.Tensor, ckv: torch.Tensor,
+              kpe: torch.Tensor) -> None:
+        """Write ``[ckv | kpe]`` rows (``[N, 512]``, ``[N, 64]``; a singleton head axis is
+        accepted) at slots ``loc [N]`` (negative = skip); FP8 stores ``x / k_scale``."""
         if not 0 <= layer_id < self.num_layers:
             raise ValueError(f"layer_id {layer_id}: the pool has layers 0..{self.num_layers - 1}")
         if loc.numel() and (ckv.shape[-1] != self.kv_lora_rank
                             or kpe.shape[-1] != self.qk_rope_head_dim):
-            raise ValueError(
-                f"ckv {tuple(ckv.shape)} / kpe {tuple(kpe.shape)}: expected last dims "
-                f"{self.kv_lora_rank} / {self.qk_rope_head_dim}"
-            )
+            raise ValueError(f"ckv {tuple(ckv.shape)} / kpe {tuple(kpe.shape)}: expected last dims "
+                             f"{self.kv_lora_rank} / {self.qk_rope_head_dim}")
         flat = self.kv_buffer[layer_id].view(self.num_slots, self.kv_cache_dim)
         scale = self.k_scales[layer_id] if self.is_fp8 else 1.0
         store_kv(flat, loc.to(self.device), ckv, kpe, scale)
@@ -271,14 +208,10 @@ class MLATokenToKVPool:
         return rows * ks, rows[:, : self.kv_lora_rank] * vs
 
 
-def assign_request_slots(
-    req_to_token: torch.Tensor, req_idx: int, pages: Sequence[int], page_size: int,
-    start: int = 0, length: int | None = None,
-) -> None:
-    """Fill ``req_to_token[req_idx, start:start+length]`` with the slots of ``pages`` in order.
-
-    Position ``p`` maps to ``pages[p // page_size] * page_size + p % page_size``.
-    """
+def assign_request_slots(req_to_token: torch.Tensor, req_idx: int, pages: Sequence[int],
+                         page_size: int, start: int = 0, length: int | None = None) -> None:
+    """Fill ``req_to_token[req_idx, start:start+length]`` with the slots of ``pages`` in order:
+    position ``p`` maps to ``pages[p // page_size] * page_size + p % page_size``."""
     total = len(pages) * page_size
     length = total - start if length is None else length
     if start + length > total:
@@ -286,25 +219,15 @@ def assign_request_slots(
     pos = torch.arange(start, start + length)
     pg = torch.tensor(list(pages), dtype=torch.int64)[pos // page_size] if length else pos
     req_to_token[req_idx, start : start + length] = (pg * page_size + pos % page_size).to(
-        req_to_token.device, torch.int32
-    )
+        req_to_token.device, torch.int32)
 
 
-def build_block_tables(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    kv_lens: Sequence[int],
-    page_size: int,
-    *,
-    pad_multiple: int = 1,
-    min_pages: int = 0,
-) -> torch.Tensor:
+def build_block_tables(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                       kv_lens: Sequence[int], page_size: int, *, pad_multiple: int = 1,
+                       min_pages: int = 0) -> torch.Tensor:
     """``block_tables [bs, max_pages]`` int32: page id of each request's page, -1 beyond its end.
-
-    ``max_pages = ceil(max(kv_lens) / page_size)`` rounded up to ``pad_multiple`` (TRT-LLM-gen:
-    ``128 // page_size``) and at least ``min_pages``. Page ids are read from the first slot of each
-    page (``req_to_token[req, j * page_size] // page_size``), so slots must be page-aligned.
-    """
+    ``max_pages = ceil(max(kv_lens) / page_size)``, at least ``min_pages``, rounded up to
+    ``pad_multiple`` (TRT-LLM-gen: ``128 // page_size``). Slots must be page-aligned."""
     bs = len(kv_lens)
     pages = [-(-int(n) // page_size) for n in kv_lens]
     max_pages = max(max(pages, default=0), min_pages, 1)
@@ -320,12 +243,9 @@ def build_block_tables(
     return torch.where(valid, rows.to(torch.int32), table)
 
 
-def build_kv_indices(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    kv_lens: Sequence[int],
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+                     kv_lens: Sequence[int], page_size: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's paged form: ``kv_indptr [bs+1]``, ``kv_indices [total_pages]`` (page ids),
     ``kv_last_page_len [bs]`` (rows used in each request's last page; 0 for an empty request),
     all int32 on ``req_to_token``'s device."""

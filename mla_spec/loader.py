@@ -1,37 +1,12 @@
 """Load DeepSeek-V3 checkpoints (NVIDIA's NVFP4 ModelOpt layout, or BF16) onto a TP rank.
 
-A checkpoint folder holds ``config.json``, optionally ``hf_quant_config.json`` (or a
-``quantization_config`` in config.json; see ``mla_spec.models.quant_config``), and the tensors in
-``model.safetensors`` or in shards listed by ``model.safetensors.index.json``
-(``{"weight_map": {tensor name: file}}``).
-
-Names. The target model's tensors are its ``state_dict()`` keys (``model.layers.{i}...``,
-``lm_head.weight``). Experts are per-expert tensors
-``model.layers.L.mlp.experts.E.{gate,up,down}_proj.{weight,weight_scale,weight_scale_2,
-input_scale}``. The MTP layer is ``model.layers.{num_hidden_layers}.*``: ``enorm``, ``hnorm``,
-``eh_proj`` and ``shared_head.norm`` map to the MTP module, everything else to its decoder layer;
-its ``embed_tokens`` and ``shared_head.head`` copies are skipped (shared with the target).
-Optional per-layer FP8 KV scales (``model.layers.L.self_attn[.*].k_scale`` / ``v_scale``) are
-collected into ``kv_scales``.
-
-TP shards (read with safetensors slices, so a rank reads only its part): every linear
-declares ``tp_shard_dims`` (``mla_spec.models.linear``): column-parallel (``q_b_proj``,
-``kv_b_proj``, MLP and expert ``gate_proj`` / ``up_proj``) split dim 0; row-parallel
-(``o_proj``, ``down_proj``) split dim 1, i.e. for NVFP4 the packed ``weight`` along K/2 and
-``weight_scale`` along K/16. ``embed_tokens`` and ``lm_head`` split their vocabulary rows (dim
-0; replicated when ``tp_size`` does not divide the vocabulary, see
-``mla_spec.models.vocab_parallel``). Norms, router, ``q_a_proj`` and ``kv_a_proj_with_mqa`` are
-replicated.
-
-Every problem raises :class:`CheckpointError` naming the tensor and the file: missing or
-unexpected tensors, wrong shapes or dtypes, index entries pointing at absent files, truncated or
-corrupt safetensors files, config.json lacking a key the architecture needs, an unsupported
-quantization config, and bad values: NVFP4 global scales (``weight_scale_2``, ``input_scale``)
-and FP8 KV scales that are not positive and finite are always refused (one number each); with
-``check_finite=True`` (the default) every float tensor is also scanned for NaN / inf and every
-e4m3 block scale (``weight_scale``) for NaN and negative values, one reduction and one sync
-per tensor on the tensor's device after it is copied (``mla_spec.quant.fp8.require_finite``;
-the packed uint8 FP4 codes have no NaN to look for). ``check_finite=False`` skips the scans.
+A folder holds ``config.json``, optionally ``hf_quant_config.json``, and ``model.safetensors``
+or indexed shards. Names are the target's ``state_dict()`` keys; the MTP layer is
+``model.layers.{num_hidden_layers}.*`` (its ``embed_tokens`` / ``shared_head.head`` copies are
+skipped); FP8 KV scales go to ``kv_scales``. Each rank reads only its shard along the
+``tp_shard_dims`` of each module. Every problem raises :class:`CheckpointError` naming the tensor
+and file (missing, unexpected, mis-shaped, corrupt, unusable config, bad scales; with
+``check_finite`` NaN / inf, one sync per tensor).
 """
 
 from __future__ import annotations
@@ -52,17 +27,10 @@ from mla_spec.models.quant_config import QuantConfig
 from mla_spec.quant.fp8 import require_finite
 from mla_spec.quant.nvfp4 import check_nvfp4_scales
 
-__all__ = [
-    "CheckpointError",
-    "CheckpointFiles",
-    "LoadedCheckpoint",
-    "load_checkpoint",
-    "load_weights",
-    "read_configs",
-]
+__all__ = ["CheckpointError", "CheckpointFiles", "LoadedCheckpoint", "load_checkpoint",
+           "load_weights", "read_configs"]
 
 _KV_SCALE_RE = re.compile(r"model\.layers\.(\d+)\.self_attn\.(?:.*\.)?([kv])_scale")
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 class CheckpointError(ValueError):
@@ -87,17 +55,15 @@ class CheckpointFiles:
             for fname in sorted(set(wm.values())):
                 if not (self.path / fname).exists():
                     first = next(k for k, v in wm.items() if v == fname)
-                    raise CheckpointError(
-                        f"{index} maps {first!r} (and others) to {fname}, which does not exist"
-                    )
+                    raise CheckpointError(f"{index} maps {first!r} (and others) to {fname}, "
+                                          "which does not exist")
             self.weight_map = dict(wm)
             for fname in sorted(set(wm.values())):  # every listed tensor must be in its file
                 have = set(self._open(fname).keys())
                 for name in (k for k, v in wm.items() if v == fname):
                     if name not in have:
-                        raise CheckpointError(
-                            f"tensor {name!r}: the index says {fname} but that file lacks it"
-                        )
+                        raise CheckpointError(f"tensor {name!r}: the index says {fname} but "
+                                              "that file lacks it")
         else:
             files = sorted(p.name for p in self.path.glob("*.safetensors"))
             if not files:
@@ -105,9 +71,8 @@ class CheckpointFiles:
             for fname in files:
                 for name in self._open(fname).keys():
                     if name in self.weight_map:
-                        raise CheckpointError(
-                            f"tensor {name!r} is in both {self.weight_map[name]} and {fname}"
-                        )
+                        raise CheckpointError(f"tensor {name!r} is in both "
+                                              f"{self.weight_map[name]} and {fname}")
                     self.weight_map[name] = fname
 
     def _open(self, fname: str):
@@ -116,9 +81,8 @@ class CheckpointFiles:
             try:
                 self._handles[fname] = safe_open(str(fpath), framework="pt")
             except Exception as e:  # safetensors raises its own error types
-                raise CheckpointError(
-                    f"{fpath}: cannot read safetensors file (truncated or corrupt?): {e}"
-                ) from e
+                raise CheckpointError(f"{fpath}: cannot read safetensors file (truncated or "
+                                      f"corrupt?): {e}") from e
         return self._handles[fname]
 
     def __contains__(self, name: str) -> bool:
@@ -148,9 +112,8 @@ class CheckpointFiles:
         except CheckpointError:
             raise
         except Exception as e:
-            raise CheckpointError(
-                f"tensor {name!r} in {self.path / fname}: cannot read ({e}); truncated file?"
-            ) from e
+            raise CheckpointError(f"tensor {name!r} in {self.path / fname}: cannot read ({e}); "
+                                  "truncated file?") from e
 
 
 def read_configs(path: str | Path) -> tuple[ModelConfig, QuantConfig | None]:
@@ -174,8 +137,8 @@ def read_configs(path: str | Path) -> tuple[ModelConfig, QuantConfig | None]:
 
 def _check_values(name: str, src: torch.Tensor, t: torch.Tensor, where: Path,
                   check_finite: bool) -> None:
-    """Refuse NaN / inf and bad NVFP4 scales (see the module docstring): the global scales as
-    read (``src``, on the CPU: no device sync), the scans on the loaded ``t`` (on its device)."""
+    """Refuse NaN / inf and bad NVFP4 scales: global scales as read (``src``, on the CPU), the
+    ``check_finite`` scans on the loaded ``t`` (on its device)."""
     leaf = name.rsplit(".", 1)[-1]
     global_scale = leaf in ("weight_scale_2", "input_scale")
     try:
@@ -198,9 +161,8 @@ def _expected(module: torch.nn.Module, rename) -> dict[str, tuple[str, torch.Ten
     out = {}
     for mname, mod in module.named_modules():
         dims = getattr(mod, "tp_shard_dims", {})
-        local = list(mod._parameters.items()) + [
-            (k, v) for k, v in mod._buffers.items() if k not in mod._non_persistent_buffers_set
-        ]
+        local = list(mod._parameters.items()) + [(k, v) for k, v in mod._buffers.items()
+                                                 if k not in mod._non_persistent_buffers_set]
         for pname, t in local:
             if t is None:
                 continue
@@ -219,26 +181,21 @@ def _check_and_read(files: CheckpointFiles, name: str, t: torch.Tensor, dim: int
     if dim is not None:
         want[dim] *= size
     exact = t.dtype in (torch.uint8, torch.float8_e4m3fn)
-    ok_dtype = {
-        torch.uint8: ("U8",),
-        torch.float8_e4m3fn: ("F8_E4M3",),
-    }.get(t.dtype, ("BF16", "F16", "F32", "F64"))
+    ok_dtype = {torch.uint8: ("U8",), torch.float8_e4m3fn: ("F8_E4M3",)}.get(
+        t.dtype, ("BF16", "F16", "F32", "F64"))
     if sdtype not in ok_dtype:
         hint = ""
         if sdtype == "U8" and not exact:
             hint = " (stored as NVFP4, but the quantization config says this module is BF16)"
         elif exact and sdtype in ("BF16", "F16", "F32"):
             hint = " (stored unquantized, but the quantization config says NVFP4)"
-        raise CheckpointError(
-            f"tensor {name!r} in {fname}: dtype {sdtype}, expected one of {ok_dtype}{hint}"
-        )
+        raise CheckpointError(f"tensor {name!r} in {fname}: dtype {sdtype}, expected one of "
+                              f"{ok_dtype}{hint}")
     scalar = t.dim() == 0 and shape in ((), (1,))
     if not scalar and shape != tuple(want):
-        raise CheckpointError(
-            f"tensor {name!r} in {fname}: shape {list(shape)}, expected {want}"
-            + (f" (= {list(t.shape)} per rank x tp_size {size} on dim {dim})" if dim is not None
-               and size > 1 else "")
-        )
+        raise CheckpointError(f"tensor {name!r} in {fname}: shape {list(shape)}, expected {want}"
+                              + (f" (= {list(t.shape)} per rank x tp_size {size} on dim {dim})"
+                                 if dim is not None and size > 1 else ""))
     out = files.read(name, dim, rank, size)
     return out.reshape(t.shape) if scalar else out
 
@@ -258,11 +215,8 @@ class LoadedCheckpoint:
 def load_weights(model, files: CheckpointFiles, *, mtp=None, tp_rank: int = 0, tp_size: int = 1,
                  progress: bool | None = None, check_finite: bool = True
                  ) -> dict[int, tuple[float, float]]:
-    """Copy this rank's shard of every tensor into ``model`` (and ``mtp``); return KV scales.
-
-    Raises :class:`CheckpointError` for missing / unexpected / mis-shaped / mis-typed tensors
-    and for bad values (``check_finite``: see the module docstring).
-    """
+    """Copy this rank's shard of every tensor into ``model`` (and ``mtp``); return the FP8 KV
+    scales ``{layer: (k_scale, v_scale)}``. Raises :class:`CheckpointError`."""
     cfg = model.cfg
     n = cfg.num_hidden_layers
     mp = f"model.layers.{n}."
@@ -293,16 +247,13 @@ def load_weights(model, files: CheckpointFiles, *, mtp=None, tp_rank: int = 0, t
         unexpected.append(name)
     if unexpected:
         name = unexpected[0]
-        raise CheckpointError(
-            f"unexpected tensor {name!r} in {files.path / files.file_of(name)}"
-            + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else "")
-        )
+        raise CheckpointError(f"unexpected tensor {name!r} in {files.path / files.file_of(name)}"
+                              + (f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""))
     missing = [k for k in expected if k not in files]
     if missing:
-        raise CheckpointError(
-            f"tensor {missing[0]!r} is missing from the checkpoint {files.path}"
-            + (f" (+{len(missing) - 1} more, e.g. {missing[1:4]})" if len(missing) > 1 else "")
-        )
+        raise CheckpointError(f"tensor {missing[0]!r} is missing from the checkpoint {files.path}"
+                              + (f" (+{len(missing) - 1} more, e.g. {missing[1:4]})"
+                                 if len(missing) > 1 else ""))
     items = sorted(expected.items())
     bar = tqdm(items, desc=f"loading weights (rank {tp_rank})", unit="tensor",
                disable=progress is False, delay=2.0, leave=False)
@@ -311,30 +262,15 @@ def load_weights(model, files: CheckpointFiles, *, mtp=None, tp_rank: int = 0, t
             src = _check_and_read(files, name, t, dim, tp_rank, tp_size)
             t.copy_(src.to(t.dtype) if src.dtype != t.dtype else src)
             _check_values(name, src, t, files.path / files.file_of(name), check_finite)
-    return {
-        layer: (d.get("k", d.get("v", 1.0)), d.get("v", d.get("k", 1.0)))
-        for layer, d in sorted(kv_raw.items())
-    }
+    return {layer: (d.get("k", d.get("v", 1.0)), d.get("v", d.get("k", 1.0)))
+            for layer, d in sorted(kv_raw.items())}
 
 
-def load_checkpoint(
-    path: str | Path,
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    dtype: torch.dtype | None = None,
-    device=None,
-    load_mtp: bool = True,
-    progress: bool | None = None,
-    check_finite: bool = True,
-) -> LoadedCheckpoint:
-    """Build the target model (and MTP layer) for one TP rank and load its shard.
-
-    ``dtype`` defaults to bf16 on CUDA and fp32 on CPU (for non-quantized weights).
-    ``check_finite`` scans every float tensor for NaN / inf and the e4m3 block scales for NaN
-    and negative values (:class:`CheckpointError` naming the tensor and the file); False skips
-    the scans (the NVFP4 global scales and FP8 KV scales are checked either way).
-    """
+def load_checkpoint(path: str | Path, *, tp_rank: int = 0, tp_size: int = 1,
+                    dtype: torch.dtype | None = None, device=None, load_mtp: bool = True,
+                    progress: bool | None = None, check_finite: bool = True) -> LoadedCheckpoint:
+    """Build the target model (and MTP layer) for one TP rank and load its shard. ``dtype``
+    defaults to bf16 on CUDA, fp32 on CPU; ``check_finite`` also scans for NaN / inf."""
     from mla_spec.models.deepseek_v3 import DeepseekV3ForCausalLM
     from mla_spec.models.mtp import DeepseekV3MTP
 

@@ -1,30 +1,8 @@
 """Memory plan for serving DeepSeek-V3 FP4 with this package: weights per GPU, KV bytes, tokens.
 
-Parameter count (from the config, exact): for DeepSeek-V3 the target is 671.03 B parameters
-(61 layers: 3 dense, 58 MoE with 256 routed + 1 shared expert; embeddings and lm_head included)
-and the MTP layer as stored in the checkpoint is 13.46 B (one MoE decoder layer, ``eh_proj``,
-three norms, plus its own copies of the embedding and head), published as "671B + 14B".
-
-Bytes per GPU at tensor-parallel size ``tp``, as this package stores them
-(``mla_spec.models`` splits heads, intermediate dims and the vocabulary; the rest is replicated):
-
-=====================  ======================  ============================================
-kind                   dtype                   split over TP
-=====================  ======================  ============================================
-attention              bf16                    q_b / kv_b / o_proj by heads; q_a, kv_a, norms
-                                               replicated
-dense MLP (layers 0-2)  NVFP4: 0.5 B + 1/16 B    intermediate dim
-routed experts          NVFP4                   intermediate dim of every expert
-shared experts          NVFP4                   intermediate dim
-router                  fp32 weight + bias       replicated
-embed_tokens, lm_head   bf16                    vocab rows (when tp divides the vocab)
-norms                   bf16                    replicated
-MTP layer               bf16 (experts too)       like a target layer; embed/head shared
-=====================  ======================  ============================================
-
-KV cache per token: ``576 * bytes(kv_dtype)`` per layer for the 61 target layers plus the MTP
-draft's own one-layer pool (MLA's latent cache is replicated on every TP rank, so TP does not
-shrink it). Tokens that fit = ``(mem_fraction * gpu_memory - weights) / kv_bytes_per_token``.
+Parameters are counted from the config and stored as ``mla_spec.models`` stores them (NVFP4
+MLPs and experts, the rest bf16, split over TP where the model splits). The latent KV cache is
+replicated: tokens = ``(mem_fraction * gpu_memory - weights) / kv_bytes_per_token``.
 """
 
 from __future__ import annotations
@@ -56,25 +34,20 @@ def _attn(cfg: ModelConfig) -> tuple[int, int]:
 
 
 def param_counts(cfg: ModelConfig | None = None) -> dict[str, int]:
-    """Parameters by kind (whole model, no TP). Keys: attention, dense_mlp, routed_experts,
-    shared_experts, router, norms, embed_tokens, lm_head, target_total, mtp_layer (as stored:
-    decoder layer + eh_proj + norms + embed/head copies), mtp_unique (without the copies)."""
+    """Parameters by kind (whole model, no TP); ``mtp_layer`` as stored (with its embedding and
+    head copies), ``mtp_unique`` without them."""
     cfg = cfg or ModelConfig()
     h, L = cfg.hidden_size, cfg.num_hidden_layers
     moe_layers = sum(cfg.is_moe_layer(i) for i in range(L))
     dense_layers = L - moe_layers
     rep, split = _attn(cfg)
     expert = 3 * h * cfg.moe_intermediate_size
-    c = {
-        "attention": L * (rep + split),
-        "dense_mlp": dense_layers * 3 * h * cfg.intermediate_size,
-        "routed_experts": moe_layers * cfg.n_routed_experts * expert,
-        "shared_experts": moe_layers * cfg.n_shared_experts * expert,
-        "router": moe_layers * cfg.n_routed_experts * (h + 1),
-        "norms": L * 2 * h + h,
-        "embed_tokens": cfg.vocab_size * h,
-        "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h,
-    }
+    c = {"attention": L * (rep + split), "dense_mlp": dense_layers * 3 * h * cfg.intermediate_size,
+         "routed_experts": moe_layers * cfg.n_routed_experts * expert,
+         "shared_experts": moe_layers * cfg.n_shared_experts * expert,
+         "router": moe_layers * cfg.n_routed_experts * (h + 1), "norms": L * 2 * h + h,
+         "embed_tokens": cfg.vocab_size * h,
+         "lm_head": 0 if cfg.tie_word_embeddings else cfg.vocab_size * h}
     c["target_total"] = sum(c.values())
     mtp_layer = rep + split + 2 * h + cfg.n_routed_experts * (expert + h + 1)
     mtp_layer += cfg.n_shared_experts * expert + 2 * h * h + 3 * h
@@ -111,22 +84,17 @@ class MemoryPlan:
     def table(self) -> str:
         """A printable table (GB = 1e9 bytes)."""
         w = max(len(k) for k in self.weight_bytes) + 2
-        lines = [
-            f"DeepSeek-V3 FP4 memory plan: {self.gpu} x TP{self.tp}, KV {self.kv_dtype}, "
-            f"mem_fraction {self.mem_fraction}",
-            f"params: target {self.params['target_total'] / 1e9:.2f} B + MTP "
-            f"{self.params['mtp_layer'] / 1e9:.2f} B",
-            f"{'kind':<{w}}{'GB per GPU':>12}",
-        ]
+        lines = [f"DeepSeek-V3 FP4 memory plan: {self.gpu} x TP{self.tp}, KV {self.kv_dtype}, "
+                 f"mem_fraction {self.mem_fraction}",
+                 f"params: target {self.params['target_total'] / 1e9:.2f} B + MTP "
+                 f"{self.params['mtp_layer'] / 1e9:.2f} B", f"{'kind':<{w}}{'GB per GPU':>12}"]
         lines += [f"{k:<{w}}{v / 1e9:>12.3f}" for k, v in self.weight_bytes.items()]
-        lines += [
-            f"{'weights total':<{w}}{self.weights_total / 1e9:>12.3f}",
-            f"{'GPU memory':<{w}}{self.gpu_bytes / 1e9:>12.3f}",
-            f"{'KV budget':<{w}}{self.kv_budget_bytes / 1e9:>12.3f}",
-            f"KV bytes per token: {self.kv_bytes_per_token} "
-            f"(target {self.kv_bytes_per_token - self._draft_kv} + MTP draft {self._draft_kv})",
-            f"tokens that fit per GPU: {self.max_tokens:,}",
-        ]
+        lines += [f"{'weights total':<{w}}{self.weights_total / 1e9:>12.3f}",
+                  f"{'GPU memory':<{w}}{self.gpu_bytes / 1e9:>12.3f}",
+                  f"{'KV budget':<{w}}{self.kv_budget_bytes / 1e9:>12.3f}",
+                  f"KV bytes per token: {self.kv_bytes_per_token} (target "
+                  f"{self.kv_bytes_per_token - self._draft_kv} + MTP draft {self._draft_kv})",
+                  f"tokens that fit per GPU: {self.max_tokens:,}"]
         return "\n".join(lines)
 
     @property
@@ -137,7 +105,7 @@ class MemoryPlan:
 def memory_plan(cfg: ModelConfig | None = None, tp: int = 4, gpu: str = "H200",
                 kv_dtype: str = "fp8_e4m3", mem_fraction: float = 0.88,
                 gpu_bytes: int | None = None) -> MemoryPlan:
-    """Plan one GPU of a TP group (see the module docstring for what goes where)."""
+    """Plan one GPU of a TP group."""
     cfg = cfg or ModelConfig()
     if gpu not in GPU_MEMORY_BYTES and gpu_bytes is None:
         raise ValueError(f"gpu {gpu!r}: supported {', '.join(GPU_MEMORY_BYTES)}")

@@ -1,14 +1,8 @@
 """Serving metrics: time per forward, per step, per request, and the accept-length statistics.
 
-Every forward the model runner issues is wrapped in :meth:`ModeTimer.section`, which records its
-:class:`~mla_spec.forward_mode.ForwardMode`, which model ran it (``target`` or ``draft``) and its
-query rows. On CPU the section measures wall time directly; on a GPU it records a pair of CUDA
-events and resolves them only when the engine has synchronized anyway (end of a step), so timing
-adds no host synchronization inside the spec-v2 region.
-
-Accept length follows SGLang's definition: per verify and per request, the accepted draft tokens
-plus one (the bonus token), so it lies in ``1..num_draft_tokens``; the average is
-``sum(accept lengths) / sum(batch size of each verify)``.
+:meth:`ModeTimer.section` records each forward's mode, model and rows; on a GPU with CUDA events
+resolved only where the engine syncs anyway. Accept length counts accepted drafts plus the
+bonus token (``1..num_draft_tokens``).
 """
 
 from __future__ import annotations
@@ -86,19 +80,12 @@ class StepRecord:
     accept_lengths: list[int] | None = None
 
     def to_dict(self) -> dict:
-        return {
-            "index": self.index,
-            "kind": self.kind,
-            "batch_size": self.batch_size,
-            "seconds": self.seconds,
-            "new_tokens": self.new_tokens,
-            "accept_lengths": self.accept_lengths,
-            "forwards": [
-                {"mode": f.mode.name, "model": f.model, "rows": f.rows,
-                 "batch_size": f.batch_size, "seconds": f.seconds, "graph": f.graph}
-                for f in self.forwards
-            ],
-        }
+        return {"index": self.index, "kind": self.kind, "batch_size": self.batch_size,
+                "seconds": self.seconds, "new_tokens": self.new_tokens,
+                "accept_lengths": self.accept_lengths,
+                "forwards": [{"mode": f.mode.name, "model": f.model, "rows": f.rows,
+                              "batch_size": f.batch_size, "seconds": f.seconds, "graph": f.graph}
+                             for f in self.forwards]}
 
 
 @dataclass
@@ -188,11 +175,9 @@ class EngineMetrics:
                 a[1] += f.rows
                 a[2] += f.seconds
         total = sum(v[2] for v in agg.values()) or 1.0
-        return [
-            {"model": m, "mode": mode, "count": int(c), "rows": int(r), "total_ms": t * 1e3,
-             "mean_ms": t * 1e3 / c, "share": t / total}
-            for (m, mode), (c, r, t) in sorted(agg.items(), key=lambda kv: -kv[1][2])
-        ]
+        return [{"model": m, "mode": mode, "count": int(c), "rows": int(r), "total_ms": t * 1e3,
+                 "mean_ms": t * 1e3 / c, "share": t / total}
+                for (m, mode), (c, r, t) in sorted(agg.items(), key=lambda kv: -kv[1][2])]
 
     def accept_histogram(self, num_draft_tokens: int) -> list[int]:
         """Counts of accept length 1..num_draft_tokens."""
@@ -202,14 +187,9 @@ class EngineMetrics:
         return hist
 
     def summary(self) -> dict:
-        return {
-            "steps": len(self.steps),
-            "generated_tokens": self.generated_tokens,
-            "wall_seconds": self.wall_seconds,
-            "tokens_per_s": self.tokens_per_s,
-            "avg_accept_length": self.avg_accept_length,
-            "modes": self.mode_table(),
-        }
+        return {"steps": len(self.steps), "generated_tokens": self.generated_tokens,
+                "wall_seconds": self.wall_seconds, "tokens_per_s": self.tokens_per_s,
+                "avg_accept_length": self.avg_accept_length, "modes": self.mode_table()}
 
 
 def format_mode_table(rows: list[dict]) -> str:
@@ -218,8 +198,6 @@ def format_mode_table(rows: list[dict]) -> str:
             f"{'mean ms':>9} {'share':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(
-            f"{r['model']:<7} {r['mode']:<16} {r['count']:>6} {r['rows']:>7} "
-            f"{r['total_ms']:>10.1f} {r['mean_ms']:>9.2f} {r['share']:>6.1%}"
-        )
+        lines.append(f"{r['model']:<7} {r['mode']:<16} {r['count']:>6} {r['rows']:>7} "
+                     f"{r['total_ms']:>10.1f} {r['mean_ms']:>9.2f} {r['share']:>6.1%}")
     return "\n".join(lines)

@@ -1,9 +1,7 @@
 """``load_model``: a checkpoint folder -> a single-rank model that scores token batches.
 
-``load_model(path).logits(input_ids [B, T])`` runs one full prefill (EXTEND) through the real
-serving path: the paged latent KV cache (bf16 / fp32 / fp8), an attention backend chosen by
-name, the absorbed MLA, then ``compute_logits``. It is the quickest way to check a checkpoint
-(or compare backends and KV dtypes) without the engine.
+``load_model(path).logits(input_ids [B, T])`` runs one EXTEND through the serving path: the
+quickest way to check a checkpoint or compare backends and KV dtypes without the engine.
 """
 
 from __future__ import annotations
@@ -26,28 +24,21 @@ log = logging.getLogger(__name__)
 def prefill_forward(model, input_ids: torch.Tensor, *, kv_dtype: torch.dtype | None = None,
                     attention_backend: str = "auto", page_size: int = 16,
                     k_scale=1.0, v_scale=1.0) -> torch.Tensor:
-    """One EXTEND step over fresh caches: ``input_ids [B, T]`` -> hidden ``[B, T, hidden]``.
-
-    Builds an ``MLATokenToKVPool`` (``kv_dtype``, default the model dtype), a request table and
-    the backend, fills ``out_cache_loc`` page by page, plans, and calls
-    ``model(ids, positions, batch)``.
-    """
+    """One EXTEND step over a fresh KV pool (``kv_dtype``, default the model's) and backend:
+    ``input_ids [B, T]`` -> hidden ``[B, T, hidden]``."""
     from mla_spec.attention import create_backend
     from mla_spec.kv_cache import MLATokenToKVPool, ReqToTokenPool, assign_request_slots
 
     if input_ids.dim() != 2 or input_ids.numel() == 0:
-        raise ValueError(
-            f"input_ids must be a non-empty [B, T] tensor, got {tuple(input_ids.shape)}"
-        )
+        raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got "
+                         f"{tuple(input_ids.shape)}")
     cfg: ModelConfig = model.cfg
     dev = model.device
     B, T = input_ids.shape
     pages_per_req = -(-T // page_size)
-    pool = MLATokenToKVPool(
-        cfg.num_hidden_layers, B * pages_per_req, page_size, kv_dtype or model.dtype, dev,
-        k_scale=k_scale, v_scale=v_scale, kv_lora_rank=cfg.kv_lora_rank,
-        qk_rope_head_dim=cfg.qk_rope_head_dim,
-    )
+    pool = MLATokenToKVPool(cfg.num_hidden_layers, B * pages_per_req, page_size,
+                            kv_dtype or model.dtype, dev, k_scale=k_scale, v_scale=v_scale,
+                            kv_lora_rank=cfg.kv_lora_rank, qk_rope_head_dim=cfg.qk_rope_head_dim)
     r2t = ReqToTokenPool(B, T, dev)
     for b in range(B):
         pages = list(range(b * pages_per_req, (b + 1) * pages_per_req))
@@ -99,19 +90,8 @@ class LoadedModel:
 def load_model(path: str | Path, *, device=None, dtype: torch.dtype | None = None,
                kv_dtype: str = "auto", attention_backend: str = "auto",
                load_mtp: bool = True, check_finite: bool = True) -> LoadedModel:
-    """Load a DeepSeek-V3 checkpoint (NVFP4 ModelOpt or BF16) on one device (TP 1).
-
-    Parameters
-    ----------
-    path : checkpoint folder (config.json, [hf_quant_config.json], safetensors [+ index])
-    device : default CUDA when available, else CPU
-    dtype : dtype of non-quantized weights and activations (default bf16 on CUDA, fp32 on CPU)
-    kv_dtype : "auto" (the model dtype), "bfloat16", "float16", "float32" or "fp8_e4m3"
-    attention_backend : "auto" | "torch" | "triton" | "flashinfer" | "trtllm"
-    check_finite : scan every float tensor of the checkpoint for NaN / inf at load (a
-        ``CheckpointError`` names the tensor and the file); False skips the scans (see
-        :func:`mla_spec.loader.load_checkpoint`)
-    """
+    """Load a DeepSeek-V3 checkpoint on one device (TP 1). ``device`` defaults to CUDA when
+    available, ``dtype`` to bf16 on CUDA and fp32 on CPU; ``kv_dtype`` "auto" is the model's."""
     from mla_spec.device import default_device
     from mla_spec.loader import load_checkpoint
 

@@ -1,23 +1,9 @@
 """ModelRunner: one tensor-parallel rank's models, KV pools, request table and attention backends.
 
-The target model (``DeepseekV3ForCausalLM`` shard) and the draft model (the MTP / NextN layer)
-each own a paged latent KV pool (the draft pool has one layer) and an attention backend over it.
-Both pools are indexed by the same slots: a request's position ``p`` lives at slot
-``req_to_token[req, p]`` in the target pool *and* in the draft pool, so one page allocation (made
-on rank 0 by the scheduler and replayed here through ``slot_updates``) serves both models.
-
-Per forward the runner builds a :class:`~mla_spec.forward_batch.ForwardBatch` with the builders
-of that module, gathers ``out_cache_loc`` (the slot of every new row) from ``req_to_token``,
-attaches the pool and the backend, runs ``backend.plan(batch)`` (host work, before layer 0) and
-calls the model::
-
-    hidden = target(input_ids [N], positions [N], batch)               # [N, hidden]
-    hidden = draft(input_ids [N], positions [N], target_hidden, batch)  # [N, hidden]
-
-``prepare`` (build + plan) and ``run`` (the forward) are separate so that the speculative worker
-can plan every batch of a step before the region that must not synchronize with the host.
-When a :class:`~mla_spec.runtime.cuda_graph.CudaGraphRunner` is attached, ``run`` replays a captured
-graph for the modes and batch sizes it holds.
+Target and draft (MTP) each own a paged latent KV pool and a backend; both are indexed by the
+same slots, so one page allocation serves both. ``prepare`` builds the batch's
+``out_cache_loc`` and plans (host work); ``run`` calls the model or replays a CUDA graph. They
+are separate so a speculative step can plan all its batches before its no-sync region.
 """
 
 from __future__ import annotations
@@ -40,16 +26,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    """Models + pools + backends of one rank (see the module docstring).
-
-    Parameters
-    ----------
-    target : callable ``(input_ids, positions, batch) -> hidden`` with ``compute_logits``
-    draft : callable ``(input_ids, positions, target_hidden, batch) -> hidden`` or None
-    target_pool, draft_pool : ``MLATokenToKVPool`` (or any object the models accept)
-    req_to_token_pool : ``ReqToTokenPool`` shared by both models
-    backend, draft_backend : attention backends with ``plan(batch)``
-    """
+    """Models + pools + backends of one rank. ``target`` has ``compute_logits``; ``draft`` may
+    be None; both share ``req_to_token_pool``."""
 
     def __init__(self, target, draft, *, target_pool, draft_pool, req_to_token_pool,
                  backend, draft_backend, page_size: int, device=None,
@@ -64,22 +42,23 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timer = ModeTimer(self.device)
         self.graphs = None  # CudaGraphRunner, attached by the engine on GPU
+        self.prepared: list | None = None  # a list: (which, batch) of every prepare
 
-    # ---- construction from a checkpoint -----------------------------------------------------
     @classmethod
-    def from_checkpoint(
-        cls, path: str | Path, *, cache: CacheConfig, attention_backend: str = "auto",
-        device=None, dtype: torch.dtype | None = None, num_pages: int = 256,
-        max_reqs: int = 64, max_context_len: int = 2048, tp_rank: int = 0, tp_size: int = 1,
-        with_draft: bool = True,
-    ) -> ModelRunner:
+    def from_checkpoint(cls, path: str | Path, *, cache: CacheConfig,
+                        attention_backend: str = "auto", device=None,
+                        dtype: torch.dtype | None = None, num_pages: int = 256,
+                        max_reqs: int = 64, max_context_len: int = 2048, tp_rank: int = 0,
+                        tp_size: int = 1, with_draft: bool = True,
+                        check_finite: bool = True) -> ModelRunner:
         """Load this rank's shard of a DeepSeek-V3 checkpoint (+ its MTP layer) and build pools."""
         from mla_spec.attention import create_backend
         from mla_spec.loader import load_checkpoint
 
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         loaded = load_checkpoint(path, tp_rank=tp_rank, tp_size=tp_size, device=device,
-                                 dtype=dtype, load_mtp=with_draft, progress=False)
+                                 dtype=dtype, load_mtp=with_draft, progress=False,
+                                 check_finite=check_finite)
         target, draft = loaded.model, loaded.mtp
         cfg: ModelConfig = loaded.cfg
         model_dtype = getattr(target, "dtype", None) or _param_dtype(target)
@@ -107,7 +86,6 @@ class ModelRunner:
                    req_to_token_pool=req_pool, backend=mk(tpool), draft_backend=dbackend,
                    page_size=cache.page_size, device=device, tp_rank=tp_rank, tp_size=tp_size)
 
-    # ---- request table -----------------------------------------------------------------------
     def apply_slot_updates(self, updates) -> None:
         """Write ``(row, first_page_index, pages)`` page assignments into req_to_token."""
         ps, width = self.page_size, self.req_to_token.shape[1]
@@ -120,12 +98,10 @@ class ModelRunner:
                      + torch.arange(ps)[None, :]).reshape(-1)[: stop - start]
             self.req_to_token[row, start:stop] = slots.to(self.device, torch.int32)
 
-    # ---- one forward -------------------------------------------------------------------------
     def release_graphs(self) -> None:
-        """Drop the captured CUDA graphs and wait for the GPU. Under tensor parallelism this
-        must come before the process group goes: NCCL keeps a communicator whose collectives
-        sit in a graph alive until the graph is destroyed, so a destroy or abort of the group
-        would block (seen on 4 H200s)."""
+        """Drop the captured CUDA graphs and wait for the GPU. Under TP this must come before the
+        process group goes: a graph holding NCCL collectives keeps their communicator alive, and
+        destroying or aborting the group would block."""
         if self.graphs is None:
             return
         self.graphs = None
@@ -135,17 +111,17 @@ class ModelRunner:
 
     def prepare(self, which: str, batch: ForwardBatch, row_req: list[int] | None = None,
                 *, plan: bool = True) -> ForwardBatch:
-        """Attach ``out_cache_loc``, pool and backend to ``batch`` and plan its attention.
-
-        ``row_req[i]`` is the request row of packed query row ``i`` (derived from the batch when
-        omitted). All host-to-device copies of a step happen here, before its forwards run.
-        """
+        """Attach ``out_cache_loc``, pool and backend to ``batch`` and plan its attention (every
+        host-to-device copy of a step happens here). ``row_req[i]``: the request row of packed
+        row ``i`` (derived from the batch when omitted)."""
         if batch.out_cache_loc is None and batch.total_q:
             if row_req is None:
                 rpi = batch.req_pool_indices.tolist()
                 row_req = [r for r, q in zip(rpi, batch.seq_lens_q_cpu) for _ in range(q)]
             rows = torch.tensor(row_req, dtype=torch.int64).to(self.device)
             batch.out_cache_loc = self.req_to_token[rows, batch.positions].to(torch.int64)
+        if self.prepared is not None:  # mla_spec.pipeline shows what each phase ran
+            self.prepared.append((which, batch))
         batch.token_to_kv_pool = self.pools[which]
         batch.attn_backend = self.backends[which]
         if plan and self.backends[which] is not None:

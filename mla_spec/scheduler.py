@@ -1,22 +1,19 @@
 """Host-side scheduling: requests, KV page bookkeeping, admission, preemption, step plans.
 
-Token bookkeeping (one meaning everywhere). A running request has ``all_ids = prompt + output``;
-its first ``kv_len = len(all_ids) - 1`` tokens ``t_0 .. t_{L-1}`` have target KV, and the last one,
-``verified_id = t_L``, was sampled but has no KV yet (it is the input of the next DECODE row, or
-row 0 of the next TARGET_VERIFY). A step needs KV slots for positions ``L .. L + rows - 1`` with
-``rows = 1`` (DECODE) or ``num_draft_tokens`` (TARGET_VERIFY; draft decode and draft extend write
-inside that window too, in the draft model's pool at the same slots).
+Tokens: a running request has ``all_ids = prompt + output``; its first ``kv_len = L`` tokens
+have target KV and the last, ``verified_id = t_L``, has none yet. A step writes KV at positions
+``L .. L + rows - 1``, ``rows = 1`` (DECODE) or ``num_draft_tokens`` (TARGET_VERIFY; the draft
+writes inside that window, in its own pool at the same slots).
 
-Pages. Page 0 and request row 0 are reserved as scratch (CUDA-graph padding rows write there), so
-no request ever owns them. Before each decode step :meth:`Scheduler.schedule` gives every running
-request the pages its next step writes; when the pool runs dry it *preempts* the most recently
-admitted request (frees its pages, puts it back at the head of the queue with its tokens kept; it
-is recomputed by a prefill over ``all_ids[:-1]`` later). A request that could never fit, even alone,
-is rejected at :meth:`Scheduler.add` with a message saying what would fit. Another request's pages
-are never touched: a page belongs to exactly one request until that request frees it.
+Pages: page 0 and request row 0 are reserved scratch (CUDA-graph padding). Before each decode
+step :meth:`Scheduler.schedule` gives every running request the pages it will write; when the
+pool runs dry the most recently admitted request is preempted (pages freed, tokens kept,
+recomputed by a prefill later). A request that could never fit is rejected at
+:meth:`Scheduler.add`. A page belongs to exactly one request until it frees it.
 
-The output of :meth:`Scheduler.schedule` is a :class:`StepPlan`: plain lists, picklable, the same
-message rank 0 sends to the other tensor-parallel ranks.
+Failed steps (:meth:`Scheduler.step_failed`): a lone request is blamed (``"error"``); several
+go back to the queue as *suspects*, each run alone until one solo step succeeds.
+:meth:`Scheduler.schedule` returns a picklable :class:`StepPlan`, the message sent to all ranks.
 """
 
 from __future__ import annotations
@@ -47,8 +44,9 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     req_pool_idx: int | None = None
     pages: list[int] = field(default_factory=list)
-    finished_reason: str | None = None  # "length" | "stop" | "eos" | "abort"
+    finished_reason: str | None = None  # "length" | "stop" | "eos" | "abort" | "error"
     error: str | None = None
+    suspect: bool = False  # was in a failed step: runs alone until a solo step succeeds
     text: str = ""
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
 
@@ -74,11 +72,10 @@ class Req:
 class StepPlan:
     """One step, as every rank executes it (host data only).
 
-    ``kind``: "prefill" (EXTEND over ``fill_ids``; ``known_next_ids[b] >= 0`` for a resumed request
-    whose next token is already known, -1 to sample), "decode" (DECODE, or one speculative round
-    when speculation is on) or "stop". ``seq_lens``: prefill: rows per request; decode: L.
-    ``slot_updates``: ``(req_pool_idx, first_page_index, page ids)`` to write into req_to_token.
-    """
+    ``kind``: "prefill" (EXTEND over ``fill_ids``; ``known_next_ids[b] >= 0`` when the next token
+    is already known, -1 to sample), "decode" (DECODE or one speculative round) or "stop".
+    ``seq_lens``: rows per request (prefill) or L (decode). ``slot_updates``: ``(req_pool_idx,
+    first_page_index, page ids)`` to write into req_to_token."""
 
     kind: str
     req_pool_indices: list[int] = field(default_factory=list)
@@ -95,15 +92,8 @@ class StepPlan:
 class Scheduler:
     """Continuous batching over a paged KV pool (prefill first, then decode rounds).
 
-    Parameters
-    ----------
-    num_pages, page_size : the KV pool (page 0 is reserved scratch)
-    max_reqs : rows of req_to_token (row 0 is reserved scratch)
-    max_context_len : columns of req_to_token
-    step_rows : KV rows a decode step writes per request (1, or num_draft_tokens with spec)
-    max_running : most requests decoding at once
-    max_prefill_tokens : token budget of one prefill step (a longer prompt runs alone)
-    """
+    ``step_rows``: KV rows a decode step writes per request (1, or num_draft_tokens with spec);
+    ``max_prefill_tokens``: token budget of one prefill step (a longer prompt runs alone)."""
 
     def __init__(self, num_pages: int, page_size: int, max_reqs: int, max_context_len: int,
                  step_rows: int = 1, max_running: int = 256, max_prefill_tokens: int = 8192):
@@ -135,16 +125,18 @@ class Scheduler:
         """Raise :class:`RequestRejectedError` if the request can never be served."""
         if prompt_len < 1:
             raise RequestRejectedError("a request needs at least one prompt token")
-        if max_new_tokens < 0:
-            raise RequestRejectedError(f"max_new_tokens {max_new_tokens}: must be >= 0")
+        if max_new_tokens < 1:
+            raise RequestRejectedError(f"max_new_tokens {max_new_tokens}: must be >= 1")
         need = prompt_len + max_new_tokens + self.step_rows
         if need > self.max_context_len:
+            room = self.max_context_len - prompt_len - self.step_rows
+            most = self.max_context_len - self.step_rows - 1  # the longest prompt that fits
+            fix = (f"lower max_new_tokens to at most {room}, or " if room >= 1 else
+                   f"shorten the prompt to at most {most} tokens, or " if most >= 1 else "")
             raise RequestRejectedError(
                 f"request needs {need} KV positions (prompt {prompt_len} + max_new_tokens "
                 f"{max_new_tokens} + {self.step_rows} step rows) > max_context_len "
-                f"{self.max_context_len}: lower max_new_tokens to at most "
-                f"{self.max_context_len - prompt_len - self.step_rows} or raise max_context_len"
-            )
+                f"{self.max_context_len}: {fix}raise max_context_len to >= {need}")
         pages = self.pages_for(need)
         if pages > self.usable_pages:
             raise RequestRejectedError(
@@ -206,10 +198,11 @@ class Scheduler:
     def _schedule_prefill(self) -> StepPlan | None:
         plan = StepPlan("prefill", fill_ids=[], known_next_ids=[])
         budget = self.max_prefill_tokens
+        plan_has_suspect = False
         while self.waiting and len(self.running) < self.max_running and self._free_rows:
             req = self.waiting[0]
             fill = req.all_ids[:-1] if req.output_ids else list(req.prompt_ids)
-            if plan.batch_size and len(fill) > budget:
+            if plan.batch_size and (len(fill) > budget or req.suspect or plan_has_suspect):
                 break
             # room for the prefill plus the first decode step, so admission never thrashes
             pages = self.pages_for(len(fill) + self.step_rows + 1)
@@ -224,6 +217,7 @@ class Scheduler:
             plan.fill_ids.append(fill)
             plan.known_next_ids.append(req.output_ids[-1] if req.output_ids else -1)
             budget -= len(fill)
+            plan_has_suspect = req.suspect
         if not plan.batch_size and self.waiting and not self.running:
             req = self.waiting[0]
             raise KVCacheFullError(
@@ -235,10 +229,12 @@ class Scheduler:
     def _schedule_decode(self) -> StepPlan | None:
         if not self.running:
             return None
+        solo = next((r for r in self.running if r.suspect), None)
+        reqs = [solo] if solo is not None else self.running  # a suspect decodes alone
         updates: list = []
         i = 0
-        while i < len(self.running):
-            req = self.running[i]
+        while i < len(reqs):
+            req = reqs[i]
             try:
                 self._grow(req, req.kv_len + self.step_rows, updates)
                 i += 1
@@ -248,22 +244,35 @@ class Scheduler:
                         f"request {req.rid} alone needs more pages than the pool has free "
                         f"({self.allocator.num_free}); raise num_pages"
                     ) from None
-                victim = self.running[-1]
+                victim = next(r for r in reversed(self.running) if r is not solo)
                 # drop updates for the victim: its pages are free again
                 updates = [u for u in updates if u[0] != victim.req_pool_idx]
                 self._preempt(victim)
-                i = min(i, len(self.running))
+                i = min(i, len(reqs))
         return StepPlan(
             "decode",
-            req_pool_indices=[r.req_pool_idx for r in self.running],
-            seq_lens=[r.kv_len for r in self.running],
+            req_pool_indices=[r.req_pool_idx for r in reqs],
+            seq_lens=[r.kv_len for r in reqs],
             slot_updates=updates,
         )
 
-    def finish(self, req: Req, reason: str) -> None:
-        """Mark ``req`` finished and free its KV."""
-        req.finished_reason = reason
+    def finish(self, req: Req, reason: str, error: str | None = None) -> None:
+        """Mark ``req`` finished (running or still waiting) and free its KV."""
+        req.finished_reason, req.error = reason, error or req.error
         req.metrics.finish_time = time.perf_counter()
         if req in self.running:
             self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
         self.release(req)
+
+    def step_failed(self, reqs: list[Req], error: str | None) -> None:
+        """The step of ``reqs`` raised ``error``: blame a lone one, requeue several (None: all)."""
+        if error is not None and len(reqs) == 1:
+            self.finish(reqs[0], "error", error)
+            return
+        for req in reversed(reqs):
+            self.running.remove(req)
+            self.release(req)
+            req.suspect = req.suspect or error is not None
+            self.waiting.appendleft(req)

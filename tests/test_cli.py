@@ -47,7 +47,7 @@ def test_generate_text(capsys, demo_ckpt):
     assert cli.main(["generate", "--model", str(demo_ckpt), "--prompt", "Question: Tom has",
                      "--max-new-tokens", "5", "--page-size", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert len(out["results"][0]["output_ids"]) <= 5
+    assert len(out["results"][0]["output_ids"]) <= 5 and out["results"][0]["error"] is None
     assert out["metrics"]["generated_tokens"] >= 1
 
 
@@ -55,7 +55,7 @@ def test_demo_json_report(capsys, demo_ckpt):
     assert cli.main(["demo", "--model", str(demo_ckpt), "--tp", "1", "--num-questions", "2",
                      "--max-new-tokens", "6", "--page-size", "16", "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
-    assert rep["num_questions"] == 2 and 0.0 <= rep["accuracy"] <= 1.0
+    assert rep["num_questions"] == 2 and 0.0 <= rep["accuracy"] <= 1.0 and rep["errors"] == []
     assert 1.0 <= rep["avg_accept_length"] <= 4.0
     modes = {(r["model"], r["mode"]) for r in rep["modes"]}
     assert ("target", "TARGET_VERIFY") in modes and ("draft", "DRAFT_EXTEND_V2") in modes

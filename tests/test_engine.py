@@ -292,7 +292,7 @@ def test_empty_stop_string_and_negative_max_new_tokens_are_refused():
     eng = Engine(runner=build_mock_runner(), spec=SpecConfig.off())
     with pytest.raises(ValueError, match="empty stop string matches at once"):
         eng.add_request([1, 2, 3], max_new_tokens=4, stop=["w1", ""])
-    with pytest.raises(RequestRejectedError, match="max_new_tokens -1: must be >= 0"):
+    with pytest.raises(ValueError, match="max_new_tokens -1: must be >= 1"):
         eng.add_request([1, 2, 3], max_new_tokens=-1)
     assert not eng.scheduler.has_work
 

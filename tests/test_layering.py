@@ -31,9 +31,9 @@ LAYERS: dict[str, int] = {
     # the model and its checkpoints
     "models": 4, "loader": 4, "checkpoint_writer": 4, "model_api": 4,
     "runtime": 5,
-    "model_runner": 6, "scheduler": 6, "spec": 6, "engine": 6,
+    "model_runner": 6, "scheduler": 6, "spec": 6, "engine": 6, "request_checks": 6, "pipeline": 6,
     # tools on top
-    "eval": 7, "viz": 7, "cli": 7, "memory_plan": 7, "projection": 7, "collectives": 7,
+    "eval": 7, "viz": 7, "cli": 7, "memory_plan": 7,
 }
 
 

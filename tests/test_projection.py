@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mla_spec.projection import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from projection import (  # noqa: E402  (benchmarks/projection.py)
     NVLINK4_H200,
     SGLANG_CI_BARS,
     ForwardTimes,

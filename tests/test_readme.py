@@ -18,7 +18,7 @@ def test_readme_example_runs(tmp_path):
                          timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     text, accept = out.stdout.rsplit(None, 1)
-    assert "#### 19" in text
+    assert "#### 930" in text  # 7 * 90 + 4 * 75
     assert 1.0 <= float(accept) <= 4.0
 
 

@@ -13,11 +13,17 @@ trtllm      ``flashinfer.decode.trtllm_batch_decode_with_kv_c…`` CUDA SM100 (k
 torch (the Triton interpreter is only used when "triton" is asked for explicitly), and logs why.
 Asking for a backend the device cannot run raises an error naming those that can. Backend modules
 are imported lazily, so ``import mla_spec`` never imports FlashInfer.
+
+A new backend (the contract: :class:`MLABackend`'s docstring) is registered by name with
+:func:`register_backend` (also a decorator), or named ``"module.path:ClassName"`` (imported and
+registered on first use: how the command line reaches one), or passed as the class itself.
+``mla_spec.attention.conformance.check_backend`` scores it against the oracle in every mode.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
 
 import torch
@@ -32,27 +38,67 @@ __all__ = [
     "UnsupportedError",
     "create_backend",
     "get_backend_class",
+    "register_backend",
     "backends_for_device",
     "resolve_auto",
 ]
 
 logger = logging.getLogger(__name__)
 
-# name -> (module, class); imported on first use
-BACKENDS: dict[str, tuple[str, str]] = {
+# name -> (module, class) of the built-ins, imported on first use; or a registered class
+BACKENDS: dict[str, tuple[str, str] | type[MLABackend]] = {
     "torch": ("mla_spec.attention.torch_ref", "TorchMLABackend"),
     "triton": ("mla_spec.attention.triton_mla", "TritonMLABackend"),
     "flashinfer": ("mla_spec.attention.flashinfer_mla", "FlashInferMLABackend"),
     "trtllm": ("mla_spec.attention.trtllm_mla", "TRTLLMMLABackend"),
 }
+_BUILTIN = tuple(BACKENDS)
 
 
-def get_backend_class(name: str) -> type[MLABackend]:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}: supported "
-                         + ", ".join(["auto", *BACKENDS]))
-    mod, cls = BACKENDS[name]
-    return getattr(importlib.import_module(mod), cls)
+def register_backend(name: str, cls: type[MLABackend] | None = None):
+    """Register ``cls`` (an :class:`MLABackend` subclass) under ``name``; returns ``cls``.
+    ``@register_backend("name")`` decorates a class. A class that does not set ``name`` itself
+    gets this one. Registering a name again replaces the class (a notebook cell run twice); the
+    built-in names and "auto" are refused."""
+    if cls is None:
+        return lambda c: register_backend(name, c)
+    if not isinstance(name, str) or not name or name == "auto" or name in _BUILTIN:
+        raise ValueError(f"backend name {name!r}: choose a non-empty name other than 'auto' "
+                         f"and the built-ins ({', '.join(_BUILTIN)})")
+    if not (isinstance(cls, type) and issubclass(cls, MLABackend)):
+        raise TypeError(f"register_backend({name!r}, {cls!r}): needs an MLABackend subclass")
+    if inspect.isabstract(cls):
+        missing = ", ".join(sorted(cls.__abstractmethods__))
+        raise TypeError(f"{cls.__qualname__} does not implement {missing}")
+    if "name" not in cls.__dict__:
+        cls.name = name
+    BACKENDS[name] = cls
+    return cls
+
+
+def get_backend_class(backend: str | type[MLABackend]) -> type[MLABackend]:
+    """The class of a registered name, of ``"module.path:ClassName"`` (imported, registered under
+    that string), or ``backend`` itself when it is an :class:`MLABackend` subclass."""
+    if isinstance(backend, type) and issubclass(backend, MLABackend):
+        return backend
+    if isinstance(backend, str) and backend not in BACKENDS and ":" in backend:
+        mod, _, qual = backend.partition(":")
+        try:
+            obj = importlib.import_module(mod)
+        except ImportError as e:
+            raise ValueError(f"attention backend {backend!r}: cannot import {mod} ({e})") from e
+        for part in qual.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            raise ValueError(f"attention backend {backend!r}: {mod} has no {qual}")
+        return register_backend(backend, obj)
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}: supported "
+                         + ", ".join(["auto", *BACKENDS])
+                         + ", an MLABackend subclass, or 'module.path:ClassName'")
+    entry = BACKENDS[backend]
+    return entry if isinstance(entry, type) else getattr(importlib.import_module(entry[0]),
+                                                         entry[1])
 
 
 def backends_for_device(device) -> dict[str, str | None]:
@@ -78,7 +124,7 @@ def resolve_auto(device) -> tuple[str, str]:
 
 
 def create_backend(
-    name: str = "auto",
+    name: str | type[MLABackend] = "auto",
     *,
     num_heads: int,
     softmax_scale: float,
@@ -87,7 +133,8 @@ def create_backend(
     device=None,
     **kwargs,
 ) -> MLABackend:
-    """Build an attention backend by name ("auto" | "torch" | "triton" | "flashinfer" | "trtllm").
+    """Build an attention backend: "auto", a registered name ("torch" | "triton" | "flashinfer" |
+    "trtllm" | yours), ``"module.path:ClassName"`` or an :class:`MLABackend` subclass.
 
     Parameters
     ----------
@@ -103,12 +150,12 @@ def create_backend(
         name, why = resolve_auto(dev)
         logger.info("attention backend auto -> %s (%s)", name, why)
     cls = get_backend_class(name)
-    injected = name == "trtllm" and kwargs.get("kernel") is not None
+    injected = cls.name == "trtllm" and kwargs.get("kernel") is not None
     reason = None if injected else cls.device_reason(dev)
     if reason is not None:
         able = [n for n, r in backends_for_device(dev).items() if r is None]
         raise UnsupportedError(
-            f"attention backend {name!r} cannot run on {dev}: {reason}. "
+            f"attention backend {cls.name!r} cannot run on {dev}: {reason}. "
             f"Backends that can: {', '.join(able)}"
         )
     return cls(num_heads=num_heads, softmax_scale=softmax_scale, kv_pool=kv_pool,

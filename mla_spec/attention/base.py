@@ -16,18 +16,16 @@ Life cycle, per step::
     pool.store(layer_id, batch.out_cache_loc, ckv, kpe)   # the model writes the new rows
     out = backend.forward(q_nope, q_pe, layer_id, batch)  # [N, H, 512] in q_nope's dtype
 
-A backend implements ``forward`` itself, in three moves: :meth:`MLABackend.checked_plan`
-(validation, and the plan: planned by itself when the batch was not planned by this backend),
-its kernel call, :func:`write_output`. So the model's call reaches the kernel through one
-frame of the backend's module (the base class is a library of helpers, not a dispatcher).
-A backend with host work of its own overrides ``plan``: ``common_plan`` + its extras.
-``supports(mode, kv_dtype, device)`` returns None when the backend can run that combination,
-else a reason. All mode branching goes through ``ForwardMode`` predicates.
+Each backend implements ``forward`` itself (``checked_plan``, its kernel, ``write_output``), so
+the model reaches the kernel through one frame of the backend's module; the base class is a
+library of helpers, not a dispatcher. The contract: :class:`MLABackend`'s docstring.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+import copyreg
+import sys
+from abc import ABCMeta, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -96,10 +94,59 @@ def _check_queries(q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int, pool
         raise ValueError(f"layer_id {layer_id}: the KV pool has layers 0..{pool.num_layers - 1}")
 
 
-class MLABackend(ABC):
-    """Base class: subclasses set ``name``, implement ``forward`` and maybe override ``plan``."""
+class _BackendMeta(ABCMeta):
+    """Backend classes pickle by reference when importable, else by value (cloudpickle): one
+    defined in a notebook or a function still reaches the spawned tensor-parallel ranks."""
+
+
+def _reduce_backend_class(cls):
+    obj = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    if obj is cls and cls.__module__ != "__main__":
+        return cls.__qualname__  # pickle's own by-reference form
+    import cloudpickle
+
+    return cloudpickle.loads, (cloudpickle.dumps(cls),)
+
+
+copyreg.pickle(_BackendMeta, _reduce_backend_class)
+
+
+class MLABackend(metaclass=_BackendMeta):
+    """Base class of the attention backends; a new one subclasses it (or a backend) and is
+    registered with ``mla_spec.register_backend(name, cls)``. The contract, checked by
+    ``mla_spec.attention.conformance.check_backend``:
+
+    * ``__init__(num_heads, softmax_scale, kv_pool, req_to_token, device=None, **options)``:
+      call ``super().__init__`` first. ``num_heads`` is the rank's share (128 / TP).
+    * ``plan(batch)``: host work once per step, before layer 0 (host lengths: no device sync).
+      ``common_plan(batch)`` gives an :class:`AttnPlan`; store it in ``batch.extra[self.name]``
+      and return it. Rows per request by mode (``plan.seq_lens_q_cpu``, ``fixed_q``): DECODE 1;
+      TARGET_VERIFY and DRAFT_EXTEND_V2 ``num_draft_tokens`` (v2 keeps all rows, padded past the
+      accept length); DRAFT_EXTEND (v1) the accept lengths, ragged; EXTEND / MIXED the new
+      tokens, ragged, 0 allowed; IDLE none. ``kv_lens`` count the new rows too.
+    * ``forward(q_nope, q_pe, layer_id, batch, *, out=None)``: ``q_nope [N, H, 512]`` (times
+      W_UK), ``q_pe [N, H, 64]`` (roped), one dtype (bf16 / fp16 / fp32), rows request after
+      request (``plan.qo_indptr``); the layer's new KV rows are already in the pool. Returns
+      ``[N, H, 512]`` in ``q_nope.dtype`` (into ``out`` when given), never writes the pool. Row
+      ``i`` of a request sees positions ``j < kv_len - q_len + i + 1``. Move one:
+      ``checked_plan`` (None for IDLE: return ``empty_output``); last move: ``write_output``.
+    * The pool: ``kv_pool.get_kv(layer_id)`` is ``[pages, page_size, 576]`` rows ``[ckv 512 |
+      kpe 64]``, slot ``page * page_size + offset``, ``req_to_token[req, pos]`` a position's
+      slot. With an FP8 pool the row holds e4m3 values ``s``; the key is ``s * k_scale``, the
+      value ``s[:512] * v_scale`` (``kv_pool.read_scales(layer_id)``: per layer, 1.0 unless FP8).
+    * ``supports`` / ``kv_dtypes`` / ``device_reason`` / ``mode_reason`` declare what it cannot
+      run (a reason string); ``checked_plan`` then raises :class:`UnsupportedError`.
+    * CUDA graphs (``graph_safe = True`` asks for capture): ``forward`` never syncs with the
+      host (no ``.item()`` / ``.tolist()``); it reads lengths from the plan's device tensors
+      (``kv_lens``, ``seq_lens_q``, ``req_pool_indices``: refreshed in place before each
+      replay); its host values stay those of the capture (planned at ``max_context_len``), and
+      tensors in ``plan.extra`` are not refreshed.
+    """
 
     name: ClassVar[str] = "base"
+    graph_safe: ClassVar[bool] = False
     kv_dtypes: ClassVar[tuple[torch.dtype, ...]] = (
         torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
     )

@@ -61,6 +61,7 @@ class TritonMLABackend(MLABackend):
     written just before the call."""
 
     name = "triton"
+    graph_safe = True
 
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
                  num_splits: int | None = None, fp8_dot: int = 0,

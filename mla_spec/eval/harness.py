@@ -103,7 +103,7 @@ def run_eval(
     if len(results) != len(prompts):
         raise ValueError(f"generate returned {len(results)} results for {len(prompts)} prompts")
 
-    texts, n_tokens, accepts = [], 0, []
+    texts, n_tokens, accepts, steps = [], 0, [], []
     for r in results:
         text = r if isinstance(r, str) else _field(r, "text", "output_text")
         texts.append(truncate_at_stop(str(text or ""), stop))
@@ -112,6 +112,7 @@ def run_eval(
         al = None if isinstance(r, str) else _field(r, "accept_lengths")
         if al is not None:
             accepts.extend(int(a) for a in al)
+            steps.append(len(al))
     accuracy, invalid, preds = score_completions(texts, [q.label for q in questions])
     if accepts:
         avg_accept: float | None = sum(accepts) / len(accepts)
@@ -129,5 +130,6 @@ def run_eval(
         predictions=tuple(preds),
         completions=tuple(texts),
         accept_lengths=tuple(accepts),
+        accept_steps=tuple(steps) if len(steps) == len(questions) else (),
         extra=dict(extra or {}),
     )

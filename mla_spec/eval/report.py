@@ -5,7 +5,8 @@ print: accuracy (share of questions whose last integer equals the label), the sh
 completions (no integer), SGLang's average accept length (sum over verify steps of accepted drafts
 + 1 per request, divided by the requests verified; 1.0 without speculation), output tokens,
 wall-clock latency and tokens/s. ``predictions`` keeps the parsed answers so two runs can be
-compared answer by answer (speculation must not change greedy outputs).
+compared answer by answer (speculation must not change greedy outputs). ``accuracy_interval``
+(Wilson) and ``accept_interval`` (a bootstrap over questions) give 95% intervals.
 """
 
 from __future__ import annotations
@@ -14,7 +15,22 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["EvalReport", "format_table"]
+import numpy as np
+
+__all__ = ["EvalReport", "format_table", "wilson_interval"]
+
+
+_DETAILS = ("predictions", "completions", "accept_lengths", "accept_steps")
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion ``correct / n`` (95% at ``z`` 1.96)."""
+    if n <= 0:
+        raise ValueError(f"n = {n}: a proportion needs at least one trial")
+    p, z2 = correct / n, z * z
+    mid = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * np.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, float(mid - half)), min(1.0, float(mid + half))
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,7 @@ class EvalReport:
     predictions : parsed answer per question (None = invalid)
     completions : generated text per question (cut at the stop string)
     accept_lengths : accept length of every (request, verify step), for histograms
+    accept_steps : verify steps per question (``accept_lengths`` is their concatenation)
     extra : anything else a caller wants to carry (config, per-mode timings)
     """
 
@@ -48,6 +65,7 @@ class EvalReport:
     predictions: tuple[int | None, ...] = ()
     completions: tuple[str, ...] = ()
     accept_lengths: tuple[int, ...] = ()
+    accept_steps: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -58,15 +76,34 @@ class EvalReport:
     def num_correct(self) -> int:
         return round(self.accuracy * self.num_questions)
 
+    def accuracy_interval(self) -> tuple[float, float]:
+        """95% Wilson interval of the accuracy."""
+        return wilson_interval(self.num_correct, self.num_questions)
+
+    def accept_interval(self, resamples: int = 2000, seed: int = 0) -> tuple[float, float] | None:
+        """95% interval of the average accept length: percentile bootstrap over questions (a
+        question's verify steps stay together; each step its own question without
+        ``accept_steps``). None without accept lengths."""
+        acc = np.asarray(self.accept_lengths, dtype=np.float64)
+        if acc.size == 0:
+            return None
+        steps = np.asarray(self.accept_steps or [1] * acc.size)
+        sums = np.bincount(np.repeat(np.arange(steps.size), steps), weights=acc,
+                           minlength=steps.size)
+        idx = np.random.default_rng(seed).integers(0, steps.size, (resamples, steps.size))
+        means = sums[idx].sum(1) / np.maximum(steps[idx].sum(1), 1)
+        lo, hi = np.percentile(means, [2.5, 97.5])
+        return float(lo), float(hi)
+
     def to_dict(self, details: bool = False) -> dict[str, Any]:
         """JSON-ready dict; ``details`` keeps predictions, completions and accept lengths."""
         d = asdict(self)
         d["tokens_per_s"] = self.tokens_per_s
         if not details:
-            for k in ("predictions", "completions", "accept_lengths"):
+            for k in _DETAILS:
                 d.pop(k)
         else:
-            for k in ("predictions", "completions", "accept_lengths"):
+            for k in _DETAILS:
                 d[k] = list(d[k])
         return d
 
@@ -74,19 +111,28 @@ class EvalReport:
     def from_dict(cls, d: dict[str, Any]) -> EvalReport:
         keys = {f for f in cls.__dataclass_fields__}
         kw = {k: v for k, v in d.items() if k in keys}
-        for k in ("predictions", "completions", "accept_lengths"):
+        for k in _DETAILS:
             kw[k] = tuple(kw.get(k, ()))
         return cls(**kw)
 
+    def intervals_text(self) -> tuple[str, str]:
+        """``(accuracy, accept length)`` as "value [low, high]" text (95%)."""
+        lo, hi = self.accuracy_interval()
+        ai = self.accept_interval()
+        acc = "-" if self.avg_accept_length is None else f"{self.avg_accept_length:.3f}"
+        if ai is not None:
+            acc += f" [{ai[0]:.3f}, {ai[1]:.3f}]"
+        return f"{self.accuracy:.4f} [{lo:.3f}, {hi:.3f}]", acc
+
     def pretty(self) -> str:
         """The report as a small two-column table."""
-        acc = "-" if self.avg_accept_length is None else f"{self.avg_accept_length:.3f}"
+        accuracy, accept = self.intervals_text()
         rows = [
             ("config", self.name),
             ("questions", f"{self.num_questions} ({self.num_shots}-shot)"),
-            ("accuracy", f"{self.accuracy:.4f} ({self.num_correct}/{self.num_questions})"),
+            ("accuracy [95%]", f"{accuracy} ({self.num_correct}/{self.num_questions})"),
             ("invalid", f"{self.invalid:.4f}"),
-            ("avg accept length", acc),
+            ("avg accept length", accept),
             ("output tokens", str(self.output_tokens)),
             ("latency", f"{self.latency_s:.2f} s"),
             ("throughput", f"{self.tokens_per_s:.1f} tok/s"),
@@ -100,13 +146,14 @@ class EvalReport:
 
 def format_table(reports: Sequence[EvalReport]) -> str:
     """Several reports as one markdown table (one row per configuration)."""
-    head = "| config | questions | accuracy | invalid | accept len | tokens | latency s | tok/s |"
+    head = ("| config | questions | accuracy [95%] | invalid | accept len [95%] | tokens | "
+            "latency s | tok/s |")
     sep = "|---|---:|---:|---:|---:|---:|---:|---:|"
     lines = [head, sep]
     for r in reports:
-        acc = "-" if r.avg_accept_length is None else f"{r.avg_accept_length:.3f}"
+        accuracy, acc = r.intervals_text()
         lines.append(
-            f"| {r.name} | {r.num_questions} | {r.accuracy:.4f} | {r.invalid:.4f} | {acc} | "
+            f"| {r.name} | {r.num_questions} | {accuracy} | {r.invalid:.4f} | {acc} | "
             f"{r.output_tokens} | {r.latency_s:.2f} | {r.tokens_per_s:.1f} |"
         )
     return "\n".join(lines)

@@ -1,21 +1,10 @@
 """DeepSeek-V3 for causal LM: decoder layers, the model, final norm and lm_head.
 
-Module names follow the checkpoint (``model.embed_tokens``, ``model.layers.{i}.self_attn.*``,
-``model.layers.{i}.mlp.*``, ``model.norm``, ``lm_head``) so ``state_dict()`` keys are checkpoint
-keys (for TP ranks, each tensor is that rank's shard; see ``mla_spec.loader``).
-
-A decoder layer is pre-norm:  ``h = h + attn(input_layernorm(h))``;
-``h = h + mlp(post_attention_layernorm(h))``, where ``mlp`` is the dense SwiGLU MLP for the first
-``first_k_dense_replace`` layers and the MoE after.
-
-Two entry points share every weight:
-
-- ``forward(input_ids [N], positions [N], batch)``: serving. Rows of all requests are packed;
-  attention is the absorbed MLA over the paged KV cache through ``batch.attn_backend``.
-  Returns the hidden state **after** the final norm ``[N, hidden]`` (SGLang's convention: what
-  the MTP layer consumes); ``compute_logits(hidden)`` -> fp32 ``[N, vocab]``, identical on all
-  ranks (embedding and lm_head are vocab-parallel: ``mla_spec.models.vocab_parallel``).
-- ``forward_train(input_ids [B, T])``: dense causal attention, differentiable, same math.
+Module names follow the checkpoint, so ``state_dict()`` keys are checkpoint keys. Pre-norm
+layers: ``h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))`` (dense MLP for
+the first ``first_k_dense_replace`` layers, MoE after). ``forward(input_ids [N], positions [N],
+batch)`` serves packed rows with absorbed MLA and returns the hidden state after the final norm
+(what MTP consumes); ``forward_train(input_ids [B, T])`` is the dense, differentiable twin.
 """
 
 from __future__ import annotations
@@ -38,11 +27,8 @@ def _quantized_fn(quant_cfg):
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    """One pre-norm decoder layer.
-
-    ``layer_id`` is the checkpoint index (decides dense vs MoE, and the weight names);
-    ``kv_layer_id`` the index into the KV pool (defaults to ``layer_id``; the MTP layer uses 0).
-    """
+    """One pre-norm decoder layer; ``layer_id`` the checkpoint index (dense or MoE, weight
+    names), ``kv_layer_id`` the KV pool's (default ``layer_id``; the MTP layer uses 0)."""
 
     def __init__(self, cfg, layer_id: int, *, quant_cfg=None, tp_size: int = 1,
                  dtype=torch.float32, device=None, kv_layer_id: int | None = None,
@@ -52,10 +38,8 @@ class DeepseekV3DecoderLayer(nn.Module):
         q = _quantized_fn(quant_cfg)
         kw = dict(quantized=q, tp_size=tp_size, dtype=dtype, device=device)
         self.layer_id = layer_id
-        self.self_attn = MLAAttention(
-            cfg, layer_id if kv_layer_id is None else kv_layer_id,
-            prefix=f"{prefix}.self_attn", **kw,
-        )
+        self.self_attn = MLAAttention(cfg, layer_id if kv_layer_id is None else kv_layer_id,
+                                      prefix=f"{prefix}.self_attn", **kw)
         if cfg.is_moe_layer(layer_id):
             self.mlp = DeepseekV3MoE(cfg, prefix=f"{prefix}.mlp", **kw)
         else:
@@ -67,11 +51,8 @@ class DeepseekV3DecoderLayer(nn.Module):
                                                 device=device)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch) -> torch.Tensor:
-        """``[N, hidden]`` -> ``[N, hidden]`` through the paged-cache attention.
-
-        The residual add after attention is fused with the post-attention norm (one kernel on
-        CUDA, the same bits as ``h + a`` then the norm).
-        """
+        """``[N, hidden]`` -> ``[N, hidden]`` through the paged-cache attention (the residual add
+        is fused with the post-attention norm)."""
         a = self.self_attn(positions, self.input_layernorm(h), batch)
         x, h = self.post_attention_layernorm.forward_add(a, h)
         return h + self.mlp(x)
@@ -91,25 +72,16 @@ class DeepseekV3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                    tp_rank=tp_rank, tp_size=tp_size,
                                                    dtype=dtype, device=device)
-        self.layers = nn.ModuleList(
-            DeepseekV3DecoderLayer(cfg, i, quant_cfg=quant_cfg, tp_size=tp_size, dtype=dtype,
-                                   device=device)
-            for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, quant_cfg=quant_cfg,
+                                                           tp_size=tp_size, dtype=dtype,
+                                                           device=device)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
 
 class DeepseekV3ForCausalLM(nn.Module):
-    """DeepSeek-V3 target model on one TP rank.
-
-    Parameters
-    ----------
-    cfg : ModelConfig
-    quant_cfg : QuantConfig | None (None: every linear BF16 / ``dtype``)
-    tp_rank, tp_size : this rank and the TP world size (heads and intermediate dims are split)
-    dtype : compute / storage dtype of non-quantized weights (bf16 on GPU, fp32 on CPU runs)
-    device : where the weights live
-    """
+    """DeepSeek-V3 target model on one TP rank of ``tp_size`` (heads and intermediate dims
+    split). ``quant_cfg`` None: every linear dense; ``dtype``: of the dense weights."""
 
     def __init__(self, cfg, quant_cfg=None, tp_rank: int = 0, tp_size: int = 1,
                  dtype=torch.float32, device=None) -> None:
@@ -126,7 +98,6 @@ class DeepseekV3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.kv_scales: dict[int, tuple[float, float]] = {}  # set by the loader (fp8 KV)
 
-    # ---- convenience views ---------------------------------------------------------------
     @property
     def embed_tokens(self) -> VocabParallelEmbedding:
         return self.model.embed_tokens
@@ -143,34 +114,23 @@ class DeepseekV3ForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
-    # ---- serving -------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
-        """``input_ids [N]``, ``positions [N]`` -> hidden after the final norm ``[N, hidden]``.
-
-        Serving only (runs under ``no_grad``; use :meth:`forward_train` for gradients).
-        """
+        """``input_ids [N]``, ``positions [N]`` -> hidden after the final norm ``[N, hidden]``
+        (serving, under ``no_grad``)."""
         h = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             h = layer(positions, h, batch)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., hidden]`` -> fp32 logits ``[..., vocab]`` (same bits on every rank).
-
-        The matmul runs in the weight dtype (fp32 accumulate on GPU), then casts to fp32; under
-        TP each rank computes its vocabulary slice and an all-gather joins them.
-        """
+        """``[..., hidden]`` -> fp32 logits ``[..., vocab]`` (same bits on every rank)."""
         return self.lm_head.logits(hidden)
 
-    # ---- training ------------------------------------------------------------------------
     def forward_train(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None
                       ) -> torch.Tensor:
-        """``input_ids [B, T]`` -> hidden after the final norm ``[B, T, hidden]``.
-
-        Dense causal attention over the T tokens (positions ``0..T-1`` unless given),
-        differentiable. ``compute_logits`` turns it into logits.
-        """
+        """``input_ids [B, T]`` -> hidden after the final norm ``[B, T, hidden]``; dense causal
+        attention (positions ``0..T-1`` unless given), differentiable."""
         if input_ids.dim() != 2:
             raise ValueError(f"forward_train takes input_ids [B, T], got {tuple(input_ids.shape)}")
         if positions is None:

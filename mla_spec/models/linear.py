@@ -1,29 +1,10 @@
-"""The model's linear layers: replicated, column-parallel, row-parallel, dense or NVFP4.
+"""The model's linear layers: replicated, column-parallel, row-parallel; dense or NVFP4.
 
-Each keeps its weight whole (replicated) or as this rank's shard, BF16/FP32 or NVFP4 (ModelOpt's
-four tensors, copied in unchanged by the loader), and declares ``tp_shard_dims`` so the loader
-knows which dimension of each tensor is split:
-
-======================  ====================  ======================  ============================
-class                   weight (dense)        NVFP4 weight / scale    communication
-======================  ====================  ======================  ============================
-ReplicatedLinear        ``[out, in]``         ``[out, in/2]``, /16    none
-ColumnParallelLinear    ``[out/tp, in]``      rows split              none (output stays split)
-RowParallelLinear       ``[out, in/tp]``      K/2 and K/16 split      all-reduce (optional)
-NVFP4Linear             (always NVFP4)        ``[out, in/2]``, /16    none (a ReplicatedLinear)
-======================  ====================  ======================  ============================
-
-A column-parallel layer followed by a row-parallel one needs exactly one all-reduce.
-
-The NVFP4 matmul (:func:`nvfp4_linear`, the one NVFP4 linear path of the package): on CUDA the
-W4A16 kernel of ``mla_spec.kernels.nvfp4.gemm`` (dequantization fused into the GEMM). On CPU it
-dequantizes to the activation dtype and calls ``F.linear`` (the torch twin); the dense weight
-``[out, in]`` is cached on the layer, so a decode step does not pay the dequantization again (it
-was about a quarter of CPU decode time). The cache is keyed on the identity, storage pointer and
-version counter of ``weight`` / ``weight_scale`` / ``weight_scale_2`` plus the dtype: a reload
-(``copy_``, ``load_state_dict``, ``to``) or any in-place write invalidates it. The MoE experts'
-buffers are views of one stacked storage and share its version counter, so writing any expert
-invalidates them all (only the loader writes them).
+Each holds its weight whole or as this rank's shard (dense, or ModelOpt's four NVFP4 tensors)
+and declares ``tp_shard_dims`` for the loader. Column-parallel splits the output (no
+communication), row-parallel the input (an all-reduce). :func:`nvfp4_linear` is the one NVFP4
+matmul: the W4A16 kernel on CUDA; on CPU ``F.linear`` on a dequantized weight cached on the
+layer and keyed on its buffers' identity, storage and version, so any write invalidates it.
 """
 
 from __future__ import annotations
@@ -41,17 +22,9 @@ __all__ = ["ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear", "NVF
            "cached_dense_weight", "dequantize_weight", "nvfp4_linear", "quantize_weight"]
 
 
-# ---------------------------------------------------------------------------------------------
 class _TPLinear(nn.Module):
-    """``y = x @ W^T (+ b)`` with W stored whole, or as one TP shard (``shard_dim``).
-
-    BF16 / FP32: ``weight`` is an ``nn.Parameter`` ``[out_local, in_local]``.
-    NVFP4 (``quantized=True``): buffers ``weight`` uint8 ``[out_local, in_local / 2]`` (low
-    nibble = even element), ``weight_scale`` float8_e4m3fn ``[out_local, in_local / 16]``,
-    ``weight_scale_2`` and ``input_scale`` fp32 scalars (the ModelOpt layout, so the loader
-    copies checkpoint shards in unchanged). ``tp_shard_dims`` tells the loader which dimension of
-    each tensor is split across ranks.
-    """
+    """``y = x @ W^T (+ b)`` with W stored whole, or as one TP shard (``shard_dim``); dense
+    ``weight [out_local, in_local]`` or NVFP4 buffers in ModelOpt's layout (``quant.nvfp4``)."""
 
     shard_dim: int | None = None
 
@@ -61,9 +34,8 @@ class _TPLinear(nn.Module):
         super().__init__()
         split = (out_features, in_features)[self.shard_dim] if self.shard_dim is not None else 0
         if split % tp_size:
-            raise ValueError(
-                f"{type(self).__name__}: dimension {split} is not divisible by tp_size {tp_size}"
-            )
+            raise ValueError(f"{type(self).__name__}: dimension {split} is not divisible by "
+                             f"tp_size {tp_size}")
         out_l = out_features // tp_size if self.shard_dim == 0 else out_features
         in_l = in_features // tp_size if self.shard_dim == 1 else in_features
         self.in_features, self.out_features, self.tp_size = in_l, out_l, tp_size
@@ -71,10 +43,9 @@ class _TPLinear(nn.Module):
         self.compute_dtype = dtype
         if quantized:
             if in_l % group_size:
-                raise ValueError(
-                    f"NVFP4 linear: local input size {in_l} must be a multiple of the group size "
-                    f"{group_size} (in_features {in_features}, tp_size {tp_size})"
-                )
+                raise ValueError(f"NVFP4 linear: local input size {in_l} must be a multiple of the "
+                                 f"group size {group_size} (in_features {in_features}, tp_size "
+                                 f"{tp_size})")
             self.register_buffer("weight", torch.zeros(out_l, in_l // 2, dtype=torch.uint8,
                                                        device=device))
             self.register_buffer("weight_scale", torch.zeros(
@@ -83,9 +54,7 @@ class _TPLinear(nn.Module):
             self.register_buffer("input_scale", torch.ones((), device=device))
         else:
             self.weight = nn.Parameter(torch.empty(out_l, in_l, dtype=dtype, device=device))
-        self.bias = (
-            nn.Parameter(torch.zeros(out_l, dtype=dtype, device=device)) if bias else None
-        )
+        self.bias = nn.Parameter(torch.zeros(out_l, dtype=dtype, device=device)) if bias else None
         dims = {} if self.shard_dim is None else {"weight": self.shard_dim}
         if quantized and self.shard_dim is not None:
             dims["weight_scale"] = self.shard_dim
@@ -135,11 +104,8 @@ class ColumnParallelLinear(_TPLinear):
 
 
 class RowParallelLinear(_TPLinear):
-    """Input features split across ranks; partial sums all-reduced when ``reduce_results``.
-
-    The MoE sets ``reduce_results=False`` on its experts' and shared expert's ``down_proj`` and
-    reduces their sum once.
-    """
+    """Input features split across ranks; partial sums all-reduced when ``reduce_results``
+    (the MoE turns it off on its ``down_proj``s and reduces their sum once)."""
 
     shard_dim = 1
 
@@ -155,14 +121,9 @@ class RowParallelLinear(_TPLinear):
 
 
 class NVFP4Linear(ReplicatedLinear):
-    """A whole (replicated) linear whose weight is NVFP4: ``y = x @ dequant(W)^T (+ bias)``.
-
-    The buffers carry the checkpoint's names (``weight`` uint8 ``[out, in/2]``, ``weight_scale``
-    e4m3 ``[out, in/16]``, ``weight_scale_2`` and ``input_scale`` fp32 scalars; scalars stored as
-    ``[1]`` load too), so ``load_state_dict`` on a dict read from an NVIDIA FP4 safetensors shard
-    fills them unchanged. The matmul is :func:`nvfp4_linear`, as in every quantized linear of the
-    model. ``dtype``: of the bias and of :meth:`dense_weight`.
-    """
+    """A whole (replicated) linear whose weight is NVFP4: ``y = x @ dequant(W)^T (+ bias)``. The
+    buffers carry the checkpoint's names, so ``load_state_dict`` on an NVIDIA FP4 shard fills them
+    unchanged (``[1]`` scalars load too). ``dtype``: of the bias and :meth:`dense_weight`."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = False,
                  dtype=torch.float32, device=None) -> None:
@@ -195,9 +156,6 @@ class NVFP4Linear(ReplicatedLinear):
         return super().forward(x)
 
 
-# ---------------------------------------------------------------------------------------------
-# the NVFP4 matmul of every quantized linear (module docstring)
-# ---------------------------------------------------------------------------------------------
 _CACHE_ATTR = "_nvfp4_dense_cache"  # (key, dense weight) in the layer's __dict__
 _NAMES = ("weight", "weight_scale", "weight_scale_2")
 
@@ -218,10 +176,8 @@ def _cache_key(lin, dtype: torch.dtype) -> tuple | None:
 
 
 def cached_dense_weight(lin, dtype: torch.dtype) -> torch.Tensor:
-    """The dequantized weight ``[out, in]`` of an NVFP4 layer ``lin`` in ``dtype``, cached on it.
-
-    Recomputed when a buffer is replaced or written in place, or ``dtype`` changes (one dtype is
-    kept per layer). The result is shared: treat it as read-only.
+    """The dequantized weight ``[out, in]`` of an NVFP4 layer ``lin`` in ``dtype``, cached on it
+    (one dtype a layer) until a buffer is replaced or written in place. Read-only: it is shared.
     """
     key = _cache_key(lin, dtype)
     hit = lin.__dict__.get(_CACHE_ATTR)
@@ -234,11 +190,8 @@ def cached_dense_weight(lin, dtype: torch.dtype) -> torch.Tensor:
 
 
 def nvfp4_linear(x: torch.Tensor, lin) -> torch.Tensor:
-    """``x [..., K] @ dequant(W)^T -> [..., N]`` in ``x``'s dtype for an NVFP4 linear ``lin``.
-
-    CUDA: the W4A16 Triton GEMM (``mla_spec.kernels.nvfp4.gemm``). CPU: the cached dense weight
-    + F.linear (differentiable w.r.t. ``x``; faster than the Triton interpreter).
-    """
+    """``x [..., K] @ dequant(W)^T -> [..., N]`` in ``x``'s dtype for an NVFP4 linear ``lin``:
+    the W4A16 GEMM on CUDA, the cached dense weight and ``F.linear`` on CPU."""
     if x.is_cuda and not (torch.is_grad_enabled() and x.requires_grad):
         return nvfp4_gemm(x, lin.weight, lin.weight_scale, lin.weight_scale_2.reshape(()))
     if x.is_cuda:  # autograd on a GPU: dequantize per call, keep no dense copy in GPU memory
@@ -251,9 +204,6 @@ def quantize_weight(w: torch.Tensor, input_amax: float | None = None) -> dict[st
     """Quantize ``w [N, K]`` to the four checkpoint tensors (``input_scale`` from ``input_amax``,
     default 1.0 * 2688 so that ``input_scale`` = 1.0: the W4A16 path never reads it)."""
     q = quantize_nvfp4(w.float(), input_amax=2688.0 if input_amax is None else input_amax)
-    return {
-        "weight": q.weight,
-        "weight_scale": q.weight_scale,
-        "weight_scale_2": q.weight_scale_2.reshape(()).float(),
-        "input_scale": q.input_scale.reshape(()).float(),
-    }
+    return {"weight": q.weight, "weight_scale": q.weight_scale,
+            "weight_scale_2": q.weight_scale_2.reshape(()).float(),
+            "input_scale": q.input_scale.reshape(()).float()}

@@ -1,25 +1,23 @@
 """Multi-head latent attention (MLA) of DeepSeek-V3: the absorbed inference path and training.
 
-Projections (checkpoint names; H heads, split over TP ranks):
+Projections (checkpoint names; H heads split over TP ranks)::
 
-    q_a_proj      [q_lora_rank, hidden]        replicated    (q_proj [H*192, hidden] when
-    q_a_layernorm [q_lora_rank]                replicated     q_lora_rank is None)
-    q_b_proj      [H*192, q_lora_rank]         column (heads)  per head: [q_nope 128 | q_pe 64]
-    kv_a_proj_with_mqa [512+64, hidden]        replicated    -> [latent 512 | k_pe 64]
-    kv_a_layernorm [512]                       replicated    ckv = kv_a_layernorm(latent)
-    kv_b_proj     [H*(128+128), 512]           column (heads)  per head: [W_UK 128 rows | W_UV 128]
-    o_proj        [hidden, H*128]              row (heads)   + all-reduce
+    q_a_proj [q_lora_rank, hidden] -> q_a_layernorm -> q_b_proj [H*192, q_lora_rank]: per head
+        [q_nope 128 | q_pe 64]   (q_proj [H*192, hidden] when q_lora_rank is None)
+    kv_a_proj_with_mqa [512+64, hidden] -> [latent 512 | k_pe 64]; ckv = kv_a_layernorm(latent)
+    kv_b_proj [H*(128+128), 512]: per head [W_UK 128 rows | W_UV 128 rows]
+    o_proj [hidden, H*128] (row-parallel: all-reduce)
 
-Inference (absorbed; what SGLang runs for decode, verify and draft extend). The KV cache holds only
-``[ckv | kpe]`` (576 per token, shared by all heads). Absorbing ``W_UK`` into the query,
+Inference (absorbed; decode, verify, draft extend): the KV cache holds only ``[ckv | kpe]`` (576
+per token, shared by all heads), and ``W_UK`` / ``W_UV`` move to the query / output side::
 
     q_nope_abs[n,h,:] = q_nope[n,h,:] @ W_UK[h]            [N, H, 512]
     score = softmax_scale * (q_nope_abs . ckv + q_pe . kpe)
     out_latent = softmax(score) @ ckv                      [N, H, 512]  (attention backend)
     out[n,h,:] = out_latent[n,h,:] @ W_UV[h]^T             [N, H, 128]  -> o_proj
 
-equals the non-absorbed attention with ``k_nope = ckv @ W_UK^T`` and ``v = ckv @ W_UV^T``, which is
-what :meth:`MLAAttention.forward_train` computes (dense causal SDPA, differentiable).
+This equals attention with ``k_nope = ckv @ W_UK^T`` and ``v = ckv @ W_UV^T``, which
+:meth:`MLAAttention.forward_train` computes (dense causal SDPA, differentiable).
 """
 
 from __future__ import annotations
@@ -37,14 +35,8 @@ __all__ = ["MLAAttention"]
 
 
 class MLAAttention(nn.Module):
-    """One layer's MLA with ``H / tp_size`` local heads.
-
-    Parameters
-    ----------
-    cfg : ModelConfig
-    layer_id : index into the KV pool (``kv_layer_id``; the MTP layer uses its own pool's 0)
-    quantized : ``prefix -> bool`` for the linears (attention stays BF16 in NVIDIA's checkpoints)
-    """
+    """One layer's MLA with ``H / tp_size`` local heads; ``layer_id`` indexes the KV pool (the
+    MTP layer uses its own pool's 0); ``quantized``: ``prefix -> bool`` for the linears."""
 
     def __init__(self, cfg, layer_id: int, *, prefix: str = "", quantized=None,
                  tp_size: int = 1, dtype=torch.float32, device=None) -> None:
@@ -74,10 +66,8 @@ class MLAAttention(nn.Module):
             self.q_b_proj = lin(ColumnParallelLinear, "q_b_proj", cfg.q_lora_rank, H * qk)
         else:
             self.q_proj = lin(ColumnParallelLinear, "q_proj", cfg.hidden_size, H * qk)
-        self.kv_a_proj_with_mqa = lin(
-            ReplicatedLinear, "kv_a_proj_with_mqa", cfg.hidden_size,
-            cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias,
-        )
+        self.kv_a_proj_with_mqa = lin(ReplicatedLinear, "kv_a_proj_with_mqa", cfg.hidden_size,
+                                      cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype,
                                       device=device)
         self.kv_b_proj = lin(ColumnParallelLinear, "kv_b_proj", cfg.kv_lora_rank,
@@ -88,13 +78,9 @@ class MLAAttention(nn.Module):
         self._joint_qkv_a_storage()
 
     def _joint_qkv_a_storage(self) -> None:
-        """Re-home the BF16/FP32 ``q_a_proj`` and ``kv_a_proj_with_mqa`` weights as two views of
-        one ``[q_lora_rank + 576, hidden]`` buffer, so inference reads both with one GEMM (both
-        read the layer input; SGLang's ``fused_qkv_a_proj_with_mqa``).
-
-        Loaders copy into parameters in place, which keeps the views; a module conversion
-        (``.to()``) re-allocates them apart and :meth:`_qkv_a_weight` falls back to two GEMMs.
-        """
+        """Make the dense ``q_a_proj`` and ``kv_a_proj_with_mqa`` weights two views of one
+        ``[q_lora_rank + 576, hidden]`` buffer, so inference runs one GEMM for both (they read
+        the same input). Loaders copy in place and keep the views; ``.to()`` separates them."""
         if self.q_lora_rank is None:
             return
         qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
@@ -106,9 +92,7 @@ class MLAAttention(nn.Module):
         kva.weight = nn.Parameter(joint[qa.out_features:])
 
     def _qkv_a_weight(self) -> torch.Tensor | None:
-        """``[q_lora_rank + 576, hidden]`` view over both weights, or None (two GEMMs): no
-        ``q_lora_rank``, quantized, biased, not adjacent in memory, or an autograd graph to
-        build."""
+        """``[q_lora_rank + 576, hidden]`` view over both weights, or None (then two GEMMs run)."""
         if self.q_lora_rank is None:
             return None
         qa, kva = self.q_a_proj, self.kv_a_proj_with_mqa
@@ -126,7 +110,6 @@ class MLAAttention(nn.Module):
         return wq.detach().as_strided((wq.shape[0] + wk.shape[0], wq.shape[1]),
                                       (wq.shape[1], 1))
 
-    # ---- shared pieces -------------------------------------------------------------------
     def _q(self, x: torch.Tensor, q_a: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [..., hidden]`` -> ``q_nope [..., H, 128]``, ``q_pe [..., H, 64]`` (not roped).
@@ -153,14 +136,11 @@ class MLAAttention(nn.Module):
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, -1, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
 
-    # ---- inference: absorbed, paged KV cache ---------------------------------------------
     def forward(self, positions: torch.Tensor, x: torch.Tensor, batch) -> torch.Tensor:
-        """Absorbed MLA over the paged cache.
-
-        ``positions [N]``, ``x [N, hidden]`` -> ``[N, hidden]`` (all-reduced over TP ranks).
-        Writes this step's ``[ckv | kpe]`` rows at ``batch.out_cache_loc`` first, then calls
-        ``batch.attn_backend.forward(q_nope_abs [N,H,512], q_pe [N,H,64], layer_id, batch)``.
-        """
+        """Absorbed MLA over the paged cache: ``positions [N]``, ``x [N, hidden]`` -> ``[N,
+        hidden]`` (all-reduced). Writes this step's ``[ckv | kpe]`` rows at
+        ``batch.out_cache_loc``, then calls ``batch.attn_backend.forward(q_nope_abs [N, H, 512],
+        q_pe [N, H, 64], layer_id, batch)``."""
         w_qkv_a = self._qkv_a_weight()
         if w_qkv_a is not None:  # one GEMM for q_a_proj and kv_a_proj_with_mqa
             q_a, latent = gemv_linear(x, w_qkv_a).split(
@@ -178,9 +158,8 @@ class MLAAttention(nn.Module):
         out = _absorb_uv(out.to(x.dtype), w_uv)  # [N, H, 128]
         return self.o_proj(out.flatten(1))
 
-    # ---- training: dense causal, non-absorbed --------------------------------------------
     def forward_train(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``positions [T]``, ``x [B, T, hidden]`` -> ``[B, T, hidden]``; causal, differentiable."""
+        """Non-absorbed, dense causal, differentiable: ``x [B, T, hidden]`` -> same shape."""
         B, T, _ = x.shape
         q_nope, q_pe = self._q(x)  # [B, T, H, *]
         ckv, k_pe = self._latent(x)  # [B, T, 512], [B, T, 64]
@@ -189,36 +168,32 @@ class MLAAttention(nn.Module):
         k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None, :].expand(-1, -1, self.num_heads, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, scale=self.softmax_scale,
-        )  # [B, H, T, 128]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True,
+                                             scale=self.softmax_scale)  # [B, H, T, 128]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
 def _per_head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """``x [N, H, K]`` times ``w [H, N_out, K]`` (any strides) per head -> ``[N, H, N_out]``
-    (contiguous) through the BF16 GEMV, or None where it does not run (the caller's einsum)."""
+    """``x [N, H, K]`` times ``w [H, N_out, K]`` per head -> contiguous ``[N, H, N_out]`` through
+    the BF16 GEMV, or None where it does not run (the caller uses einsum)."""
     xt = x.transpose(0, 1)  # [H, N, K]
     if bgemv_supported(xt, w) is not None:
         return None
     out = torch.empty(x.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    # w is kv_b_proj's weight (or a torch / non-PDL dequantized copy of it): no PDL kernel
-    # writes it, so the GEMV may load it before waiting for the previous grid
+    # no PDL kernel writes kv_b_proj's weight: the GEMV may load it before the previous grid ends
     bgemv(xt, w, out.transpose(0, 1), static_w=True)
     return out
 
 
 def _absorb_uk(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """``q_nope [N, H, 128] @ W_UK [H, 128, 512]`` per head -> ``[N, H, 512]``: the BF16 GEMV
-    at decode sizes on CUDA (``w[h, n=c, k=d]``, N-contiguous), else einsum."""
+    """``q_nope [N, H, 128] @ W_UK [H, 128, 512]`` per head -> ``[N, H, 512]``."""
     out = _per_head_gemv(q_nope, w_uk.transpose(1, 2))
     return out if out is not None else torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
 
 
 def _absorb_uv(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """``o_latent [N, H, 512]`` times ``W_UV [H, 128, 512]^T`` per head -> ``[N, H, 128]``
-    (contiguous: ``o_proj`` reads it flattened): the BF16 GEMV at decode sizes on CUDA, else
-    einsum."""
+    """``o_latent [N, H, 512]`` times ``W_UV [H, 128, 512]^T`` per head -> contiguous ``[N, H,
+    128]`` (``o_proj`` reads it flattened)."""
     out = _per_head_gemv(o_latent, w_uv)
     return out if out is not None else torch.einsum("nhc,hvc->nhv", o_latent, w_uv)

@@ -1,38 +1,13 @@
 """DeepSeek-V3 feed-forward blocks: the dense SwiGLU MLP and the routed MoE with shared experts.
 
-Dense MLP (layers ``< first_k_dense_replace``, and each expert): ``down(silu(gate(x)) * up(x))``
-with ``gate_proj`` / ``up_proj`` column-parallel and ``down_proj`` row-parallel (intermediate dim
-split over TP ranks; one all-reduce at the end).
-
-Router (``mlp.gate``, "noaux_tc"): ``scores = sigmoid(x @ W_gate^T)`` in fp32 ``[N, E]``. Selection
-uses ``scores + e_score_correction_bias``; the experts are split into ``n_group`` groups, a group
-scores the sum of its top-2 biased scores, the best ``topk_group`` groups stay, and the top
-``num_experts_per_tok`` biased scores among them are chosen. The *weights* are the unbiased
-scores of the chosen experts, normalized to sum 1 (``norm_topk_prob``) and multiplied by
-``routed_scaling_factor``.
-
-MoE output: ``sum_k w_k * expert_{id_k}(x) + shared_experts(x)``, summed locally over the rank's
-slice of every expert's intermediate dim, then one all-reduce. Experts are kept as modules named
-like the checkpoint (``experts.{e}.{gate,up,down}_proj``); the loop runs only the experts some
-row chose (differentiable, so the trainer uses the same code).
-
-NVFP4 experts are also stacked (``w13 [E', 2I, K/2]``, ``w2 [E', K, I/2]``, scales alike) for
-one ``fused_moe_nvfp4`` launch; the per-expert buffers are views of that storage, so the
-loader's in-place copies fill it. **Shared-experts fusion**: with one shared expert quantized
-like the routed ones (``n_shared_experts == 1``: same ``[I, K]`` shapes per rank) it is stacked
-as expert ``E' - 1 = n_routed_experts`` and, on the fused path, every token also selects it
-with weight 1.0 (the routed weights already carry ``routed_scaling_factor``; the shared output
-is added unscaled). That folds the shared MLP (three NVFP4 GEMMs, SiLU, mul and the add: 6+
-launches per layer) into the routed launch, for two small ``cat`` calls on the top-k tensors.
-A MoE's ``fuse_shared_experts`` attribute (default on) switches it.
-
-Kernels by default, where they run (CUDA, inference): the router kernel
-(``kernels.ops.router``, one program per token; on the H200 it took the MoE block at bs 1 from
-147 to 107 µs, docs/bench_layer.md), the fused NVFP4 MoE, and for unquantized experts (the BF16
-MTP layer of NVIDIA's FP4 checkpoints) two grouped GEMMs (``models.moe_grouped``) instead of
-every expert on every row. CPU tensors and training take the torch code (``route_tokens``, the
-loop over active experts). Per-module attributes force a path (tests, benchmarks):
-``MoEGate.fused_router``, ``DeepseekV3MoE.fused_mode`` and ``fuse_shared_experts``.
+Dense MLP: ``down(silu(gate(x)) * up(x))``, intermediate dim split over TP, one all-reduce.
+Router ("noaux_tc"): ``scores = sigmoid(x @ W_gate^T)`` in fp32; groups are scored by the sum of
+their top-2 *biased* scores (``+ e_score_correction_bias``), the best ``topk_group`` groups stay,
+and the top ``num_experts_per_tok`` biased scores among them are chosen; the weights are the
+*unbiased* scores, normalized to sum 1, times ``routed_scaling_factor``. MoE output: ``sum_k w_k
+* expert_{id_k}(x) + shared_experts(x)``, one all-reduce. NVFP4 experts are stacked for one
+``fused_moe_nvfp4`` launch (an NVFP4 shared expert may ride as one more expert of weight 1.0).
+On CUDA at inference the fused kernels run; CPU and training take the torch code.
 """
 
 from __future__ import annotations
@@ -56,21 +31,15 @@ __all__ = ["DenseMLP", "MoEGate", "DeepseekV3MoE", "route_tokens", "shared_fusio
            "shared_expert_column", "with_shared_column"]
 
 def shared_fusion_pays(num_tokens: int) -> bool:
-    """Whether the shared expert should ride in the fused launch for ``num_tokens`` rows.
-
-    The per-pair GEMV path (2..``MOE_GEMV_MAX_M`` tokens) would read the shared expert's
-    weights once per token; the separate NVFP4 MLP reads them once. H200, DeepSeek-V3 TP 4
-    (bench_layer): 1 token 89.7 -> 78.1 µs per MoE block with fusion, 4 tokens 186.3 -> 203.2.
-    One token and the sorted path (more tokens: the shared expert is one expert with every
-    row) fuse."""
+    """Whether the shared expert rides in the fused launch for ``num_tokens`` rows: not on the
+    per-pair GEMV path (2..``MOE_GEMV_MAX_M`` tokens; ``docs/bench_layer.md``)."""
     from mla_spec.kernels.nvfp4 import MOE_GEMV_MAX_M
 
     return num_tokens <= 1 or num_tokens > MOE_GEMV_MAX_M
 
 
 def shared_expert_column(shared_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``[1, 1]`` id (int64) and weight (1.0, fp32) that :func:`with_shared_column` appends;
-    built once per MoE so the hot path only broadcasts them."""
+    """The ``[1, 1]`` id (int64) and weight (1.0, fp32) :func:`with_shared_column` appends."""
     return (torch.full((1, 1), shared_id, dtype=torch.int64, device=device),
             torch.ones((1, 1), device=device))
 
@@ -78,9 +47,7 @@ def shared_expert_column(shared_id: int, device=None) -> tuple[torch.Tensor, tor
 def with_shared_column(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                        column: tuple[torch.Tensor, torch.Tensor]
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, k] -> [N, k + 1]``: every token also selects the shared expert (the stacked row of
-    ``column``'s id) with weight 1.0 (the routed weights already carry
-    ``routed_scaling_factor``; the shared output is added unscaled)."""
+    """``[N, k] -> [N, k + 1]``: every token also selects the shared expert with weight 1.0."""
     n = topk_ids.shape[0]
     sid, sw = column
     return (torch.cat((topk_ids, sid.to(topk_ids.dtype).expand(n, 1)), 1),
@@ -88,10 +55,8 @@ def with_shared_column(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU MLP, intermediate dim split over ``tp_size`` ranks.
-
-    ``reduce_results=False`` leaves the partial sum un-reduced (experts / shared experts).
-    """
+    """SwiGLU MLP, intermediate dim split over ``tp_size`` ranks (``reduce_results=False``
+    leaves the partial sum un-reduced: experts, shared experts)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, prefix: str = "",
                  quantized=None, tp_size: int = 1, reduce_results: bool = True,
@@ -120,32 +85,26 @@ class MoEGate(nn.Module):
         E = cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(E, cfg.hidden_size, device=device))
         use_bias = cfg.topk_method == "noaux_tc"
-        self.register_buffer(
-            "e_score_correction_bias", torch.zeros(E, device=device) if use_bias else None
-        )
-        self.top_k, self.n_group, self.topk_group = (
-            cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
-        )
+        self.register_buffer("e_score_correction_bias",
+                             torch.zeros(E, device=device) if use_bias else None)
+        self.top_k, self.n_group, self.topk_group = (cfg.num_experts_per_tok, cfg.n_group,
+                                                     cfg.topk_group)
         if cfg.topk_method == "greedy":
             self.n_group = self.topk_group = 1
         self.norm_topk_prob, self.scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
         self.scoring_func = cfg.scoring_func
         # None: the kernel on CUDA where it handles the routing shape; True: wherever Triton
-        # runs (the interpreter included); False: route_tokens everywhere
+        # runs; False: route_tokens everywhere
         self.fused_router: bool | None = None
         from mla_spec.kernels.ops import fused_route_supports
 
-        # the routing shape is fixed: whether the kernel handles it is known once
         self._kernel_fits = fused_route_supports(E, self.n_group, self.topk_group, self.top_k)
 
     def forward(self, x: torch.Tensor, *, shared_id: int | None = None,
                 ids_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [N, hidden]`` -> ``(topk_weights [N, k] fp32, topk_ids [N, k] int64)``.
-
-        For the fused NVFP4 MoE: ``shared_id`` appends the column ``(shared_id, 1.0)``
-        (``[N, k + 1]``, see :func:`with_shared_column`) and ``ids_dtype`` may be int32, both
-        written by the fused router kernel itself where it runs.
-        """
+        """``x [N, hidden]`` -> ``(topk_weights [N, k] fp32, topk_ids [N, k] int64)``. ``shared_id``
+        appends the column ``(shared_id, 1.0)`` and ``ids_dtype`` may be int32 (for the fused NVFP4
+        MoE; the router kernel writes both itself)."""
         kw = dict(top_k=self.top_k, n_group=self.n_group, topk_group=self.topk_group,
                   norm_topk_prob=self.norm_topk_prob, routed_scaling_factor=self.scale,
                   scoring_func=self.scoring_func)
@@ -156,7 +115,7 @@ class MoEGate(nn.Module):
         from mla_spec.kernels.ops import fused_route, gate_logits, gate_logits_ref
 
         kernel = fused and use_triton(x) and not torch.is_grad_enabled()
-        # the logits kernel on CUDA only (the CPU interpreter would only be slow)
+        # the logits kernel on CUDA only (the interpreter would only be slow)
         logits = (gate_logits if kernel and x.is_cuda else gate_logits_ref)(x, self.weight)
         if kernel:
             return fused_route(logits, self.e_score_correction_bias, shared_id=shared_id,
@@ -169,11 +128,7 @@ class MoEGate(nn.Module):
 
 class DeepseekV3MoE(nn.Module):
     """Router + ``n_routed_experts`` experts + shared experts; one all-reduce at the end.
-
-    With NVFP4 experts, ``_fused`` holds the stacked weights ``fused_moe_nvfp4`` reads;
-    ``shared_fused`` says the (single, NVFP4, routed-shaped) shared expert is their last row,
-    so the fused path runs it as one more top-k column (see the module docstring).
-    """
+    ``_fused``: stacked NVFP4 weights (None for dense); ``shared_fused``: shared expert is last."""
 
     def __init__(self, cfg, *, prefix: str = "", quantized=None, tp_size: int = 1,
                  dtype=torch.float32, device=None) -> None:
@@ -182,19 +137,16 @@ class DeepseekV3MoE(nn.Module):
         kw = dict(quantized=quantized, tp_size=tp_size, reduce_results=False, dtype=dtype,
                   device=device)
         self.gate = MoEGate(cfg, device=device)
-        self.experts = nn.ModuleList(
-            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size,
-                     prefix=f"{prefix}.experts.{e}", **kw)
-            for e in range(cfg.n_routed_experts)
-        )
-        self.shared_experts = (
-            DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                     prefix=f"{prefix}.shared_experts", **kw)
-            if cfg.n_shared_experts else None
-        )
-        # "auto": on CUDA at inference the fused NVFP4 kernel (or, for BF16 experts, the grouped
-        # GEMMs when stacked, else the masked all-experts loop), elsewhere the loop over active
-        # experts. "never" / "always" / "masked" / "grouped" force a path (tests, graph capture).
+        self.experts = nn.ModuleList(DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size,
+                                              prefix=f"{prefix}.experts.{e}", **kw)
+                                     for e in range(cfg.n_routed_experts))
+        self.shared_experts = (DenseMLP(cfg.hidden_size,
+                                        cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                        prefix=f"{prefix}.shared_experts", **kw)
+                               if cfg.n_shared_experts else None)
+        # "auto": on CUDA at inference the fused NVFP4 kernel (BF16 experts: the grouped GEMMs
+        # when stacked, else the masked loop), elsewhere the loop over active experts.
+        # "never" / "always" / "masked" / "grouped" force a path (tests, graph capture).
         self.fused_mode = "auto"
         self.fuse_shared_experts = True  # where stacked (shared_fused) and on the fused path
         self.shared_fused = False  # set by _stack_nvfp4_experts
@@ -202,8 +154,7 @@ class DeepseekV3MoE(nn.Module):
         self._dense = stack_dense_experts(self.experts) if self._fused is None else None
 
     def _shared_stackable(self, g0, d0) -> bool:
-        """The shared expert is NVFP4 with exactly the routed experts' per-rank shapes
-        (``n_shared_experts == 1``; 2 would be ``[2I, K]`` and stays a separate MLP)."""
+        """The shared expert is NVFP4 with the routed experts' per-rank shapes (one of them)."""
         se = self.shared_experts
         if se is None:
             return False
@@ -215,14 +166,8 @@ class DeepseekV3MoE(nn.Module):
             for lin, ref in zip(trio, (g0, g0, d0)) for n in ("weight", "weight_scale"))
 
     def _stack_nvfp4_experts(self):
-        """Stack the NVFP4 experts into ``w13`` / ``w2`` tensors for ``fused_moe_nvfp4``.
-
-        The per-expert buffers become *views* of the stacked storage, so the loader's in-place
-        copies fill both and nothing is duplicated. A stackable shared expert (see
-        ``_shared_stackable``) becomes row ``E = n_routed_experts`` the same way
-        (``shared_fused``). ``input_scale`` stays per module (the kernel is weight-only).
-        Returns None for non-quantized experts.
-        """
+        """Stack the NVFP4 experts (and a stackable shared expert) into ``w13`` / ``w2``; the
+        per-expert buffers become views, so the loader fills both. None for dense experts."""
         lins = [(e.gate_proj, e.up_proj, e.down_proj) for e in self.experts]
         if not lins or not all(lin.quantized for trio in lins for lin in trio):
             return None
@@ -257,9 +202,8 @@ class DeepseekV3MoE(nn.Module):
         return self.shared_fused and bool(self.fuse_shared_experts)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
-        """The grouped BF16 path: stacked experts (unquantized ones, at build time), still
-        stacked, inference, and CUDA under ``fused_mode`` "auto" or any device under
-        "grouped" (tests); shapes and dtypes ``torch._grouped_mm`` takes."""
+        """The grouped BF16 path: dense experts still stacked, inference, CUDA under "auto" (any
+        device under "grouped"), shapes and dtypes ``torch._grouped_mm`` takes."""
         if self._dense is None or torch.is_grad_enabled() or self.fused_mode not in (
                 "auto", "grouped") or (self.fused_mode == "auto" and not x.is_cuda):
             return False
@@ -273,11 +217,8 @@ class DeepseekV3MoE(nn.Module):
 
     def fused_experts_forward(self, x, topk_weights, topk_ids, kernel=None, *,
                               with_shared: bool = False) -> torch.Tensor:
-        """Routed experts through ``fused_moe_nvfp4`` (or ``kernel``, e.g. ``fused_moe_ref``).
-
-        ``with_shared`` (needs ``shared_fused``): also the shared expert, as top-k column
-        ``k`` = expert ``E`` with weight 1.0 for every token (``[N, k] -> [N, k + 1]``).
-        """
+        """Routed experts through ``fused_moe_nvfp4`` (or ``kernel``, e.g. ``fused_moe_ref``);
+        ``with_shared`` adds the shared expert as one more top-k column (``shared_fused``)."""
         from mla_spec.kernels.nvfp4 import fused_moe_nvfp4
         from mla_spec.quant.nvfp4 import NVFP4Tensor
 
@@ -305,11 +246,8 @@ class DeepseekV3MoE(nn.Module):
 
     def masked_experts_forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                                topk_ids: torch.Tensor) -> torch.Tensor:
-        """Every expert on every row, weighted by its (mostly zero) routing weight.
-
-        No host sync and fixed shapes, so it can be captured in a CUDA graph (used for BF16
-        experts on CUDA, e.g. the MTP layer's); it reads all experts' weights every call.
-        """
+        """Every expert on every row, weighted by its (mostly zero) routing weight: no host sync,
+        fixed shapes, so CUDA graphs can capture it (BF16 experts on CUDA)."""
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             w = (topk_weights * (topk_ids == e)).sum(-1, keepdim=True)  # [N, 1] fp32
@@ -330,9 +268,8 @@ class DeepseekV3MoE(nn.Module):
         topk_weights, topk_ids = self.gate(x)
         if self._use_grouped(x):
             out = grouped_experts_forward(x, topk_weights, topk_ids, *self._dense)
-        elif self.fused_mode == "masked" or (
-            self.fused_mode == "auto" and x.is_cuda and not torch.is_grad_enabled()
-        ):
+        elif self.fused_mode == "masked" or (self.fused_mode == "auto" and x.is_cuda
+                                             and not torch.is_grad_enabled()):
             out = self.masked_experts_forward(x, topk_weights, topk_ids)
         else:
             out = self.experts_forward(x, topk_weights, topk_ids)

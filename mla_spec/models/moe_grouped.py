@@ -1,22 +1,9 @@
-"""Routed experts in BF16 (the MTP layer of NVIDIA's FP4 checkpoints) as two grouped GEMMs.
+"""Dense (BF16) routed experts as two grouped GEMMs: the MTP layer of NVIDIA's FP4 checkpoints.
 
-Why: in ``nvidia/DeepSeek-*-FP4`` the MTP layer's 256 experts are BF16. ``DeepseekV3MoE`` runs
-BF16 experts on CUDA through ``masked_experts_forward``: every expert on every row, graph-safe but
-reading all experts' weights per call (~5.6 GB at TP 4, 3 MTP calls per speculative cycle). This
-module is the graph-safe alternative: rows sorted by expert, then ``torch._grouped_mm`` over the
-stacked ``w13 [E, 2I, K]`` (gate rows, then up) and ``w2 [E, K, I]``, weighted and summed back
-with ``index_add_``. No host sync (group offsets are a device ``cumsum``), fixed shapes per batch.
-
-The experts' ``gate_proj`` / ``up_proj`` / ``down_proj`` weights become *views* of the stacked
-storage (:func:`stack_dense_experts`), so the loader's in-place copies and optimizers fill both
-and no memory is duplicated. A later ``module.to(...)`` gives the parameters new storage:
-:func:`still_stacked` notices it and the MoE falls back to its other paths.
-
-``benchmarks/bench_layer.py`` times the BF16 MTP layer with :func:`grouped_experts_forward` (on an
-H200 in CUDA graphs; 365 µs for the whole MTP layer at batch 1). In the model it is the path for
-unquantized experts on CUDA at inference (checked on an H200, 2026-11-29: 1 / 4 / 32 tokens
-against the loop, eager and in a CUDA graph, ``tests/models/test_moe_grouped.py``);
-``DeepseekV3MoE.fused_mode = "masked"`` forces the masked all-experts path.
+Rows are sorted by expert, ``torch._grouped_mm`` runs over the stacked ``w13 [E, 2I, K]`` and
+``w2 [E, K, I]``, and ``index_add_`` sums the weighted rows back: no host sync, CUDA-graph safe.
+Expert weights become views of the stack (:func:`stack_dense_experts`); :func:`still_stacked`
+notices a later ``.to()``. Timings: ``docs/bench_layer.md``.
 """
 
 from __future__ import annotations
@@ -29,9 +16,8 @@ __all__ = ["stack_dense_experts", "still_stacked", "grouped_supported", "grouped
 
 
 def stack_dense_experts(experts: nn.ModuleList) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Stack unquantized SwiGLU experts into ``(w13 [E, 2I, K], w2 [E, K, I])`` and make each
-    expert's three weight parameters views of it (values kept). None when there is nothing to
-    stack (no experts, quantized or biased linears, mixed shapes, dtypes or devices)."""
+    """Stack dense SwiGLU experts into ``(w13 [E, 2I, K], w2 [E, K, I])``, their weights becoming
+    views of it; None when they cannot stack (quantized, biased, mixed shapes / dtypes)."""
     lins = [(e.gate_proj, e.up_proj, e.down_proj) for e in experts]
     if not lins:
         return None
@@ -88,11 +74,9 @@ def grouped_supported(x: torch.Tensor, w13: torch.Tensor) -> str | None:
 def grouped_experts_forward(x: torch.Tensor, topk_weights: torch.Tensor,
                             topk_ids: torch.Tensor, w13: torch.Tensor,
                             w2: torch.Tensor) -> torch.Tensor:
-    """``sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n])`` with SwiGLU experts.
-
-    ``x [N, K]``, ``topk_weights [N, k]`` fp32, ``topk_ids [N, k]`` in ``[0, E)``,
-    ``w13 [E, 2I, K]`` (gate rows, then up), ``w2 [E, K, I]`` -> ``[N, K]`` in x's dtype.
-    """
+    """``sum_j topk_weights[n, j] * expert_{topk_ids[n, j]}(x[n])`` with SwiGLU experts:
+    ``x [N, K]``, fp32 weights and ids ``[N, k]``, ``w13 [E, 2I, K]`` (gate rows, then up),
+    ``w2 [E, K, I]`` -> ``[N, K]`` in x's dtype."""
     n, k = topk_ids.shape
     if n == 0:
         return torch.zeros_like(x)

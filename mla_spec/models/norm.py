@@ -1,15 +1,7 @@
-"""RMSNorm as DeepSeek-V3 (and Hugging Face transformers) computes it.
+"""RMSNorm as DeepSeek-V3 (and transformers' ``DeepseekV3RMSNorm``) computes it.
 
-``y = weight * (x / sqrt(mean(x^2) + eps))``: the normalization runs in fp32, the result is cast
-back to the input dtype *before* the weight multiplies it (the order matters for bf16 bit-parity
-with transformers' ``DeepseekV3RMSNorm``), and the multiply follows torch's type promotion (an
-fp32 weight on a bf16 activation returns fp32).
-
-On a CUDA tensor, outside autograd, the forward is one fused Triton kernel
-(``mla_spec.kernels.ops.rms_norm``: one program per row, fp32 math, CUDA-graph capturable)
-instead of ~8 torch kernels. Everywhere else (CPU, including CPU runs under the Triton
-interpreter; training; unsupported dtypes) it runs the torch code, which is the kernel's twin
-``rms_norm_ref`` and bit-identical to the original module.
+``y = weight * (x / sqrt(mean(x^2) + eps))``, normalized in fp32 and cast back before the
+weight multiplies (bf16 parity with transformers). CUDA inference runs a fused Triton kernel.
 """
 
 from __future__ import annotations
@@ -34,8 +26,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def _fused(self, *xs: torch.Tensor) -> bool:
-        """Whether the Triton kernel runs: a CUDA tensor (not the CPU interpreter), no autograd
-        graph to build, dtypes and devices the kernel supports."""
+        """Whether the Triton kernel runs: CUDA (not the interpreter), no autograd, its dtypes."""
         x, w = xs[0], self.weight
         if not use_triton(x) or triton_interpreting() or w.device != x.device:
             return False
@@ -51,12 +42,8 @@ class RMSNorm(nn.Module):
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual add fused with the norm: ``s = x + residual``; returns ``(self(s), s)``.
-
-        ``x``, ``residual`` ``[..., hidden]`` of one dtype. Same results as the two torch steps;
-        one kernel on CUDA (for a pre-norm layer: ``h = h + attn_out`` then
-        ``post_attention_layernorm(h)``).
-        """
+        """Residual add fused with the norm: ``s = x + residual``; returns ``(self(s), s)``. ``x``,
+        ``residual`` ``[..., hidden]`` of one dtype; one kernel on CUDA, the same results."""
         if self._fused(x, residual) and residual.dtype == x.dtype \
                 and residual.shape == x.shape:
             return rms_norm_add(x, residual, self.weight, self.eps)

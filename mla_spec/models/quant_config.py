@@ -1,25 +1,9 @@
 """Which linears of a checkpoint are NVFP4: ModelOpt's quantization config, both formats.
 
-NVIDIA's FP4 checkpoints describe their quantization in one of two places:
-
-- ``hf_quant_config.json`` (legacy, nested)::
-
-      {"producer": {"name": "modelopt", "version": ...},
-       "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8",
-                        "group_size": 16, "exclude_modules": ["lm_head", ...]}}
-
-- ``config.json`` -> ``quantization_config`` (flat, newer): ``quant_algo``, ``group_size`` (or
-  ``config_groups.*.weights.group_size``), ``ignore`` for the exclusions and
-  ``kv_cache_scheme: {"type": "float", "num_bits": 8}`` for an FP8 KV cache.
-
-An exclusion pattern is a glob over the module name (``.`` literal, ``*`` -> ``.*``) that must
-match the *whole* name (regex fullmatch), e.g. ``model.layers.*.self_attn*`` or ``lm_head``.
-Excluded linears stay BF16. The MTP layer is always BF16 here (as SGLang forces for
-``modelopt_fp4``), whatever the list says.
-
-Supported values: ``quant_algo`` "NVFP4" (group size 16) and ``kv_cache_quant_algo`` "FP8" or
-none; anything else (an INT8 or FP4 KV cache, FP8 weights, another ``kv_cache_scheme``) raises
-``ValueError`` naming the value, the supported ones and the file, rather than being ignored.
+Read from ``hf_quant_config.json`` (nested ``quantization``) or ``config.json``'s flat
+``quantization_config``. Exclusions are globs over whole module names; excluded linears and the
+MTP layer stay BF16. Anything but NVFP4 weights with an FP8 or no KV quantization raises
+``ValueError`` naming the value and the file.
 """
 
 from __future__ import annotations
@@ -44,11 +28,8 @@ def _glob_to_regex(pattern: str) -> re.Pattern:
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """NVFP4 weight quantization (``quant_algo`` "NVFP4") with BF16 exclusions.
-
-    ``kv_cache_quant_algo``: "FP8" (any case) or None. ``producer``: the writer's name/version dict.
-    ``mtp_layer_id``: checkpoint index of the MTP layer (``num_hidden_layers``), always BF16.
-    """
+    """NVFP4 weight quantization with BF16 exclusions; ``kv_cache_quant_algo`` "FP8" (any case)
+    or None; ``mtp_layer_id`` the checkpoint index of the MTP layer (always BF16)."""
 
     quant_algo: str = "NVFP4"
     group_size: int = 16
@@ -71,30 +52,23 @@ class QuantConfig:
         if self.group_size != 16:
             raise ValueError(f"group_size {self.group_size}: NVFP4 uses 16")
         object.__setattr__(self, "exclude_modules", tuple(self.exclude_modules))
-        object.__setattr__(
-            self, "_regexes", tuple(_glob_to_regex(p) for p in self.exclude_modules)
-        )
+        object.__setattr__(self, "_regexes",
+                           tuple(_glob_to_regex(p) for p in self.exclude_modules))
 
-    # ---- parsing -------------------------------------------------------------------------
     @classmethod
     def from_hf_quant_config(cls, d: Mapping[str, Any], **kw) -> QuantConfig:
         """From the nested ``hf_quant_config.json`` dict."""
         if "quantization" not in d:
             raise ValueError("hf_quant_config.json has no 'quantization' section")
         q = d["quantization"]
-        return cls(
-            quant_algo=q.get("quant_algo"),
-            group_size=int(q.get("group_size", 16)),
-            exclude_modules=tuple(q.get("exclude_modules") or ()),
-            kv_cache_quant_algo=q.get("kv_cache_quant_algo") or None,
-            producer=dict(d.get("producer") or {}),
-            **kw,
-        )
+        return cls(quant_algo=q.get("quant_algo"), group_size=int(q.get("group_size", 16)),
+                   exclude_modules=tuple(q.get("exclude_modules") or ()),
+                   kv_cache_quant_algo=q.get("kv_cache_quant_algo") or None,
+                   producer=dict(d.get("producer") or {}), **kw)
 
     @classmethod
     def from_quantization_config(cls, q: Mapping[str, Any], **kw) -> QuantConfig:
-        """From the flat ``quantization_config`` of config.json (``ignore``,
-        ``kv_cache_scheme``)."""
+        """From the flat ``quantization_config`` of config.json."""
         algo = q.get("quant_algo")
         group = q.get("group_size")
         for g in (q.get("config_groups") or {}).values():
@@ -108,14 +82,9 @@ class QuantConfig:
                 raise ValueError(f"kv_cache_scheme {dict(scheme)!r}: supported "
                                  "{'type': 'float', 'num_bits': 8} (an FP8 e4m3 KV cache)")
             kv = "FP8"
-        return cls(
-            quant_algo=algo,
-            group_size=int(group or 16),
-            exclude_modules=tuple(q.get("ignore") or q.get("exclude_modules") or ()),
-            kv_cache_quant_algo=kv,
-            producer=dict(q.get("producer") or {}),
-            **kw,
-        )
+        return cls(quant_algo=algo, group_size=int(group or 16),
+                   exclude_modules=tuple(q.get("ignore") or q.get("exclude_modules") or ()),
+                   kv_cache_quant_algo=kv, producer=dict(q.get("producer") or {}), **kw)
 
     @classmethod
     def from_folder(cls, path: str | Path, mtp_layer_id: int | None = None
@@ -137,17 +106,14 @@ class QuantConfig:
             q = json.loads(cj.read_text()).get("quantization_config")
             if q:
                 if q.get("quant_method") not in (None, "modelopt"):
-                    raise ValueError(
-                        f"{cj}: quantization_config.quant_method {q.get('quant_method')!r}: "
-                        "supported 'modelopt' (NVFP4)"
-                    )
+                    raise ValueError(f"{cj}: quantization_config.quant_method "
+                                     f"{q.get('quant_method')!r}: supported 'modelopt' (NVFP4)")
                 try:
                     return cls.from_quantization_config(q, mtp_layer_id=mtp_layer_id)
                 except ValueError as e:
                     raise ValueError(f"{cj}: quantization_config: {e}") from e
         return None
 
-    # ---- queries -------------------------------------------------------------------------
     def is_excluded(self, prefix: str) -> bool:
         """Whether module ``prefix`` (e.g. ``model.layers.3.self_attn.q_b_proj``) stays BF16."""
         return any(r.fullmatch(prefix) for r in self._regexes)
@@ -164,12 +130,8 @@ class QuantConfig:
         return (self.kv_cache_quant_algo or "").upper() == "FP8"
 
     def to_hf_quant_config(self) -> dict[str, Any]:
-        return {
-            "producer": dict(self.producer) or {"name": "modelopt", "version": "0.29.0"},
-            "quantization": {
-                "quant_algo": self.quant_algo,
-                "kv_cache_quant_algo": self.kv_cache_quant_algo,
-                "group_size": self.group_size,
-                "exclude_modules": list(self.exclude_modules),
-            },
-        }
+        return {"producer": dict(self.producer) or {"name": "modelopt", "version": "0.29.0"},
+                "quantization": {"quant_algo": self.quant_algo,
+                                 "kv_cache_quant_algo": self.kv_cache_quant_algo,
+                                 "group_size": self.group_size,
+                                 "exclude_modules": list(self.exclude_modules)}}

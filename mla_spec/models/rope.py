@@ -1,19 +1,10 @@
 """Rotary position embedding of DeepSeek-V3: YaRN-scaled frequencies, interleaved pairs.
 
-Only the ``qk_rope_head_dim`` = 64 wide part of each query head (``q_pe``) and the single shared
-key part (``k_pe``) are rotated. DeepSeek pairs *adjacent* elements ``(x[2i], x[2i+1])`` and
-rotates pair ``i`` by ``position * inv_freq[i]`` (SGLang's ``is_neox=False``). The output keeps the
-interleaved layout (as SGLang writes it into the KV cache); transformers returns the same values
-de-interleaved, which gives identical q·k dot products.
-
-YaRN (as transformers' ``_compute_yarn_parameters`` computes it): with ``dim`` = 64, base
-``rope_theta``, scale ``factor`` and ``original_max_position_embeddings`` L,
-``inv_freq = interp * (1 - m) + extrap * m`` where ``extrap = base^(-2i/dim)``,
-``interp = extrap / factor`` and ``m = 1 - clamp((i - low) / (high - low), 0, 1)`` over the
-correction range ``low = floor(d(beta_fast))``, ``high = ceil(d(beta_slow))``,
-``d(r) = dim * ln(L / (2*pi*r)) / (2 ln base)``. cos/sin are multiplied by the attention factor
-``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (1.0 for DeepSeek-V3); the
-softmax-scale part (``mscale_all_dim``) lives in ``ModelConfig.softmax_scale``.
+Only ``q_pe`` and ``k_pe`` (64 wide) rotate; pair ``i`` is the adjacent ``(x[2i], x[2i+1])``
+(SGLang's ``is_neox=False``), kept interleaved as the KV cache stores it. YaRN as transformers'
+``_compute_yarn_parameters``: ``inv_freq = interp * (1 - m) + extrap * m``, ``extrap =
+base^(-2i/dim)``, ``interp = extrap / factor``, ``m`` a linear ramp from 1 to 0 over
+``[floor(d(beta_fast)), ceil(d(beta_slow))]``, ``d(r) = dim * ln(L / (2 pi r)) / (2 ln base)``.
 """
 
 from __future__ import annotations
@@ -25,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mla_spec.config import yarn_mscale
 from mla_spec.device import triton_interpreting, use_triton
 from mla_spec.kernels.ops import apply_rope_interleaved, rope_cos_sin, rope_qk, rope_qk_ref
 from mla_spec.kernels.ops.rope import SUPPORTED_DTYPES
@@ -32,17 +24,10 @@ from mla_spec.kernels.ops.rope import SUPPORTED_DTYPES
 __all__ = ["DeepseekRotaryEmbedding", "yarn_inv_freq", "apply_rope_interleaved"]
 
 
-def _mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def yarn_inv_freq(
-    dim: int, base: float, rope_scaling: Mapping[str, Any] | None, max_position_embeddings: int
-) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies ``[dim / 2]`` (fp32) and the cos/sin attention factor.
-
-    ``rope_scaling`` None (or type "default") gives plain RoPE.
-    """
+def yarn_inv_freq(dim: int, base: float, rope_scaling: Mapping[str, Any] | None,
+                  max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies ``[dim / 2]`` (fp32) and the cos/sin attention factor. ``rope_scaling``
+    None (or type "default") gives plain RoPE."""
     pos = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     rs = dict(rope_scaling or {})
     kind = rs.get("rope_type", rs.get("type", "default"))
@@ -57,7 +42,8 @@ def yarn_inv_freq(
     attn = rs.get("attention_factor")
     if attn is None:
         m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
-        attn = _mscale(factor, m) / _mscale(factor, m_all) if m and m_all else _mscale(factor)
+        attn = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                else yarn_mscale(factor))
     beta_fast = rs.get("beta_fast") or 32
     beta_slow = rs.get("beta_slow") or 1
 
@@ -77,18 +63,14 @@ def yarn_inv_freq(
 
 
 class DeepseekRotaryEmbedding(nn.Module):
-    """``(q_pe, k_pe) -> roped (q_pe, k_pe)`` at ``positions``.
-
-    Shapes: ``positions`` ``[*P]`` (``[N]`` packed rows or ``[T]`` for a dense batch),
-    ``q_pe`` ``[*B, *P, H, 64]``, ``k_pe`` ``[*B, *P, 64]`` (leading batch dims broadcast).
-    """
+    """``(q_pe, k_pe) -> roped (q_pe, k_pe)`` at ``positions``. Shapes: ``positions`` ``[*P]``
+    (``[N]`` packed rows or ``[T]`` for a dense batch), ``q_pe`` ``[*B, *P, H, 64]``, ``k_pe``
+    ``[*B, *P, 64]`` (leading batch dims broadcast)."""
 
     def __init__(self, cfg, device=None) -> None:
         super().__init__()
-        inv_freq, attn = yarn_inv_freq(
-            cfg.qk_rope_head_dim, float(cfg.rope_theta), cfg.rope_scaling,
-            cfg.max_position_embeddings,
-        )
+        inv_freq, attn = yarn_inv_freq(cfg.qk_rope_head_dim, float(cfg.rope_theta),
+                                       cfg.rope_scaling, cfg.max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         self.attention_factor = attn
 
@@ -97,10 +79,8 @@ class DeepseekRotaryEmbedding(nn.Module):
         return rope_cos_sin(positions, self.inv_freq, self.attention_factor)
 
     def _fused(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor) -> bool:
-        """Whether the fused kernel (``mla_spec.kernels.ops.rope``: one Triton kernel for q_pe
-        and k_pe instead of ~24 torch kernels, 35 µs less per H200 layer at bs 1) runs: a CUDA
-        tensor (not the CPU interpreter), inference shapes ``[N]`` / ``[N, H, D]`` / ``[N, D]``,
-        no autograd. Elsewhere (CPU, training) the torch twin runs."""
+        """Whether the fused Triton kernel (``kernels.ops.rope``) runs: CUDA (not the
+        interpreter), shapes ``[N]`` / ``[N, H, D]`` / ``[N, D]``, no autograd."""
         if not use_triton(q_pe) or triton_interpreting():
             return False
         if positions.dim() != 1 or q_pe.dim() != 3 or k_pe.dim() != 2:
@@ -110,9 +90,8 @@ class DeepseekRotaryEmbedding(nn.Module):
         return q_pe.dtype in SUPPORTED_DTYPES and k_pe.dtype in SUPPORTED_DTYPES \
             and self.inv_freq.device == q_pe.device == positions.device
 
-    def forward(
-        self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q_pe: torch.Tensor,
+                k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self._fused(positions, q_pe, k_pe):
             return rope_qk(positions, q_pe, k_pe, self.inv_freq, self.attention_factor)
         return rope_qk_ref(positions, q_pe, k_pe, self.inv_freq, self.attention_factor)

@@ -1,18 +1,8 @@
 """Vocab-parallel embedding and lm_head: each TP rank holds ``vocab / tp_size`` rows.
 
-DeepSeek-V3's vocabulary (129,280 x 7,168) costs 1.85 GB per copy in bf16, twice (embedding and
-lm_head); replicated on every rank of TP 4 that is 3.7 GB per GPU, sharded 0.9 GB. SGLang shards
-both by vocabulary rows; so do we:
-
-- ``VocabParallelEmbedding``: rank ``r`` owns ids ``[r * V/tp, (r + 1) * V/tp)``. A lookup
-  zeroes the rows of ids it does not own, then one all-reduce sums the ranks' partial rows (each
-  row has exactly one non-zero contribution, so the sum is exact: same bits as TP 1).
-- ``ParallelLMHead``: rank ``r`` computes the logits of its vocabulary slice ``[N, V/tp]``;
-  an all-gather along the vocabulary returns ``[N, V]`` fp32, identical on every rank.
-
-The split is the loader's contiguous one (``tp_shard_dims = {"weight": 0}``). A vocabulary that
-``tp_size`` does not divide stays replicated (``sharded`` is False), as at TP 1. Training runs
-at TP 1 (the collectives raise under autograd).
+``VocabParallelEmbedding`` zeroes the rows of ids it does not own and all-reduces (exact);
+``ParallelLMHead`` all-gathers ``[N, V]`` fp32 logits. A vocabulary ``tp_size`` does not divide
+stays replicated (``sharded`` False).
 """
 
 from __future__ import annotations
@@ -73,18 +63,17 @@ class ParallelLMHead(nn.Module):
         self.vocab_size, self.tp_size = vocab_size, tp_size
         self.sharded, local, self.vocab_start = _shard(vocab_size, tp_rank, tp_size)
         self.weight = nn.Parameter(torch.empty(local, hidden_size, dtype=dtype, device=device))
-        # nn.Linear's default init (same RNG draws as the replicated head it replaced at TP 1)
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default init
         self.tp_shard_dims = {"weight": 0} if self.sharded else {}
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., hidden]`` -> fp32 ``[..., vocab]``, the same bits on every rank. The matmul
-        runs in the weight dtype (fp32 accumulate on GPU), then casts to fp32."""
+        """``[..., hidden]`` -> fp32 ``[..., vocab]`` (matmul in the weight dtype), the same bits
+        on every rank."""
         part = F.linear(hidden.to(self.weight.dtype), self.weight).float()
         if not self.sharded:
             return part
-        with torch.no_grad():  # logits for sampling / evaluation; training runs at TP 1 (the
-            return tp_all_gather(part, self.tp_size)  # embedding's all-reduce raises there)
+        with torch.no_grad():  # sampling / evaluation only: training runs at TP 1
+            return tp_all_gather(part, self.tp_size)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[1]} -> {self.vocab_size}" + (

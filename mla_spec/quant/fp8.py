@@ -1,29 +1,11 @@
-"""FP8 e4m3 (``float8_e4m3fn``) quantization with a per-tensor scale.
+"""FP8 e4m3 (``float8_e4m3fn``) quantization with a per-tensor or per-row scale, and error bounds.
 
-The latent KV cache can be stored in e4m3 (1 sign, 4 exponent, 3 mantissa bits; finite range
-``±448``, smallest normal ``2**-6``, smallest subnormal ``2**-9``; the ``fn`` variant has no
-infinities and one NaN pattern). A per-tensor ``scale`` maps real values onto that grid:
-
-    stored = saturate(x / scale)   and   real ≈ stored * scale
-
-Rounding: ``x / scale`` is computed in fp32, clamped to ``[-448, 448]`` and then cast with
-``torch.Tensor.to(torch.float8_e4m3fn)``, which rounds to nearest, ties to even (RTNE). The clamp
-comes first so that a large *finite* input saturates to ±448 instead of becoming NaN (the plain
-cast on CUDA is not saturating); ±inf saturate too; NaN stays NaN. The relative error of a value
-in the normal range is at most ``2**-4`` (half an ulp of a 3-bit mantissa); below ``2**-6``
-(subnormals) the absolute error is at most ``2**-10 * scale``.
-
-Non-finite input. :func:`quantize_fp8` works element by element: ``±inf`` saturate to ``±448``
-(e4m3fn has no infinity) and a NaN stays NaN in its own element only; it does not check, because
-the KV-store launchers call it on every cache write when interpreting and a check would cost a
-device sync. :func:`quantize_rows_e4m3` and :func:`fp8_scale_for` derive a scale from ``amax``,
-where one inf would turn the row's finite values into 0 and itself into NaN (or hide behind a
-scale of 1.0), so they raise ``ValueError`` naming the first non-finite position instead
-(:func:`require_finite`).
-
-The Triton kernels use the same rule (clamp, then ``.to(tl.float8e4nv)``, RTNE on Hopper); under
-the CPU interpreter that cast is not RTNE, so the launchers quantize with the functions here when
-interpreting (see ``mla_spec/kernels/ops/kv_store.py``).
+e4m3: finite range ``±448``, smallest normal ``2**-6``, no infinity. ``stored = sat(x / scale)``
+in fp32, clamped to ``±448`` (so inf saturates), cast round-to-nearest-even: relative error
+``<= 2**-4`` in the normal range, absolute ``<= 2**-10 * scale`` below it. :func:`quantize_fp8`
+does not check for NaN / inf (it runs on every cache write; a check would sync); functions that
+derive a scale from ``amax`` raise ``ValueError`` on them. The interpreter's cast does not round
+like Hopper's, so the launchers use these functions when interpreting.
 """
 
 from __future__ import annotations
@@ -33,38 +15,21 @@ import math
 import torch
 
 __all__ = [
-    "FP8_E4M3_MAX",
-    "FP8_DTYPE",
-    "quantize_fp8",
-    "dequantize_fp8",
-    "require_finite",
-    "fp8_scale_for",
-    "fp8_e4m3_values",
-    "fp8_max_rel_error",
-    "fp8_kv_attention_error_bound",
-    "quantize_rows_e4m3",
-    "e4m3_rows_round_trip",
-    "fp8_query_attention_error_bound",
-    "P8_SCALE",
-    "round_probabilities_e4m3",
-    "fp8_probability_attention_error_bound",
+    "FP8_E4M3_MAX", "FP8_DTYPE", "quantize_fp8", "dequantize_fp8", "require_finite",
+    "fp8_scale_for", "fp8_e4m3_values", "fp8_max_rel_error", "fp8_kv_attention_error_bound",
+    "quantize_rows_e4m3", "e4m3_rows_round_trip", "fp8_query_attention_error_bound", "P8_SCALE",
+    "round_probabilities_e4m3", "fp8_probability_attention_error_bound",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_E4M3_MAX = 448.0
-# Half an ulp of a 3-bit mantissa, relative: the worst relative rounding error for normal values.
-FP8_E4M3_REL_ERR = 2.0**-4
+FP8_E4M3_REL_ERR = 2.0**-4  # half an ulp of a 3-bit mantissa: worst relative error (normals)
 _SMALLEST_NORMAL = 2.0**-6
 
 
 def require_finite(x: torch.Tensor, what: str) -> None:
-    """Raise ``ValueError`` unless every element of ``x`` is finite.
-
-    The message names ``what``, how many elements are NaN / inf and the first one's index and
-    value. Integer and bool tensors pass; ``float8_e4m3fn`` is checked for its NaN code. The
-    common case costs one reduction and one sync: a NaN or inf never sums to a finite value, so
-    a finite ``x.sum()`` proves every element finite (a sum that overflows is checked exactly).
-    """
+    """Raise ``ValueError`` naming ``what``, the NaN / inf count and the first index (integer and
+    bool pass; e4m3 checked for its NaN code). One sync: a finite ``x.sum()`` proves all finite."""
     if x.dtype == FP8_DTYPE:
         bad = (x.view(torch.uint8) & 0x7F) == 0x7F
         if not bool(bad.any()):
@@ -81,10 +46,9 @@ def require_finite(x: torch.Tensor, what: str) -> None:
         return
     first = tuple(int(i) for i in bad.nonzero()[0])
     value = float(x[first].float())
-    raise ValueError(
-        f"{what}: {int(bad.sum())} of {x.numel()} values are NaN or inf (first {value} at index "
-        f"{list(first)}, shape {list(x.shape)}); only finite values are supported"
-    )
+    raise ValueError(f"{what}: {int(bad.sum())} of {x.numel()} values are NaN or inf (first "
+                     f"{value} at index {list(first)}, shape {list(x.shape)}); only finite values "
+                     "are supported")
 
 
 def _check_scale(scale: float | torch.Tensor) -> None:
@@ -112,26 +76,16 @@ def _scale_for(x: torch.Tensor, scale: float | torch.Tensor) -> float | torch.Te
 
 
 def quantize_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Saturating e4m3 quantization ``sat(x / scale)`` (RTNE), same shape as ``x``.
-
-    Parameters
-    ----------
-    x : Tensor, any shape, any float dtype
-    scale : float or Tensor broadcastable to ``x`` (per-tensor or per-row), > 0
-
-    Returns
-    -------
-    Tensor of ``torch.float8_e4m3fn``, shape of ``x``.
-    """
+    """``sat(x / scale)`` (RTNE) as ``float8_e4m3fn``, shape of ``x`` (any float dtype). ``scale``:
+    a positive float, or a tensor broadcastable to ``x`` (per tensor or per row)."""
     _check_scale(scale)
     scale = _scale_for(x, scale)
     y = x.to(torch.float32) / scale
     return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
 
 
-def dequantize_fp8(
-    x8: torch.Tensor, scale: float | torch.Tensor = 1.0, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def dequantize_fp8(x8: torch.Tensor, scale: float | torch.Tensor = 1.0,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``x8 * scale`` computed in fp32, returned in ``dtype`` (shape of ``x8``)."""
     if x8.dtype != FP8_DTYPE:
         raise ValueError(f"dequantize_fp8 expects {FP8_DTYPE}, got {x8.dtype}")
@@ -140,11 +94,8 @@ def dequantize_fp8(
 
 
 def fp8_scale_for(x: torch.Tensor, margin: float = 1.0) -> float:
-    """Per-tensor scale mapping ``max|x|`` to 448 (``amax / 448 * margin``; 1.0 for all-zero x).
-
-    Raises ``ValueError`` when ``x`` holds NaN / inf (no scale fits them) or ``margin`` is not
-    positive and finite.
-    """
+    """Per-tensor scale ``amax / 448 * margin`` (1.0 for an all-zero ``x``). Raises ``ValueError``
+    on NaN / inf in ``x`` or a ``margin`` not positive and finite."""
     if not (margin > 0 and math.isfinite(margin)):
         raise ValueError(f"fp8_scale_for: margin {margin!r} must be positive and finite")
     amax = float(x.detach().abs().max()) if x.numel() else 0.0
@@ -179,16 +130,9 @@ def fp8_kv_attention_error_bound(q: torch.Tensor, kv: torch.Tensor, dv: int, sm_
                                  scale: float = 1.0) -> float:
     """Worst-case max-abs change of an attention output when its KV rows go through e4m3.
 
-    ``q [M, D]`` queries and ``kv [L, D]`` the real (unquantized) rows of one request, ``dv`` the
-    value width, ``scale`` the cache scale. Each stored element moves by at most
-    ``d_x = 2**-4 |x| + 2**-10 scale`` (normal rounding + the subnormal floor), so every score
-    moves by at most ``eps = sm_scale * max_j sum_d |q_d| d_x[j, d]``, every softmax weight by a
-    factor within ``exp(±2 eps)``, and
-
-        |out' - out| <= (exp(2 eps) - 1) * max|v'| + max|v' - v|.
-
-    It ignores the fp32 rounding of the kernels (orders of magnitude smaller).
-    """
+    Each element moves by at most ``d_x = 2**-4 |x| + 2**-10 scale``, every score by ``eps =
+    sm_scale * max_j sum_d |q_d| d_x[j, d]``, so ``|out' - out| <= (exp(2 eps) - 1) max|v'| +
+    max|v' - v|`` (fp32 rounding ignored)."""
     qf, x = q.to(torch.float64), kv.to(torch.float64)
     dx = 2.0**-4 * x.abs() + 2.0**-10 * scale
     eps = float(sm_scale * (qf.abs() @ dx.T).max()) if qf.numel() and x.numel() else 0.0
@@ -198,19 +142,10 @@ def fp8_kv_attention_error_bound(q: torch.Tensor, kv: torch.Tensor, dv: int, sm_
 
 
 def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Queries to e4m3 with one scale per row (the last dim), as the ``WE`` attention kernel
-    does before its e4m3 Q K products (``kernels/csrc/mla_wgmma_e4m3_sm90.cu``).
+    """Queries to e4m3 with one scale per row, as the ``WE`` kernel does before its e4m3 Q K.
 
-    ``x [..., D]`` -> ``(q8 [..., D] float8_e4m3fn, scale [...] fp32)`` with ``scale =
-    amax / 448`` (0 for an all-zero row) and ``q8 = sat_rtne(x * (448 / amax))``, the product
-    in fp32 as the kernel computes it; ``q8 * scale`` is the round trip. Per row rather than
-    per tensor (TRT-LLM-gen's ``q_scale``): a head whose queries are small keeps its 3
-    mantissa bits. The error it adds to an attention output:
-    :func:`fp8_query_attention_error_bound`.
-
-    Raises ``ValueError`` when ``x`` holds NaN / inf (one inf would zero its row's finite values
-    and become NaN itself); the check costs one device sync.
-    """
+    ``x [..., D]`` -> ``(q8, scale [...] fp32)``, ``scale = amax / 448`` (0 for a zero row), ``q8 =
+    sat_rtne(x * (448 / amax))``. Raises ``ValueError`` on NaN / inf (one sync)."""
     require_finite(x, "quantize_rows_e4m3: x")
     xf = x.to(torch.float32)
     amax = xf.abs().amax(dim=-1) if x.shape[-1] else xf.new_zeros(x.shape[:-1])
@@ -230,14 +165,8 @@ def e4m3_rows_round_trip(x: torch.Tensor) -> torch.Tensor:
 def fp8_query_attention_error_bound(q: torch.Tensor, kv: torch.Tensor, dv: int,
                                     sm_scale: float) -> float:
     """Worst-case max-abs change of an attention output when its queries go through
-    :func:`quantize_rows_e4m3` (the KV as given: pass the values the kernel multiplies).
-
-    ``q [M, D]`` the rows of one request, ``kv [L, D]``. Element d of row r moves by at most
-    ``d_q = 2**-4 |q_d| + 2**-10 amax_r / 448`` (normal rounding, the subnormal floor), every
-    score by at most ``eps = sm_scale * max_{r, j} sum_d d_q[r, d] |kv_jd|``, every softmax
-    weight by a factor within ``exp(±2 eps)``, so ``|out' - out| <= (exp(2 eps) - 1) max|v|``.
-    With an e4m3 cache add :func:`fp8_kv_attention_error_bound` (the two compose to first order).
-    """
+    :func:`quantize_rows_e4m3`: with ``d_q = 2**-4 |q| + 2**-10 amax_r / 448``, ``eps = sm_scale *
+    max sum_d d_q |kv|`` and ``|out' - out| <= (exp(2 eps) - 1) max|v|``."""
     if not q.numel() or not kv.numel():
         return 0.0
     qf, x = q.to(torch.float64), kv.to(torch.float64)
@@ -248,9 +177,8 @@ def fp8_query_attention_error_bound(q: torch.Tensor, kv: torch.Tensor, dv: int,
     return (torch.tensor(2 * eps, dtype=torch.float64).exp().item() - 1) * v_max
 
 
-#: what the ``WE8`` kernel multiplies its softmax weights by before rounding them to e4m3: a
-#: weight is at most 1 (relative to the running max), and e4m3's normal numbers start at 2^-6;
-#: 256 keeps weights down to 2^-14 normal and stays below 448 (``csrc/sm90_e4m3.cuh``)
+#: ``WE8`` scales its softmax weights (<= 1) by this before rounding them to e4m3: weights down
+#: to 2^-14 stay normal and 256 stays below 448 (``csrc/sm90_e4m3.cuh``)
 P8_SCALE = 256.0
 
 
@@ -262,16 +190,6 @@ def round_probabilities_e4m3(p: torch.Tensor) -> torch.Tensor:
 
 def fp8_probability_attention_error_bound(kv_len: int, v_max: float) -> float:
     """Worst-case max-abs change of an attention output element when its softmax weights go
-    through :func:`round_probabilities_e4m3` (``WE8``'s e4m3 P V), ``v_max`` the largest
-    ``|v|`` the kernel multiplies, ``kv_len`` the tokens of the row.
-
-    A weight ``p <= 1`` (relative to the row's running max, which only shrinks it later)
-    moves by at most ``2**-4 p`` when ``256 p >= 2**-6`` and by ``2**-10 / 256`` below
-    (the subnormal floor), and the sum the output is divided by is at least 1, so
-    ``|out' - out| <= (2**-4 + kv_len * 2**-18) v_max``. On random data the error is far
-    below this (round to nearest is unbiased): about ``2**-4 / sqrt(3)`` of the output's norm
-    at most, the measured norms are in ``docs/bench_mla.md``. The e4m3 MMA's own rounding
-    (as in Q K) comes on top; the queries' rounding is
-    :func:`fp8_query_attention_error_bound`.
-    """
+    through :func:`round_probabilities_e4m3` (``WE8``'s e4m3 P V): ``(2**-4 + kv_len * 2**-18)
+    v_max``, since a weight moves by at most ``2**-4 p`` or ``2**-18``, the denominator >= 1"""
     return (FP8_E4M3_REL_ERR + max(int(kv_len), 0) * 2.0**-10 / P8_SCALE) * float(v_max)

@@ -1,18 +1,8 @@
-"""Formats to compare NVFP4 against: MXFP4 (OCP microscaling) and int4 with per-group scales.
+"""Formats to compare NVFP4 against, for error studies (``notebooks/05_nvfp4_weights.ipynb``).
 
-MXFP4 (OCP MX v1.0): the same E2M1 elements as NVFP4, but 32-element blocks and one E8M0 scale
-per block (a bare power of two, stored as its biased exponent), no per-tensor scale: 4.25 bits
-per weight. The shared exponent is ``floor(log2(amax(block))) - 2`` (2 = the exponent of E2M1's
-largest value, 6 = 1.5 * 2**2), so the block's largest element lands in ``[4, 8)`` and values
-above 6 saturate. A power-of-two scale wastes up to one binade of E2M1's small range, which is
-why NVFP4's e4m3 block scale (3 mantissa bits) and smaller blocks quantize more accurately.
-
-int4-group (GPTQ/AWQ-style, symmetric): integers -8..7 times one scale per ``group_size`` (128)
-elements, ``scale = amax(group) / 7``, round-half-even; 4 + 16/128 = 4.125 bits per weight with a
-bf16 scale. Uniform levels suit Gaussian bulk well but spend them poorly on heavy tails.
-
-These are reference implementations for error studies (`notebooks/05_nvfp4_weights.ipynb`);
-nothing in the serving path uses them.
+MXFP4: E2M1 with 32-element blocks and a power-of-two scale ``2**(floor(log2(amax)) - 2)``
+(4.25 bits a weight). int4-group: -8..7 times ``amax / 7`` per 128 elements (4.125 bits).
+Nothing in the serving path uses them.
 """
 
 from __future__ import annotations
@@ -24,13 +14,8 @@ import torch
 from mla_spec.quant.nvfp4 import E2M1_VALUES, NVFP4ErrorReport, cast_to_e2m1, make_error_report
 
 __all__ = [
-    "MXFP4Tensor",
-    "quantize_mxfp4",
-    "dequantize_mxfp4",
-    "mxfp4_error_report",
-    "quantize_int4_group",
-    "dequantize_int4_group",
-    "int4_group_error_report",
+    "MXFP4Tensor", "quantize_mxfp4", "dequantize_mxfp4", "mxfp4_error_report",
+    "quantize_int4_group", "dequantize_int4_group", "int4_group_error_report",
 ]
 
 MX_BLOCK = 32

@@ -1,42 +1,16 @@
 """NVFP4 weights in NVIDIA ModelOpt's checkpoint format: quantize, pack, unpack, dequantize.
 
-NVFP4 stores a weight matrix ``W [N, K]`` (N = out features, K = in features) in three pieces:
+``W [N, K]`` is stored as ``weight`` uint8 ``[N, K/2]`` (two E2M1 codes a byte, element ``2i``
+low), ``weight_scale`` e4m3 ``[N, K/16]`` and global ``weight_scale_2`` fp32 (``amax(W) / (6 *
+448)``): ``W ~= E2M1[code] * weight_scale[n, k // 16] * weight_scale_2``. E2M1 codes 0..7 are
+``{0, 0.5, 1, 1.5, 2, 3, 4, 6}``, bit 3 the sign.
 
-- ``weight`` uint8 ``[N, K/2]``: one 4-bit E2M1 code per element, two per byte. The **even**
-  element ``k = 2i`` sits in the **low** nibble, the odd one ``2i+1`` in the high nibble.
-- ``weight_scale`` float8_e4m3fn ``[N, K/16]``: one scale per 16 consecutive elements of a row.
-- ``weight_scale_2`` float32 scalar: the per-tensor ("global") scale, ``amax(W) / (6 * 448)``.
-
-and ``W ~= E2M1[code] * weight_scale[n, k // 16] * weight_scale_2`` (4.5 bits per weight).
-
-E2M1 (1 sign, 2 exponent, 1 mantissa bit, bias 1) has the magnitudes
-``{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` for codes 0..7; bit 3 is the sign (code 8 is -0).
-
-Quantization follows ``NVFP4QTensor`` of NVIDIA Model-Optimizer (facts only, own code):
-
-1. ``weight_scale_2 = amax(|W|) / (6 * 448)`` (fp32). The largest block scale then lands on 448,
-   the top of e4m3.
-2. block scale ``= amax(|block|) / (6 * weight_scale_2)``; a zero block gets 1.0; the result is
-   clamped to ``>= 2**-9`` (smallest e4m3 subnormal) and cast (round-to-nearest-even) to e4m3.
-3. each element is divided by ``float(block scale) * weight_scale_2`` and rounded to E2M1 by
-   counting the decision bounds ``[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5]`` strictly below ``|x|``
-   (``searchsorted``), then adding one when ``|x|`` equals 0.75, 1.75 or 2.5 exactly.
-   **Tie rule**: a value exactly half-way goes *up* at 0.75 -> 1, 1.75 -> 2, 2.5 -> 3 and *down*
-   at 0.25 -> 0, 1.25 -> 1, 3.5 -> 3, 5 -> 4. This is round-half-even on the mantissa except at
-   2.5 and 3.5, which both land on 3 (IEEE RNE would give 2 and 4). Values above 6 saturate to
-   6. The sign bit is ``x < 0``, so a small negative value that rounds to zero is stored as
-   code 8 (-0), while an exact ``-0.0`` input gives code 0.
-
-The activation scale that ModelOpt exports beside each linear is ``input_scale = amax(x) /
-(6 * 448)``; a W4A16 GEMM does not need it, but the checkpoint carries it.
-
-Values. NVFP4 holds finite numbers only (E2M1 and e4m3fn have no infinity), so
-:func:`quantize_nvfp4` raises ``ValueError`` on NaN / inf input (one inf would make every
-dequantized value NaN, one NaN its whole block) and on a global scale that is not positive and
-finite (0 would dequantize everything to 0). :func:`check_nvfp4_scales` checks the scales of an
-already quantized weight (the loader calls it). :class:`NVFP4Tensor` checks dtypes and shapes
-only: it is also built inside forward passes and CUDA-graph captures, where reading a value
-would cost a device sync.
+Quantization follows ModelOpt's conventions (own code): block scale ``amax(block) / (6 *
+weight_scale_2)`` (1.0 for a zero block, ``>= 2**-9``, RTNE to e4m3); elements round to E2M1 by
+counting the bounds ``[0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5]`` below ``|x|`` (ties up at 0.75,
+1.75, 2.5, down elsewhere); above 6 saturates. :func:`quantize_nvfp4` rejects NaN / inf;
+:func:`check_nvfp4_scales` checks loaded scales; :class:`NVFP4Tensor` checks only dtypes and
+shapes (it is built inside CUDA-graph captures). Format details: ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -49,25 +23,10 @@ import torch
 from mla_spec.quant.fp8 import require_finite
 
 __all__ = [
-    "E2M1_VALUES",
-    "E2M1_BOUNDS",
-    "FP4_MAX",
-    "E4M3_MAX",
-    "BLOCK_SIZE",
-    "NVFP4Tensor",
-    "NVFP4ErrorReport",
-    "cast_to_e2m1",
-    "pack_fp4",
-    "unpack_fp4",
-    "global_scale",
-    "input_scale_from_amax",
-    "nvfp4_block_scales",
-    "quantize_nvfp4",
-    "dequantize_nvfp4",
-    "validate_nvfp4",
-    "check_nvfp4_scales",
-    "nvfp4_error_report",
-    "make_error_report",
+    "E2M1_VALUES", "E2M1_BOUNDS", "FP4_MAX", "E4M3_MAX", "BLOCK_SIZE", "NVFP4Tensor",
+    "NVFP4ErrorReport", "cast_to_e2m1", "pack_fp4", "unpack_fp4", "global_scale",
+    "input_scale_from_amax", "nvfp4_block_scales", "quantize_nvfp4", "dequantize_nvfp4",
+    "validate_nvfp4", "check_nvfp4_scales", "nvfp4_error_report", "make_error_report",
 ]
 
 FP4_MAX = 6.0
@@ -90,18 +49,8 @@ def _on(name: str, device: torch.device) -> torch.Tensor:
 
 
 def cast_to_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """Round already-scaled values to 4-bit E2M1 codes with ModelOpt's tie rule.
-
-    Parameters
-    ----------
-    x : torch.Tensor
-        Any shape, any float dtype; values in units of the block scale (|x| <= 6 unless clipped).
-
-    Returns
-    -------
-    torch.Tensor
-        uint8 codes in 0..15 of the same shape (bit 3 = sign, bits 0..2 = magnitude index).
-    """
+    """Round values already divided by their scales (any shape, float) to uint8 E2M1 codes
+    0..15 (bit 3 = sign) of the same shape, with ModelOpt's tie rule."""
     x = x.float()
     sign = (x < 0).to(torch.uint8)
     mag = x.abs()
@@ -131,9 +80,7 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
 
 def global_scale(amax: torch.Tensor | float) -> torch.Tensor:
     """Per-tensor scale ``amax / (6 * 448)`` as an fp32 scalar tensor (``amax == 0`` -> 1/2688).
-
-    Raises ``ValueError`` when ``amax`` is negative, NaN or inf.
-    """
+    Raises ``ValueError`` when ``amax`` is negative, NaN or inf."""
     a = torch.as_tensor(amax, dtype=torch.float32)
     if not bool(torch.all(torch.isfinite(a) & (a >= 0))):
         raise ValueError(f"NVFP4 global scale from amax {a.tolist()}: amax must be finite and "
@@ -158,12 +105,9 @@ def nvfp4_block_scales(w: torch.Tensor, weight_scale_2: torch.Tensor) -> torch.T
 
 @dataclass(frozen=True)
 class NVFP4Tensor:
-    """One NVFP4 weight, named like the checkpoint tensors.
-
-    ``weight`` uint8 ``[..., N, K/2]``, ``weight_scale`` float8_e4m3fn ``[..., N, K/16]``,
-    ``weight_scale_2`` fp32 scalar tensor (or ``[E]`` / ``[E, 2]`` for stacked experts, see
-    ``mla_spec.kernels.nvfp4.reference``), ``input_scale`` fp32 or None. Leading dims stack experts.
-    """
+    """One NVFP4 weight, named like the checkpoint tensors; leading dims stack experts. ``weight``
+    uint8 ``[..., N, K/2]``, ``weight_scale`` e4m3 ``[..., N, K/16]``, ``weight_scale_2`` fp32
+    scalar (``[E]`` / ``[E, 2]`` stacked), ``input_scale`` fp32 or None."""
 
     weight: torch.Tensor
     weight_scale: torch.Tensor
@@ -191,13 +135,7 @@ class NVFP4Tensor:
 
 def validate_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
                    weight_scale_2: torch.Tensor, name: str = "") -> int:
-    """Check dtypes and shapes of one (possibly expert-stacked) NVFP4 weight; return K.
-
-    Raises
-    ------
-    ValueError
-        naming the tensor and the expected dtype / shape.
-    """
+    """Check dtypes and shapes of one (possibly expert-stacked) NVFP4 weight; return K."""
     p = f"{name}." if name else ""
     if weight.dtype != torch.uint8:
         raise ValueError(f"{p}weight must be uint8 [..., N, K/2] (two E2M1 codes per byte), "
@@ -228,18 +166,8 @@ def validate_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
 def check_nvfp4_scales(weight_scale: torch.Tensor | None = None,
                        weight_scale_2: torch.Tensor | None = None,
                        input_scale: torch.Tensor | None = None, name: str = "") -> None:
-    """Check the values of an NVFP4 weight's scales (any of them; None skips one).
-
-    ``weight_scale_2`` and ``input_scale`` (global scales, every element) must be positive and
-    finite; ``weight_scale`` (e4m3 block scales) must hold no NaN and no negative value (0 is
-    allowed: its block dequantizes to 0). Reads the values (a device sync per tensor), so
-    :class:`NVFP4Tensor` does not call it.
-
-    Raises
-    ------
-    ValueError
-        naming the tensor, the first bad value and its index.
-    """
+    """Check an NVFP4 weight's scales (None skips one; a sync per tensor): global scales positive
+    and finite, block scales without NaN or negatives. ``ValueError`` names the first bad value."""
     p = f"{name}." if name else ""
     for what, t in (("weight_scale_2", weight_scale_2), ("input_scale", input_scale)):
         if t is None or not t.numel():
@@ -266,29 +194,9 @@ def check_nvfp4_scales(weight_scale: torch.Tensor | None = None,
 def quantize_nvfp4(w: torch.Tensor, weight_scale_2: torch.Tensor | None = None,
                    input_amax: float | torch.Tensor | None = None,
                    name: str = "") -> NVFP4Tensor:
-    """Quantize ``w [..., N, K]`` (K % 16 == 0) to NVFP4 with ModelOpt's conventions.
-
-    Parameters
-    ----------
-    w : torch.Tensor
-        float weight ``[..., N, K]``.
-    weight_scale_2 : torch.Tensor, optional
-        global scale to use (default ``amax(|w|) / 2688``, one for the whole tensor).
-    input_amax : float, optional
-        calibrated activation amax; sets ``input_scale = input_amax / 2688``.
-    name : str, optional
-        the weight's name, for error messages.
-
-    Returns
-    -------
-    NVFP4Tensor
-
-    Raises
-    ------
-    ValueError
-        ``w`` holds NaN / inf (the message gives the first index), ``weight_scale_2`` is not
-        positive and finite, or ``input_amax`` is negative or not finite.
-    """
+    """Quantize a float ``w [..., N, K]`` (K % 16 == 0) to NVFP4 with ModelOpt's conventions.
+    ``weight_scale_2`` defaults to ``amax(|w|) / 2688``; ``input_amax`` sets ``input_scale``.
+    Raises ``ValueError`` on NaN / inf or a bad global scale or ``input_amax``."""
     if not w.is_floating_point():
         raise ValueError(f"quantize_nvfp4: w must be a float tensor, got {w.dtype}")
     if w.dim() < 2 or w.shape[-1] % BLOCK_SIZE:
@@ -317,10 +225,8 @@ def dequantize_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
                      weight_scale_2: torch.Tensor, dtype: torch.dtype = torch.float32
                      ) -> torch.Tensor:
     """``E2M1[code] * weight_scale * weight_scale_2`` -> ``[..., N, K]`` in ``dtype``.
-
-    ``weight_scale_2`` may be a scalar, ``[E]`` (one per stacked expert) or ``[E, 2]`` (gate /
-    up halves of a stacked w13, the first N/2 rows use column 0).
-    """
+    ``weight_scale_2``: scalar, ``[E]`` per stacked expert, or ``[E, 2]`` (gate / up halves of a
+    stacked w13: the first N/2 rows use column 0)."""
     validate_nvfp4(weight, weight_scale, weight_scale_2)
     codes = unpack_fp4(weight).long()
     vals = _on("values", weight.device)[codes]
@@ -343,13 +249,9 @@ def _expand_scale_2(ws2: torch.Tensor, wshape: torch.Size) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class NVFP4ErrorReport:
-    """How well a quantized tensor reproduces the original.
-
-    ``rel_error`` = ||W - Q|| / ||W|| (Frobenius); ``max_error`` = max |W - Q|;
-    ``clipped_block_share`` = share of 16-blocks with an element beyond +-6 after scaling (the
-    e4m3 rounding of the block scale went down, or the scale saturated); ``sqnr_db`` =
-    20 log10(||W|| / ||W - Q||); ``bits_per_weight`` = storage cost of the format.
-    """
+    """How well a quantized tensor reproduces the original: ``rel_error`` ||W - Q|| / ||W||,
+    ``max_error`` max |W - Q|, ``clipped_block_share`` share of blocks with an element beyond
+    +-6 after scaling, ``sqnr_db`` 20 log10(||W|| / ||W - Q||), ``bits_per_weight``."""
 
     rel_error: float
     max_error: float

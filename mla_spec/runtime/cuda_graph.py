@@ -1,30 +1,10 @@
-"""CUDA graphs for the fixed-shape forwards of the serving loop.
+"""CUDA graphs for the fixed-shape forwards of the serving loop, per batch-size bucket.
 
-Captured per batch-size bucket (requests padded up to the bucket):
-
-==========  ==================  ===========================  =================================
-model       mode                rows per request             inputs copied in before replay
-==========  ==================  ===========================  =================================
-target      DECODE              1                            ids, positions, out_cache_loc
-target      TARGET_VERIFY       num_draft_tokens             + kv lens, request rows
-draft       DECODE              1                            + target_hidden (the MTP's own)
-draft       DRAFT_EXTEND_V2     num_draft_tokens             + target_hidden (verify rows)
-==========  ==================  ===========================  =================================
-
-How a replay stays correct with new lengths. Each graph owns a *static* ForwardBatch whose
-tensors (positions, out_cache_loc, seq_lens, seq_lens_q, req_pool_indices, ...) and attention
-plan tensors (``kv_lens``, ``req_pool_indices``, ...) are the buffers the captured kernels read.
-The engine still builds and plans an ordinary batch each step (host work, outside the graph);
-:meth:`CudaGraphRunner.replay` copies its tensors into the static ones (device-to-device, no host
-sync) and pads the rest of the bucket with scratch requests: request row 0 / page 0, reserved by
-the scheduler, ``kv_len = q_len`` and ``out_cache_loc = 0``; their outputs are never read.
-Host-side plan values (the number of KV splits) stay those of the capture, which was planned
-at ``max_context_len`` so they suit long contexts; the kernels read lengths from device memory.
-
-What can be captured: a model whose forward never synchronizes with the host (checked first by an
-eager warm-up under ``torch.cuda.set_sync_debug_mode("error")``), over an attention backend that
-reads only plan tensors on the device (``triton``; or no backend, as the mock model). Anything
-else runs eagerly, and :attr:`CudaGraphRunner.disabled_reason` says why.
+Target DECODE / TARGET_VERIFY and draft DECODE / DRAFT_EXTEND_V2. Each graph owns a static
+ForwardBatch; :meth:`CudaGraphRunner.replay` copies the step's planned batch into it and pads the
+bucket with scratch requests (row 0, page 0). Host-side plan values stay the capture's (planned
+at ``max_context_len``). Only a model that never syncs with the host over a backend that reads
+its plan from device memory is captured; else :attr:`CudaGraphRunner.disabled_reason` says why.
 """
 
 from __future__ import annotations
@@ -39,11 +19,10 @@ import torch
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import ForwardMode
 
-__all__ = ["CudaGraphRunner", "GRAPH_SAFE_BACKENDS", "attach_graphs"]
+__all__ = ["CudaGraphRunner", "attach_graphs"]
 
 logger = logging.getLogger(__name__)
 
-GRAPH_SAFE_BACKENDS = ("triton",)
 _BATCH_TENSORS = ("seq_lens", "seq_lens_q", "positions", "out_cache_loc", "req_pool_indices",
                   "accept_length")
 
@@ -85,7 +64,6 @@ class CudaGraphRunner:
         self.hidden_size: int | None = None
         self._pool = None
 
-    # ---- capture -----------------------------------------------------------------------------
     @classmethod
     def capture(cls, runner, worker, batch_sizes=None) -> CudaGraphRunner:
         """Capture every graph the worker's configuration uses (or record why none)."""
@@ -107,9 +85,9 @@ class CudaGraphRunner:
         if self.runner.device.type != "cuda":
             return f"device is {self.runner.device}, CUDA graphs need a GPU"
         for which, b in self.runner.backends.items():
-            if b is not None and getattr(b, "name", None) not in GRAPH_SAFE_BACKENDS:
+            if b is not None and not getattr(b, "graph_safe", False):
                 return (f"the {which} attention backend {b.name!r} is not graph-safe "
-                        f"(graph-safe: {', '.join(GRAPH_SAFE_BACKENDS)})")
+                        "(its class does not set graph_safe = True)")
         return None
 
     def _targets(self, with_v2: bool) -> list[tuple[str, ForwardMode, int]]:
@@ -151,9 +129,8 @@ class CudaGraphRunner:
                                      device=run.device)
                 self._warmup(which, sb, ids, th)
                 graph = torch.cuda.CUDAGraph()
-                # relaxed: a lazy module load (a Triton binary first launched here) or a
-                # pool allocation must not invalidate the capture; no Python GC inside it
-                # (a finalizer freeing CUDA objects of an engine dropped earlier would)
+                # relaxed: a lazy module load or a pool allocation must not invalidate the
+                # capture; no GC inside it (a finalizer freeing CUDA objects would)
                 with _gc_paused(), torch.cuda.graph(graph, pool=self._pool,
                                                     capture_error_mode="relaxed"):
                     out = run.forward_eager(which, sb, ids, th)
@@ -184,7 +161,6 @@ class CudaGraphRunner:
     def _dtype(self) -> torch.dtype:
         return getattr(self.runner.target, "dtype", torch.float32)
 
-    # ---- replay ------------------------------------------------------------------------------
     def _bucket(self, bs: int) -> int | None:
         for b in self.batch_sizes:
             if b >= bs:

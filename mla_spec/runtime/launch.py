@@ -1,16 +1,9 @@
 """``launch``: run a function on ``world_size`` fresh rank processes and return their results.
 
-``launch(fn, world_size)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` processes
-(``torch.multiprocessing`` spawn, a free TCP port on 127.0.0.1, NCCL when every rank gets a GPU,
-gloo otherwise) and returns each rank's result (tensors moved to CPU, through a queue). A watchdog
-polls the children: a rank that dies or raises ends the whole run with a
-:class:`~mla_spec.runtime.workers.RankFailedError` naming it within about a second (0.7-0.9 s
-measured under NCCL on 4 H200s), and the survivors are terminated. A rank that dies closes its
-sockets, so its peers' gloo collectives fail at once too. Under ``torchrun`` (``RANK`` /
-``WORLD_SIZE`` / ``MASTER_ADDR`` in the environment) it runs ``fn`` in place on the current rank
-and all-gathers the results. Children leave with ``os._exit`` after flushing their result, and on
-their own once the parent is gone. The caller-is-rank-0 variant is
-:func:`mla_spec.runtime.workers.spawn_workers`.
+Spawned processes on a free 127.0.0.1 port (NCCL when every rank has a GPU, else gloo); a
+watchdog ends the run with :class:`~mla_spec.runtime.workers.RankFailedError` within about a
+second when a rank dies or raises (0.7-0.9 s under NCCL on 4 H200s). Under ``torchrun`` it runs
+in place and all-gathers. Caller-is-rank-0 variant: :func:`~mla_spec.runtime.workers.spawn_workers`.
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ import torch.multiprocessing as mp
 from mla_spec.distributed import init_distributed, resolve_backend
 from mla_spec.runtime.workers import (
     RankFailedError,
+    _child_signals,
     _exit_now,
     _exit_when_orphaned,
     _free_port,
@@ -60,6 +54,7 @@ def _unpack(data: bytes) -> Any:
 
 
 def _child(rank, world_size, backend, init_method, timeout_s, fn, args, results) -> None:
+    _child_signals()
     code = 0
     _exit_when_orphaned(os.getppid())
     if backend == "gloo":  # CPU ranks share the cores: avoid oversubscribing them (as torchrun)
@@ -92,12 +87,8 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return ``[result_0, ...]``.
 
-    ``fn`` must be picklable (a module-level function). Results come back through a queue
-    (tensors moved to CPU). Raises :class:`RankFailedError` naming the rank as soon as one dies or
-    raises (the others are terminated), or when ``run_timeout_s`` passes. ``timeout_s``: the
-    collective timeout (default ``default_timeout_s(backend)``).
-    Under ``torchrun`` runs ``fn`` on this rank only and all-gathers the results.
-    """
+    ``fn`` must be picklable; tensors come back on CPU. Raises :class:`RankFailedError` as soon as a
+    rank dies or raises, or after ``run_timeout_s``. ``timeout_s``: the collective timeout."""
     if world_size < 1:
         raise ValueError(f"world_size {world_size}: must be >= 1")
     if _running_under_torchrun():

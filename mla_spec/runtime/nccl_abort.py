@@ -1,30 +1,13 @@
 """Unblock a rank stuck in an NCCL collective whose peer died: abort the communicators.
 
-Why: under gloo a dead peer closes its sockets and every pending collective fails at once. Under
-NCCL nothing fails: the survivors' all-reduce kernels spin on the GPU waiting for data that will
-never come, and the host thread that waits on them (``.item()``, ``.tolist()``, a stream sync)
-is blocked inside the CUDA driver, where neither a ``KeyboardInterrupt`` nor the collective
-timeout of :mod:`mla_spec.distributed` can reach it until torch's NCCL watchdog tears the process
-down (``timeout_s``, 30 s by default, then ``TORCH_NCCL_ASYNC_ERROR_HANDLING``). Aborting the
-communicators (``ncclCommAbort``) sets the flag the kernels poll: they return, the blocked CUDA
-call returns, and the next collective raises (torch keeps aborted communicators in its cache on
-purpose, so no new rendezvous with the dead peer is attempted).
-
-Which call aborts depends on the torch version; :func:`abort_nccl` tries, in order, each guarded
-by ``hasattr`` and never raising:
-
-1. ``ProcessGroupNCCL.abort()`` on the default group's CUDA backend (C++ only: leaves Python's
-   process-group registry alone, so the main thread's next collective raises a torch
-   ``DistBackendError``, a ``RuntimeError``, instead of "no default group");
-2. ``ProcessGroup.abort()`` on the default group (aborts every backend of it);
-3. ``torch.distributed.distributed_c10d._abort_process_group()`` (aborts and unregisters every
-   group: experimental API of torch >= 2.3);
-4. the backend's ``_shutdown()`` / ``shutdown()`` (flushes first, so it can itself wait).
-
-``ncclCommAbort`` can block (NVIDIA/nccl#829: it synchronizes a stream), so the watchdog runs it
-on a thread of its own (:func:`abort_nccl_bounded`) and never waits for it longer than it says.
-:func:`release_aborted_group` is the main thread's cleanup after an abort: it unregisters the
-groups without waiting for the dead peer, bounded the same way.
+Under NCCL a dead peer fails nothing: the survivors' kernels spin and the host thread waiting
+on them is stuck in the CUDA driver, out of reach of ``KeyboardInterrupt`` and the collective
+timeout. ``ncclCommAbort`` sets the flag the kernels poll, so the blocked call returns and the
+next collective raises. :func:`abort_nccl` tries, guarded and never raising:
+``ProcessGroupNCCL.abort()`` on the default group's backend, ``ProcessGroup.abort()``,
+``distributed_c10d._abort_process_group()`` (torch >= 2.3), then the backend's ``shutdown``.
+The abort can block (it syncs a stream), so :func:`abort_nccl_bounded` runs it on its own
+thread; :func:`release_aborted_group` unregisters the groups afterwards, bounded the same way.
 """
 
 from __future__ import annotations
@@ -74,11 +57,8 @@ def _try(name: str, call) -> bool:
 
 
 def abort_nccl() -> str | None:
-    """Abort the NCCL communicators of this process's default group; never raises.
-
-    Returns the name of the call that worked, or None (no group, no NCCL backend, or every
-    method failed). Idempotent in effect: aborting an aborted communicator is a no-op.
-    """
+    """Abort the NCCL communicators of the default group; never raises. Returns the name of the
+    call that worked, or None. Idempotent in effect."""
     pg = _default_group()
     if pg is None:
         return None
@@ -137,11 +117,8 @@ def _release() -> str:
 
 
 def release_aborted_group(timeout_s: float = 10.0) -> bool:
-    """Abort, then forget the process groups, without waiting for any peer: after a peer died,
-    and at every NCCL shutdown of rank 0 (the workers leave without a collective teardown; the
-    CUDA graphs must be gone first, see ``ModelRunner.release_graphs``). Bounded by
-    ``timeout_s``; True when the groups are gone (a new ``init_distributed`` may then run in
-    this process)."""
+    """Abort, then forget the process groups without waiting for any peer (after a failure and
+    at every NCCL shutdown of rank 0; release CUDA graphs first). True when they are gone."""
     import torch.distributed as dist
 
     def run():

@@ -1,18 +1,8 @@
 """Tensor-parallel worker ranks of the Engine: ranks 1..N-1 replay rank 0's step plans.
 
-Why: scheduling is host-only work done once, on rank 0 (the caller's process). The other ranks
-only need to run the same forward passes so that their collectives (one all-reduce after
-attention and one after the MLP / MoE, :func:`mla_spec.distributed.tp_all_reduce`) pair with
-rank 0's. So rank 0 sends every step plan (:class:`~mla_spec.scheduler.StepPlan`, plain lists)
-to each worker through a queue of its own, and every rank executes it through the same code.
-
-This module is the transport only; it knows nothing of models or plans beyond ``plan.kind``.
-Rank 0 side (used by :class:`~mla_spec.engine.Engine`): :func:`plan_queues`,
-:func:`start_tp_workers` (through :func:`mla_spec.runtime.workers.spawn_workers`, so a rank that
-dies is seen by its watchdog), :func:`broadcast_plan`, :func:`stop_tp_workers`. Worker side:
-:func:`serve_plans` runs ``build_rank(rank, world_size, *args)`` once (the rank's shard: the
-engine passes :func:`mla_spec.spec.eagle.build_rank`), then executes every plan until a
-``"stop"`` plan.
+Rank 0 schedules and sends every ``StepPlan`` through a queue per worker; a worker
+(:func:`serve_plans`) builds its shard once with ``build_rank`` and runs plans until "stop", so
+its collectives pair with rank 0's. The transport knows nothing of plans beyond ``plan.kind``.
 """
 
 from __future__ import annotations
@@ -20,6 +10,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+from mla_spec.distributed import note_progress
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +39,8 @@ def plan_queues(tp_size: int) -> list:
 
 def start_tp_workers(queues: list, build_rank: Callable[..., RankExecutor],
                      args: Sequence[Any] = (), *, timeout_s: float | None):
-    """Start ranks ``1..len(queues)``, each serving :func:`serve_plans` with
-    ``build_rank(rank, world_size, *args)`` (a module-level, picklable function); this process
-    becomes rank 0. Returns the :class:`~mla_spec.runtime.workers.Workers` handle (its ``.device``
-    is rank 0's device).
-    """
+    """Start ranks ``1..len(queues)`` serving :func:`serve_plans` with a picklable ``build_rank``;
+    this process becomes rank 0. Returns the ``Workers`` handle."""
     from mla_spec.runtime.workers import spawn_workers
 
     # every worker gets its own queue: start them one by one through a shared list
@@ -66,11 +55,8 @@ def broadcast_plan(queues: list, plan: Any) -> None:
 
 
 def stop_tp_workers(workers, queues: list, stop_plan: Any) -> None:
-    """Send ``stop_plan`` to the live worker ranks, stop them and release their queues.
-
-    Safe after a failure: queues to dead workers are not flushed (nobody reads them), every queue
-    is closed and its feeder thread joined, so no semaphore or thread outlives the engine.
-    """
+    """Send ``stop_plan`` to the live workers, stop them and release their queues (safe after a
+    failure)."""
     procs = workers.processes if workers is not None else []
     for q, p in zip(queues, procs):
         if p.is_alive():
@@ -92,6 +78,7 @@ def serve_plans(queue, executor: RankExecutor, rank: int) -> None:
     """Ranks 1..N-1: execute every plan rank 0 sends, until (and including) a ``"stop"`` plan."""
     while True:
         plan = queue.get()
+        note_progress()  # the driver's watchdog sees a rank that never got its plan
         logger.debug("rank %d: plan %s, bs %d", rank, plan.kind, plan.batch_size)
         executor.execute(plan)
         executor.after_step()

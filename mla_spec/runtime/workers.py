@@ -1,35 +1,22 @@
 """Process management for tensor parallelism: start the ranks, watch them, fail fast.
 
-Why a module of its own: the collectives of :mod:`mla_spec.distributed` only work once every
-rank is a live process in one group, and the hard part of that is not the group but the
-processes: starting them, handing results back, and noticing at once when one dies, instead of
-leaving the others blocked in a collective until its timeout
-(``mla_spec.distributed.default_timeout_s``).
-
-Two ways to start ranks. :func:`mla_spec.runtime.launch.launch` runs a function on
-``world_size`` fresh processes and returns their results (every rank a child; see that module).
-:func:`spawn_workers` (here) starts ranks ``1..N-1`` as processes and makes the *calling* process
-rank 0, so a notebook or the :class:`~mla_spec.engine.Engine` drives rank 0 in-process. Each
-worker says it is up through a pipe before its rendezvous, and rank 0 joins the rendezvous
-(uninterruptible C++) only once all have: one that dies while starting is an error at once, not
-after the timeout. A :class:`Workers` watchdog thread then polls the children.
-
-Under NCCL a dead peer does not fail the survivors' collectives: their kernels spin and the host
-thread waiting on them is stuck in a CUDA sync, out of reach of ``KeyboardInterrupt``. So the
-watchdog first aborts the NCCL communicators (:mod:`mla_spec.runtime.nccl_abort`), which returns
-the blocked call, then interrupts the main thread. A CLI or script may also ask for a last resort:
-``hard_exit_after_s`` (or ``MLA_SPEC_HARD_EXIT_S`` in the environment) kills the workers and
-leaves the process with exit code 1 if rank 0 has not shut the workers down by then. Every child
-also leaves on its own once its parent is gone (no orphan keeps a GPU busy).
-
-Workers leave with ``os._exit`` (never blocking in process-group teardown) after running the
-multiprocessing finalizers, so semaphores they created (tqdm's lock, queues) are released.
+:func:`spawn_workers` starts ranks ``1..N-1`` as processes and makes the caller rank 0
+(:func:`mla_spec.runtime.launch.launch` instead runs every rank as a child). Each worker reports
+through a pipe before its rendezvous, so one that dies while starting is an error at once. A
+:class:`Workers` watchdog thread polls the children; while a step is armed it also names a rank
+that hangs (no progress counter moved for the step's timeout: a stopped rank or the one behind)
+and kills the workers, so pending collectives fail at once. Under NCCL it first aborts the
+communicators (:mod:`mla_spec.runtime.nccl_abort`), then interrupts the main thread.
+``hard_exit_after_s`` / ``MLA_SPEC_HARD_EXIT_S`` is a last resort for CLIs. Workers ignore
+SIGINT, leave when their parent is gone, and exit with ``os._exit`` after the multiprocessing
+finalizers. The full story: ``docs/architecture.md`` (Failures).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import threading
 import time
@@ -42,7 +29,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from mla_spec.distributed import default_timeout_s, init_distributed, rank_device, resolve_backend
+from mla_spec.distributed import (
+    default_timeout_s,
+    init_distributed,
+    rank_device,
+    resolve_backend,
+    track_progress,
+)
 from mla_spec.runtime.nccl_abort import abort_nccl_bounded, release_aborted_group
 
 __all__ = ["spawn_workers", "Workers", "RankFailedError", "HARD_EXIT_ENV"]
@@ -67,10 +60,7 @@ def _free_port() -> int:
 # leaving a child process, stopping children (shared with mla_spec.runtime.launch)
 # ---------------------------------------------------------------------------------------------
 def _exit_now(code: int) -> None:
-    """Leave this child process at once, without waiting for peers in process-group teardown
-    (a slow or dead peer must not hang us). The multiprocessing finalizers run first, as at a
-    normal exit, so semaphores created here (tqdm's lock, queues) are unlinked instead of being
-    reported as leaked by the resource tracker at shutdown."""
+    """Leave this child at once, after the multiprocessing finalizers (no teardown wait)."""
     import multiprocessing.util as mp_util
 
     try:
@@ -108,8 +98,20 @@ def _stop_processes(procs, timeout_s: float) -> None:
 # ---------------------------------------------------------------------------------------------
 # spawn_workers: the caller is rank 0
 # ---------------------------------------------------------------------------------------------
+def _child_signals() -> None:
+    """A rank's child process: Ctrl-C is the parent's to handle (the terminal sends it to the
+    whole group), and tqdm gets a thread lock, not a semaphore a killed rank would leak."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def _worker_main(rank, world_size, backend, init_method, timeout_s, worker_fn, args,
-                 started) -> None:
+                 started, progress) -> None:
+    _child_signals()
     if backend == "gloo":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     _exit_when_orphaned(os.getppid())
@@ -119,6 +121,7 @@ def _worker_main(rank, world_size, backend, init_method, timeout_s, worker_fn, a
     try:
         init_distributed(rank, world_size, backend=backend, init_method=init_method,
                          timeout_s=timeout_s)
+        track_progress(progress, rank)
         worker_fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - rank 0's watchdog sees the exit code
         traceback.print_exc()
@@ -130,15 +133,12 @@ def _worker_main(rank, world_size, backend, init_method, timeout_s, worker_fn, a
 class Workers:
     """Ranks ``1..N-1`` running in child processes; the caller is rank 0.
 
-    A watchdog thread polls the children every 0.2 s. When one dies with a non-zero exit code
-    it records :attr:`failure` and logs it; under NCCL it aborts the communicators (rank 0 may be
-    blocked in a CUDA sync on a collective that cannot complete: the abort returns it;
-    :attr:`aborted` names the call that did it); then (``interrupt_main``) it raises
-    ``KeyboardInterrupt`` in the main thread. With ``hard_exit_after_s`` set, a rank 0 that has
-    not called :meth:`shutdown` that long after the failure is ended: workers killed, then
-    ``os._exit(1)`` (for CLIs and scripts only; a notebook keeps its kernel).
-    Call :meth:`check` at safe points to turn a failure into :class:`RankFailedError`.
-    """
+    A watchdog thread polls the children every 0.2 s. On a non-zero exit it records
+    :attr:`failure`, aborts NCCL communicators (:attr:`aborted` names the call) and, with
+    ``interrupt_main``, raises ``KeyboardInterrupt`` in the main thread. ``hard_exit_after_s``:
+    kill the workers and ``os._exit(1)`` if :meth:`shutdown` has not come that long after a failure
+    (CLIs and scripts only). :meth:`check` turns a failure into :class:`RankFailedError`; between
+    :meth:`arm` and :meth:`disarm` a hung rank is named too."""
 
     world_size: int
     backend: str
@@ -147,22 +147,70 @@ class Workers:
     failure: str | None = None
     aborted: str | None = None
     hard_exit_after_s: float | None = None
+    progress: Any = None  # shared int64 counters, one per rank
     _stop: threading.Event = field(default_factory=threading.Event)
+    _limit_s: float | None = None
+    _seen: list | None = None
+    _since: float = 0.0
 
     def check(self) -> None:
         if self.failure is not None:
             raise RankFailedError(self.failure)
 
+    def arm(self, timeout_s: float) -> None:
+        """A step starts: fail once no rank makes progress for ``timeout_s``."""
+        self._seen, self._since = None, time.monotonic()
+        self._limit_s = timeout_s
+
+    def disarm(self) -> None:
+        self._limit_s = None
+
+    def blame(self, err: BaseException) -> str | None:
+        """Rank 0's step raised ``err``: the rank that died or hung (waited for up to 2 s), or None
+        for rank 0's own error (then recorded as the failure)."""
+        deadline = time.monotonic() + (2.0 if isinstance(err, Exception) else 0.0)
+        while self.failure is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self.failure is not None:
+            return self.failure
+        self.failure = f"rank 0 left a step ({type(err).__name__})"
+        return None
+
+    def _hung(self) -> str | None:
+        limit, now = self._limit_s, time.monotonic()
+        if limit is None or self.progress is None:
+            return None
+        seen = list(self.progress)
+        if seen != self._seen:
+            self._seen, self._since = seen, now
+            return None
+        if now - self._since < limit:
+            return None
+        stopped = [r for r, p in enumerate(self.processes, 1) if _proc_state(p.pid) in ("T", "t")]
+        behind = [r for r, c in enumerate(seen) if c < max(seen)]
+        if stopped:
+            who = f"{_ranks(stopped)} stopped (process state T: SIGSTOP or a debugger)"
+        elif behind:
+            who = f"{_ranks(behind)} behind the others (progress per rank {seen})"
+        else:
+            who = "no rank is stopped or behind (all wait in one collective)"
+        return f"{who}: no rank made progress for {now - self._since:.0f} s (timeout_s {limit:g})"
+
     def _watch(self, interrupt_main: bool) -> None:
         import _thread
 
         while not self._stop.wait(0.2):
-            for r, p in enumerate(self.processes, start=1):
-                if not p.is_alive() and p.exitcode not in (0, None):
-                    self.failure = f"rank {r} died (exit code {p.exitcode})"
-                    log.error("%s; stopping rank 0", self.failure)
-                    self._on_failure(interrupt_main, _thread.interrupt_main)
-                    return
+            dead = [f"rank {r} died (exit code {p.exitcode})"
+                    for r, p in enumerate(self.processes, 1)
+                    if not p.is_alive() and p.exitcode not in (0, None)]
+            hung = None if dead else self._hung()
+            if dead or hung:
+                self.failure = dead[0] if dead else hung
+                log.error("%s; stopping rank 0", self.failure)
+                for p in self.processes if hung else ():
+                    p.kill()  # SIGKILL ends a stopped rank too: pending collectives fail now
+                self._on_failure(interrupt_main, _thread.interrupt_main)
+                return
 
     def _on_failure(self, interrupt_main: bool, interrupt) -> None:
         if self.backend == "nccl":
@@ -180,11 +228,10 @@ class Workers:
             os._exit(1)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the watchdog, join the workers for up to ``timeout_s`` in all (1 s after a
-        failure: survivors may be stuck in a collective), terminate then kill the stragglers,
-        and release the group (under NCCL: aborted locally, without waiting for any peer).
-        """
+        """Stop the watchdog, join the workers for up to ``timeout_s`` (1 s after a failure), kill
+        stragglers and release the group (under NCCL: aborted locally, not waiting for peers)."""
         self._stop.set()  # the watchdog stops: look for dead workers here too
+        track_progress(None)
         failed = self.failure is not None or any(
             not p.is_alive() and p.exitcode not in (0, None) for p in self.processes)
         deadline = time.monotonic() + (min(timeout_s, 1.0) if failed else timeout_s)
@@ -215,12 +262,9 @@ def spawn_workers(
 ) -> Workers:
     """Start ``worker_fn(rank, world_size, *args)`` on ranks 1..N-1; make this process rank 0.
 
-    Returns a :class:`Workers` handle (``.device`` is rank 0's device). Rank 0's process group is
-    initialized on return; call ``workers.shutdown()`` when done.
-
-    ``hard_exit_after_s``: for CLIs and scripts only, see :class:`Workers`. None (the default)
-    reads ``MLA_SPEC_HARD_EXIT_S`` from the environment; unset or empty means never.
-    """
+    Returns a :class:`Workers` handle (``.device``: rank 0's device), rank 0's group initialized;
+    call ``workers.shutdown()`` when done. ``hard_exit_after_s``: see :class:`Workers`; None reads
+    ``MLA_SPEC_HARD_EXIT_S`` (unset or empty: never)."""
     if hard_exit_after_s is None and os.environ.get(HARD_EXIT_ENV, "").strip():
         hard_exit_after_s = float(os.environ[HARD_EXIT_ENV])
     if world_size < 1:
@@ -231,7 +275,8 @@ def spawn_workers(
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     workers = Workers(world_size, backend, rank_device(0, backend),
-                      hard_exit_after_s=hard_exit_after_s)
+                      hard_exit_after_s=hard_exit_after_s,
+                      progress=ctx.RawArray("q", world_size))
     started = []  # read ends: a worker sends one message once it is up, before its rendezvous
     try:
         for r in range(1, world_size):
@@ -239,7 +284,7 @@ def spawn_workers(
             p = ctx.Process(
                 target=_worker_main,
                 args=(r, world_size, backend, init_method, timeout_s, worker_fn, tuple(args),
-                      send),
+                      send, workers.progress),
                 daemon=True,
             )
             p.start()
@@ -250,6 +295,7 @@ def spawn_workers(
                       if timeout_s is None else timeout_s)
         init_distributed(0, world_size, backend=backend, init_method=init_method,
                          timeout_s=timeout_s)
+        track_progress(workers.progress, 0)
     except BaseException:
         workers.shutdown(timeout_s=0.0)  # the others wait in the rendezvous: terminate them
         raise
@@ -261,13 +307,8 @@ def spawn_workers(
 
 
 def _wait_started(procs: list, started: list, timeout_s: float) -> None:
-    """Wait until every worker is up (imports and arguments unpickled); raise
-    :class:`RankFailedError` as soon as one dies first.
-
-    Rank 0's rendezvous blocks in C++ and cannot be interrupted, so it starts only once every
-    worker is about to join it: a worker that dies while starting is an error within a fraction
-    of a second instead of after the rendezvous timeout.
-    """
+    """Wait until every worker is up; raise :class:`RankFailedError` as soon as one dies first
+    (rank 0's rendezvous blocks uninterruptibly in C++, so it starts only after this)."""
     deadline = time.monotonic() + timeout_s
     waiting = dict(enumerate(started, start=1))
     while waiting:
@@ -287,3 +328,16 @@ def _wait_started(procs: list, started: list, timeout_s: float) -> None:
                                   "starting, before joining the process group")
         if waiting and time.monotonic() > deadline:
             raise RankFailedError(f"ranks {sorted(waiting)} not up after {timeout_s:.0f} s")
+
+
+def _proc_state(pid: int | None) -> str:
+    """The state letter of ``/proc/PID/stat`` (``T``: stopped); "" where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} is" if len(ranks) == 1 else f"ranks {ranks} are"

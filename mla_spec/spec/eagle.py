@@ -20,16 +20,14 @@ One speculative round (``kind == "decode"``), ``ns = num_steps``, ``ndt = ns + 1
                              0..a-1 of the verify), ragged; the last row gives the next d1
     v2 DRAFT_EXTEND_V2       all ndt rows (fixed shape), keep row a-1 (select_last_rows)
 
-The v1 draft extend needs ``a`` on the host to shape its batch (one device-to-host sync between
-verify and the next draft). v2 keeps ``a`` on the device from the verify's argmax to the next
-``d1``: every batch of that region is built and planned before it starts, and the accept
-lengths only index rows. KV rows written for rejected positions (target rows L+a.. of the verify,
-draft rows of v2's extend) are overwritten by the next round before anything attends to them.
-
-Per-request state lives on the device, indexed by the request row: ``verified_id``,
-``draft_token`` (d1) and ``draft_hidden``. Every rank of a tensor-parallel group executes the same
-:class:`StepPlan` through :meth:`EagleWorker.execute`; logits are identical on all ranks, so the
-greedy decisions (and v1's ragged shapes) agree without extra communication.
+v1 needs ``a`` on the host to shape its batch (one sync between verify and the next draft); v2
+keeps it on the device, every batch of that region built and planned before it starts. KV rows
+written for rejected positions are overwritten by the next round before anything attends to them.
+Per-request state (``verified_id``, ``draft_token`` d1, ``draft_hidden``) lives on the device,
+indexed by request row. Every TP rank executes the same ``StepPlan``; logits are identical on all
+ranks, so the greedy decisions agree without extra communication. A round is three phases,
+``round_draft`` / ``round_verify`` / ``round_draft_extend``, which a plan of that kind runs one at a
+time on every rank (``mla_spec.pipeline.PipelineStepper``) and ``spec_round`` runs in one go.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -47,7 +46,10 @@ from mla_spec.forward_mode import CaptureHiddenMode
 from mla_spec.model_runner import ModelRunner
 from mla_spec.runtime.cuda_graph import attach_graphs
 
-__all__ = ["EagleWorker", "StepOutput", "build_rank", "greedy_accept", "no_host_sync"]
+__all__ = ["ROUND_PHASES", "EagleWorker", "RoundState", "StepOutput", "build_rank",
+           "greedy_accept", "no_host_sync"]
+
+ROUND_PHASES = ("draft", "verify", "draft_extend")  # plan kinds: one phase of a round
 
 FULL, LAST = CaptureHiddenMode.FULL, CaptureHiddenMode.LAST
 
@@ -55,18 +57,9 @@ logger = logging.getLogger(__name__)
 
 
 def greedy_accept(predict: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """Accept lengths of a chain of drafts (bonus token included).
-
-    Parameters
-    ----------
-    predict : ``[bs, ndt]`` target argmax at each verify row
-    drafts : ``[bs, ndt - 1]`` draft tokens d_1 .. d_{ndt-1}
-
-    Returns
-    -------
-    ``[bs]`` int64 in ``1..ndt``: 1 + the number of leading ``j`` with ``drafts[:, j] ==
-    predict[:, j]``. Device only (no host synchronization).
-    """
+    """Accept lengths ``[bs]`` int64 in ``1..ndt`` (bonus included) of a chain of drafts: 1 + the
+    number of leading ``j`` with ``drafts[:, j] == predict[:, j]``, on the device (no sync).
+    ``predict [bs, ndt]``: target argmax per verify row; ``drafts [bs, ndt - 1]``."""
     match = (drafts == predict[:, : drafts.shape[1]]).to(torch.int64)
     return 1 + torch.cumprod(match, dim=1).sum(dim=1)
 
@@ -94,14 +87,22 @@ class StepOutput:
     accept: torch.Tensor | None = None  # [bs] spec round: accept lengths in 1..ndt
 
 
-class EagleWorker:
-    """Executes step plans on one rank: prefill, plain decode, or one speculative round.
+@dataclass
+class RoundState:
+    """A speculative round between its phases: its plan, drafts, planned batches, results."""
 
-    Parameters
-    ----------
-    runner : ``ModelRunner`` of this rank
-    spec : ``SpecConfig`` (``spec.enabled`` False -> target only, plain DECODE steps)
-    """
+    plan: Any
+    rpi: torch.Tensor
+    drafts: torch.Tensor  # [bs, ns]
+    vb: ForwardBatch  # TARGET_VERIFY
+    eb: ForwardBatch | None  # v2: DRAFT_EXTEND_V2, planned before the verify
+    predict: torch.Tensor | None = None
+    accept: torch.Tensor | None = None
+    vh: torch.Tensor | None = None  # the verify's hidden rows
+
+
+class EagleWorker:
+    """Executes step plans on one rank's ``runner``: prefill, decode, or a speculative round."""
 
     def __init__(self, runner, spec: SpecConfig) -> None:
         if spec.enabled and not runner.has_draft:
@@ -113,10 +114,10 @@ class EagleWorker:
         self.draft_token = torch.zeros(max_reqs, dtype=torch.int64, device=dev)
         self.draft_hidden: torch.Tensor | None = None  # [max_reqs, hidden], made on first use
         self.last_drafts: torch.Tensor | None = None  # [bs, ns] of the last round (tests)
+        self.round: RoundState | None = None  # between the phases of a round
         # v2 on a GPU: raise if anything between verify and the next draft syncs with the host
         self.check_no_sync = False
 
-    # ---- entry point -------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, plan) -> StepOutput | None:
         self.runner.apply_slot_updates(plan.slot_updates)
@@ -124,9 +125,12 @@ class EagleWorker:
             return self.prefill(plan)
         if plan.kind == "decode":
             return self.spec_round(plan) if self.spec.enabled else self.decode(plan)
+        if plan.kind in ROUND_PHASES:
+            return getattr(self, f"round_{plan.kind}")(plan)
         if plan.kind == "stop":
             return None
-        raise ValueError(f"unknown step kind {plan.kind!r}: expected prefill, decode or stop")
+        raise ValueError(f"unknown step kind {plan.kind!r}: expected prefill, decode, stop or "
+                         f"a round phase {ROUND_PHASES}")
 
     def after_step(self) -> None:
         """Collect the step's forward timings (a worker rank; rank 0's ``Engine.step`` does it)."""
@@ -142,7 +146,6 @@ class EagleWorker:
     def _index(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64).to(self.runner.device)
 
-    # ---- prefill -----------------------------------------------------------------------------
     def prefill(self, plan) -> StepOutput:
         """Target EXTEND (+ draft EXTEND when speculating); returns the sampled verified ids."""
         run, bs = self.runner, plan.batch_size
@@ -181,7 +184,6 @@ class EagleWorker:
         self.draft_token[rpi] = torch.argmax(self.runner.logits("draft", hidden_last), dim=-1)
         self.draft_hidden[rpi] = hidden_last
 
-    # ---- plain decode ------------------------------------------------------------------------
     def decode(self, plan) -> StepOutput:
         run = self.runner
         rpi = self._index(plan.req_pool_indices)
@@ -193,7 +195,6 @@ class EagleWorker:
         self.verified_id[rpi] = next_ids
         return StepOutput(next_ids=next_ids)
 
-    # ---- one speculative round ---------------------------------------------------------------
     def draft(self, plan, rpi: torch.Tensor) -> torch.Tensor:
         """``num_steps - 1`` draft DECODE forwards from (d1, draft hidden) -> drafts [bs, ns]."""
         run = self.runner
@@ -210,6 +211,15 @@ class EagleWorker:
         return torch.stack(drafts, dim=1)
 
     def spec_round(self, plan) -> StepOutput:
+        self.round_draft(plan)
+        v2_on_gpu = self.spec.version == "v2" and self.runner.device.type == "cuda"
+        with no_host_sync(self.check_no_sync and v2_on_gpu):
+            r = self.round  # round_verify, one frame less on the decode chain
+            r.predict, r.accept, r.vh = self.verify(r.vb, r.rpi, r.drafts)
+            return self.round_draft_extend(plan)
+
+    def round_draft(self, plan) -> StepOutput:
+        """Draft DECODEs, then the verify (and v2's draft-extend) batches built and planned."""
         run, bs, ndt = self.runner, plan.batch_size, self.spec.num_draft_tokens
         rpi = self._index(plan.req_pool_indices)
         drafts = self.draft(plan, rpi)  # [bs, ns]
@@ -225,14 +235,23 @@ class EagleWorker:
                                               device=run.device)
             eb.out_cache_loc = vb.out_cache_loc
             run.prepare("draft", eb)
-        if eb is not None:
-            with no_host_sync(self.check_no_sync and run.device.type == "cuda"):
-                predict, accept, vh = self.verify(vb, rpi, drafts)
-                self.draft_extend_v2(eb, rpi, predict, accept, vh)
+        self.round = RoundState(plan, rpi, drafts, vb, eb)
+        return StepOutput()
+
+    def round_verify(self, plan=None) -> StepOutput:
+        """TARGET_VERIFY and greedy accept, on the device."""
+        r = self.round
+        r.predict, r.accept, r.vh = self.verify(r.vb, r.rpi, r.drafts)
+        return StepOutput(predict=r.predict, accept=r.accept)
+
+    def round_draft_extend(self, plan=None) -> StepOutput:
+        """The draft extend (v1 ragged, v2 fixed shape) that gives the next round's d1."""
+        r, self.round = self.round, None
+        if r.eb is not None:
+            self.draft_extend_v2(r.eb, r.rpi, r.predict, r.accept, r.vh)
         else:
-            predict, accept, vh = self.verify(vb, rpi, drafts)
-            self.draft_extend_v1(plan, rpi, predict, accept, vh)
-        return StepOutput(predict=predict, accept=accept)
+            self.draft_extend_v1(r.plan, r.rpi, r.predict, r.accept, r.vh)
+        return StepOutput(predict=r.predict, accept=r.accept)
 
     def verify(self, vb: ForwardBatch, rpi: torch.Tensor, drafts: torch.Tensor):
         """TARGET_VERIFY + greedy accept -> (predict [bs, ndt], accept [bs], verify hidden)."""
@@ -264,10 +283,8 @@ class EagleWorker:
 
 
 def build_rank(rank: int, world_size: int, runner_kw: dict, spec: SpecConfig) -> EagleWorker:
-    """Ranks 1..N-1 (in the worker processes): this rank's shard and the worker that executes
-    rank 0's plans on it (``runner_kw``: ``ModelRunner.from_checkpoint``'s arguments, plus
-    ``cuda_graph`` / ``graph_batch_sizes`` on GPU). Served by
-    :func:`mla_spec.runtime.tp_worker.serve_plans`."""
+    """Ranks 1..N-1: this rank's shard and the worker that runs rank 0's plans on it
+    (``runner_kw``: ``ModelRunner.from_checkpoint``'s arguments, plus the CUDA-graph options)."""
     kw = dict(runner_kw)
     device = kw.pop("device")
     if device.type == "cpu":

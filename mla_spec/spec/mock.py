@@ -1,20 +1,11 @@
 """A mock target + MTP draft with exact integer logits, for testing the serving loop on CPU.
 
-The nanochat lesson: scheduling and the speculative loop are logic, and logic is tested fastest
-against a model whose answers are known. These mocks still go through the real machinery that can
-break: they write one "KV row" per new token at ``batch.out_cache_loc`` and read every earlier row
-back through ``req_to_token``, so a wrong slot, a stale page, a missing row or a row of another
-request changes their output.
-
-Target. KV row of position ``q`` = ``(token, position)``. At position ``p`` the hidden state is
-``[next, s_p, 0, 0]`` with ``s_p = sum_{q<=p} (tok_q + 1)(pos_q + 1) mod 9973`` read from the
-cache and ``next = (31 s_p + 7 tok_p + 3) mod vocab``; logits are one-hot at ``next``.
-
-Draft (MTP semantics: at position ``p`` it sees ``h_p`` and token ``t_{p+1}``, predicts
-``t_{p+2}``). It continues the target's running sum, ``s' = s_p + (t_{p+1} + 1)(p + 2)``, so its
-prediction is the target's, except when ``(s' + sum of the tokens in its own KV window) % 3 == 0``
-where it is off by one. That makes accept lengths vary, and makes the draft depend on its own KV
-cache, so v1 and v2 draft extends only agree if both leave that cache right.
+They write one "KV row" ``(token, position)`` per new token at ``batch.out_cache_loc`` and read
+earlier rows back through ``req_to_token``, so a wrong slot or stale page changes their output.
+Target: hidden ``[next, s_p, 0, 0]`` with ``s_p = sum_{q<=p} (tok_q + 1)(pos_q + 1) mod 9973``,
+``next = (31 s_p + 7 tok_p + 3) mod vocab``, one-hot logits. Draft: continues the sum and
+predicts what the target will, off by one where ``(s' + its KV window's tokens) % 3 == 0``, so
+accept lengths vary and v1 / v2 agree only if both keep the draft's cache right.
 """
 
 from __future__ import annotations
@@ -105,13 +96,10 @@ def build_mock_runner(*, vocab_size: int = 97, num_pages: int = 64, page_size: i
     req_pool = ReqToTokenPool(max_reqs, max_context_len, device)
     target = MockTarget(vocab_size, req_pool.req_to_token)
     draft = MockDraft(vocab_size, req_pool.req_to_token)
-    return ModelRunner(
-        target, draft,
-        target_pool=MockKVPool(num_pages, page_size, device),
-        draft_pool=MockKVPool(num_pages, page_size, device),
-        req_to_token_pool=req_pool, backend=None, draft_backend=None,
-        page_size=page_size, device=device,
-    )
+    return ModelRunner(target, draft, target_pool=MockKVPool(num_pages, page_size, device),
+                       draft_pool=MockKVPool(num_pages, page_size, device),
+                       req_to_token_pool=req_pool, backend=None, draft_backend=None,
+                       page_size=page_size, device=device)
 
 
 def mock_greedy_reference(prompt: list[int], max_new_tokens: int, vocab_size: int = 97

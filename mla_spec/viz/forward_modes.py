@@ -49,7 +49,8 @@ def truth_table_figure() -> go.Figure:
         text=[["✓" if v else "" for v in r] for r in z], texttemplate="%{text}", xgap=2, ygap=2,
     ))
     fig.update_layout(title="ForwardMode predicates (evaluated from mla_spec.ForwardMode)",
-                      yaxis_autorange="reversed", height=520, margin=dict(l=260))
+                      xaxis_title="forward mode", yaxis_title="predicate",
+                      yaxis_autorange="reversed", height=540, margin=dict(l=260))
     return fig
 
 
@@ -97,7 +98,9 @@ def spec_loop_timeline(num_iterations: int = 2, num_steps: int = 3, version: str
         t += d
     fig.update_layout(barmode="overlay", title=f"MTP speculative loop (spec {version}, "
                       f"{num_steps} steps, {num_steps + 1} draft tokens)",
-                      xaxis_title="time (illustrative ms)", height=260)
+                      xaxis_title="time (ms, illustrative widths)", yaxis_title="model",
+                      height=330, legend=dict(orientation="h", y=-0.35, x=0),
+                      margin=dict(b=110))
     return fig
 
 
@@ -120,5 +123,5 @@ def batch_table_figure(batches: Sequence[ForwardBatch]) -> go.Figure:
             [str(b.kv_lens_cpu) for b in batches],
             [str(b.qo_indptr.tolist()) for b in batches]]
     fig = go.Figure(go.Table(header=dict(values=header), cells=dict(values=cols)))
-    fig.update_layout(height=60 + 40 * len(batches), margin=dict(t=10, b=10))
+    fig.update_layout(height=50 + 26 * len(batches), margin=dict(t=10, b=10))
     return fig

@@ -46,6 +46,7 @@ def block_bits_figure(rows: list[dict], title: str = "") -> go.Figure:
                                showscale=False))
     fig.update_yaxes(autorange="reversed")
     fig.update_layout(title=title or "one NVFP4 block: value -> scaled -> E2M1 bits",
+                      xaxis_title="E2M1 bit", yaxis_title="element: value -> scaled -> decoded",
                       height=520, margin=dict(l=360))
     return fig
 
@@ -78,6 +79,7 @@ def format_error_figure(results: dict[str, dict[str, NVFP4ErrorReport]]) -> go.F
     for f in formats:
         fig.add_bar(name=f, x=list(results), y=[results[d][f].sqnr_db for d in results])
     fig.update_layout(barmode="group", yaxis_title="SQNR dB (higher is better)",
+                      xaxis_title="weight distribution",
                       title="quantization error by weight distribution", height=380)
     return fig
 
@@ -98,8 +100,11 @@ def gemm_speed_figure(rows: list[dict]) -> go.Figure:
         base = [r.get("bf16_us", r.get("bf16_gemms_us")) for r in rs]
         fig.add_bar(x=ms, y=base, name="cuBLAS bf16", marker_color="#aaa",
                     showlegend=j == 1, row=1, col=j)
-    fig.update_layout(barmode="group", height=360, title="µs per call (CUDA graph) vs M tokens")
-    fig.update_yaxes(title_text="µs", row=1, col=1)
+    fig.update_layout(barmode="group", height=380, title="µs per call (CUDA graph) vs M tokens",
+                      legend=dict(orientation="h", y=-0.3))
+    fig.update_yaxes(type="log")
+    fig.update_yaxes(title_text="µs per call (log)", row=1, col=1)
+    fig.update_xaxes(title_text="M tokens")
     return fig
 
 
@@ -112,7 +117,8 @@ def floors_figure(rows: list[dict]) -> go.Figure:
     for key, name, color in (("read_us", "read floor", "#bbb"), ("ours_us", "NVFP4 (ours)", "#36c"),
                              ("target_us", "3x goal (cuBLAS bf16 / 3)", "#e63")):
         fig.add_bar(x=shapes, y=[r[key] for r in rows], name=name, marker_color=color)
-    fig.update_layout(barmode="group", height=340, yaxis_title="µs per call (graph chain)",
+    fig.update_layout(barmode="group", height=360, yaxis_title="µs per call (graph chain)",
+                      xaxis_title="weight (TP-4 shard)",
                       title="where 3x stops paying: a goal bar below the floor bar is out of reach")
     return fig
 

@@ -96,6 +96,7 @@ def window_figure(seq_lens_q: list[int], kv_lens: list[int], max_q: int) -> go.F
                                  showscale=False, xgap=1, ygap=1), 1, col)
         fig.update_xaxes(title_text="KV position", row=1, col=col)
     fig.update_yaxes(autorange="reversed")
+    fig.update_yaxes(title_text="real row (r request.row)", row=1, col=1)
     fig.update_layout(height=220 + 16 * sum(seq_lens_q), margin=dict(t=50, b=40),
                       title="causal KV window per real row (blue seen, red lost)")
     return fig
@@ -187,24 +188,34 @@ RECORDED_BENCH: list[tuple] = [
 
 
 def bench_figure(rows: list[dict] | None = None) -> go.Figure:
-    """GB/s of ours, the SGLang-style kernel, torch and copy_ per shape (graph replay)."""
+    """GB/s against the bytes a call moves (both log), one point per shape: ours, the
+    SGLang-style kernel, torch and ``copy_`` (the ceiling), per call in a CUDA graph."""
     if rows is None:
         rows = [dict(zip(("op", "H", "bs", "max_q", "MB", "ours_graph_us", "sglang_graph_us",
                           "torch_graph_us", "copy__graph_us"), r)) for r in RECORDED_BENCH]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("pad (D 576)", "unpad (Dv 512)"),
                         shared_yaxes=True)
-    names = (("ours", "ours_graph_us"), ("sglang-style", "sglang_graph_us"),
-             ("torch", "torch_graph_us"), ("copy_", "copy__graph_us"))
+    # drawn last to first (ours on top); the legend keeps this order
+    names = (("ours", "ours_graph_us", "#1f77b4", "diamond"),
+             ("sglang-style", "sglang_graph_us", "#ff7f0e", "circle"),
+             ("torch", "torch_graph_us", "#2ca02c", "circle"),
+             ("copy_ (ceiling)", "copy__graph_us", "#7f7f7f", "circle-open"))
     for col, op in ((1, "pad"), (2, "unpad")):
-        sel = [r for r in rows if r["op"] == op]
-        x = [f"H{r['H']} bs{r['bs']} q{r['max_q']}" for r in sel]
-        for k, (name, key) in enumerate(names):
-            gbps = [r["MB"] * 1e3 / r[key] for r in sel]
-            fig.add_trace(go.Bar(x=x, y=gbps, name=name, legendgroup=name, showlegend=col == 1,
-                                 marker_color=("#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f")[k]),
-                          1, col)
-    fig.update_yaxes(title_text="GB/s (read + write), CUDA graph", row=1, col=1)
-    fig.update_layout(barmode="group", height=420, margin=dict(t=50, b=120))
+        sel = sorted((r for r in rows if r["op"] == op), key=lambda r: r["MB"])
+        text = [f"H{r['H']} bs{r['bs']} max_q {r['max_q']}" for r in sel]
+        for k, (name, key, color, symbol) in reversed(list(enumerate(names))):
+            fig.add_trace(go.Scatter(
+                x=[r["MB"] for r in sel], y=[r["MB"] * 1e3 / r[key] for r in sel], text=text,
+                mode="markers", name=name, legendgroup=name, showlegend=col == 1,
+                legendrank=k, marker=dict(color=color, size=8, symbol=symbol),
+                hovertemplate=f"{name}: %{{text}}, %{{x:.2f}} MB, %{{y:.0f}} GB/s<extra></extra>"),
+                1, col)
+        fig.update_xaxes(type="log", title_text="MB moved a call (read + write, log)", row=1,
+                         col=col)
+    fig.update_yaxes(type="log", title_text="GB/s in a CUDA graph (log)", row=1, col=1)
+    fig.update_yaxes(type="log", row=1, col=2)
+    fig.update_layout(height=420, title="pad / unpad bandwidth, one point per shape (H200)",
+                      legend=dict(orientation="h", y=-0.25))
     return fig
 
 

@@ -12,7 +12,8 @@ import plotly.graph_objects as go
 
 from mla_spec.metrics import StepRecord
 
-__all__ = ["step_rows", "step_latency_figure", "mode_time_figure", "accept_histogram_figure"]
+__all__ = ["step_rows", "step_latency_figure", "mode_time_figure", "accept_histogram_figure",
+           "read_recorded_e2e", "tokens_per_s_figure"]
 
 
 def step_rows(steps: Sequence[StepRecord]) -> list[dict]:
@@ -41,7 +42,9 @@ def step_latency_figure(runs: Mapping[str, Sequence[StepRecord]],
             x=[s.index for s in steps], y=[s.seconds * 1e3 for s in steps], mode="lines+markers",
             name=name, text=[s.kind for s in steps],
             hovertemplate="step %{x}: %{y:.2f} ms (%{text})<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title="step", yaxis_title="ms", template="plotly_white")
+    fig.update_layout(title=title, xaxis_title="engine step", yaxis_title="ms (this machine, log)",
+                      yaxis_type="log", template="plotly_white", legend_orientation="h",
+                      legend_y=-0.2)
     return fig
 
 
@@ -56,7 +59,8 @@ def mode_time_figure(runs: Mapping[str, Sequence[Mapping]],
             hit = [r["total_ms"] for r in rows if (r["model"], r["mode"]) == (model, mode)]
             ys.append(hit[0] if hit else 0.0)
         fig.add_trace(go.Bar(x=list(runs), y=ys, name=f"{model} {mode}"))
-    fig.update_layout(barmode="stack", title=title, yaxis_title="ms", template="plotly_white")
+    fig.update_layout(barmode="stack", title=title, xaxis_title="configuration",
+                      yaxis_title="total ms (this machine)", template="plotly_white")
     return fig
 
 
@@ -68,6 +72,39 @@ def accept_histogram_figure(runs: Mapping[str, Sequence[int]], num_draft_tokens:
     for name, acc in runs.items():
         n = max(len(acc), 1)
         fig.add_trace(go.Bar(x=xs, y=[sum(a == x for a in acc) / n for x in xs], name=name))
-    fig.update_layout(title=title, xaxis_title="accept length", yaxis_title="share",
-                      template="plotly_white")
+    fig.update_layout(title=title, xaxis_title="accept length (tokens a verify)",
+                      yaxis_title="share of verifies", template="plotly_white")
+    return fig
+
+
+def read_recorded_e2e(path=None) -> dict:
+    """End-to-end tokens/s of the embedded model recorded on one H200
+    (``mla_spec/data/bench_e2e_h200.json``: its ``command``, ``date``, ``setup`` and ``rows``)."""
+    import json
+    from pathlib import Path
+
+    path = path or Path(__file__).resolve().parents[1] / "data" / "bench_e2e_h200.json"
+    return json.loads(Path(path).read_text())
+
+
+def tokens_per_s_figure(here: Mapping[str, float], recorded: dict | None = None,
+                        here_label: str = "this machine") -> go.Figure:
+    """Tokens/s per spec setting: this run (left) beside the H200 record (right, bs 1 and 32)."""
+    from plotly.subplots import make_subplots
+
+    rec = recorded or read_recorded_e2e()
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        here_label, f"H200, recorded {rec['date']}"))
+    fig.add_trace(go.Bar(x=list(here), y=list(here.values()), name=here_label,
+                         marker_color="#7f7f7f", text=[f"{v:.0f}" for v in here.values()]), 1, 1)
+    for bs, color in ((1, "#1f77b4"), (32, "#ff7f0e")):
+        rows = [r for r in rec["rows"] if r["bs"] == bs]
+        fig.add_trace(go.Bar(x=[r["spec"] for r in rows], y=[r["tokens_per_s"] for r in rows],
+                             name=f"H200 batch {bs}", marker_color=color,
+                             text=[f"{r['tokens_per_s']:.0f}" for r in rows]), 1, 2)
+    fig.update_yaxes(title_text="tokens/s", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(type="log", title_text="tokens/s (log)", row=1, col=2)
+    fig.update_xaxes(title_text="speculative decoding")
+    fig.update_layout(title="Tokens/s of the embedded model", template="plotly_white",
+                      legend_orientation="h", legend_y=-0.25, height=420)
     return fig

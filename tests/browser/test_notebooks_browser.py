@@ -187,9 +187,47 @@ def padding_explorer_redraws(page) -> None:
                          f"{'unchanged' if after == before else 'changed'}")
 
 
-# notebook file name -> its interaction (06 gets its step buttons' here once it has them)
+def _wait_for(check, what: str, seconds: float = 60):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.25)
+    raise AssertionError(what)
+
+
+def pipeline_panel_steps(page) -> None:
+    """06: the panel's one enabled phase button runs that phase (the status line counts one phase
+    more, the request table shows the phase's forwards); "one round" ends the round (the round
+    counter goes up)."""
+    status = page.locator(".mla-pipeline-status")
+    assert status.count() == 1, f"{status.count()} pipeline status lines in the page"
+    panel = page.locator(".widget-vbox", has=status).first
+    status.scroll_into_view_if_needed()  # JupyterLab renders only the cells in view
+    state = re.compile(r"round (\d+) · phases run (\d+) · next: (\w+)")
+    now = lambda: state.search(status.inner_text())  # noqa: E731
+    _wait_for(now, f"no pipeline status in the panel: {status.inner_text()!r}", 30)
+    m = now()
+    rounds, phases, nxt = int(m[1]), int(m[2]), m[3]
+    enabled = [b.inner_text() for b in panel.locator("button.widget-button").all()
+               if b.is_enabled()]
+    label = nxt.replace("_", " ")
+    assert label in enabled, f"next phase {nxt!r}, enabled buttons {enabled}"
+    before = panel.locator("table.mlp").first.inner_text()
+    panel.get_by_role("button", name=label, exact=True).click()
+    _wait_for(lambda: now() and int(now()[2]) == phases + 1,
+              f"pressing {label!r} did not run a phase: status {status.inner_text()!r}", 30)
+    after = panel.locator("table.mlp").first.inner_text()
+    assert after != before, f"the request table did not change after {label!r}"
+    panel.get_by_role("button", name="one round", exact=True).click()
+    _wait_for(lambda: now() and int(now()[1]) == rounds + 1,
+              f"'one round' did not end the round: status {status.inner_text()!r}")
+
+
+# notebook file name -> its interaction
 INTERACTIONS: dict[str, Callable] = {
     "02_draft_extend_padding.ipynb": padding_explorer_redraws,
+    "06_deepseek_fp4_pipeline.ipynb": pipeline_panel_steps,
 }
 
 

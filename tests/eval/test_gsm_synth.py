@@ -121,7 +121,7 @@ def test_answer_token_count_matches_the_tokenizer():
 
 def test_prompts_and_answers_fit_the_serving_limits():
     """2-shot prompt + answer + "\\n\\nQuestion" within the sweep's 512-token context, and the
-    answer + stop within the 56 new tokens of tests/test_accuracy.py."""
+    answer + stop within the eval's new tokens (``DEFAULT_MAX_NEW_TOKENS``, 64) with room."""
     tok = _task_tokenizer()
     held = heldout_problems(400)
     longest_prompt = max(len(tok.encode(x).ids) for x in build_prompts(held, k_shots=2))

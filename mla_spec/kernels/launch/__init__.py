@@ -1,3 +1,1 @@
-"""How the kernels launch: the CUDA driver (:mod:`.cuda_driver`), a cached Triton relaunch
-(:mod:`.triton_launcher`), PDL (:mod:`.pdl`).
-"""
+"""How the kernels launch: the CUDA driver, a cached Triton relaunch, PDL."""

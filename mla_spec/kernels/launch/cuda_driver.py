@@ -1,8 +1,6 @@
-"""Build a ``csrc`` CUDA file with ``nvcc`` (no ``torch.utils.cpp_extension``: PyTorch's headers,
-one torch ABI) and launch it through the CUDA driver (ctypes): a cubin per source / arch / nvcc,
-cached in ``$MLA_SPEC_CACHE`` or ``~/.cache/mla_spec``, launched with ``cuLaunchKernelEx`` on
-PyTorch's current stream, so CUDA graphs and PDL work. Nothing here runs on the CPU
-(:func:`cuda_kernels_available` says why).
+"""Build a ``csrc`` CUDA file with ``nvcc`` and launch it through the CUDA driver (ctypes): a cubin
+per source / arch / nvcc, cached in ``$MLA_SPEC_CACHE`` or ``~/.cache/mla_spec``, launched with
+``cuLaunchKernelEx`` on PyTorch's current stream (graphs and PDL work). GPU only.
 """
 
 from __future__ import annotations
@@ -207,8 +205,7 @@ class CudaKernel:
                f"launching {self.name}")
 
 
-# ---- arrival counters of last-CTA kernels (the NVFP4 split-K GEMM): the last arrival resets its
-# counter, so buffers stay zero between calls (no memset; graphs replay as is) ------------------
+# ---- arrival counters of last-CTA kernels: the last arrival resets its counter (no memset) -----
 #: the smallest buffer cached (256 KB: 64 Ki pieces, e.g. 2048 requests x 32 row blocks)
 MIN_COUNTERS = 1 << 16
 

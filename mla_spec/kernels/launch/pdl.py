@@ -1,19 +1,11 @@
-"""Programmatic dependent launch (PDL, sm_90+; switches ``options.PDL`` and ``options.L2_PREFETCH``,
-read at every launch): a kernel launches while its predecessor still runs, runs its prologue, then
-waits in ``griddepcontrol.wait`` until the predecessor has finished and its writes are visible,
-hiding most of the ~0.8 µs a kernel boundary costs in a CUDA graph (docs/bench_layer.md). The
-protocol, in every kernel that takes ``USE_GDC``:
+"""Programmatic dependent launch (PDL, sm_90+; ``options.PDL``, ``options.L2_PREFETCH``, read at
+every launch); why and measurements: docs/design.md, docs/bench_layer.md. In a ``USE_GDC`` kernel:
 
-1. ``gdc_wait`` first: nothing is read or written before the previous grid has completed, so the
-   kernel is correct whatever ran before it (ours, cuBLAS, torch), PDL or not.
-2. ``gdc_launch_dependents`` next: the following kernel may launch once every program of this one
-   has started, and waits in its own step 1; at most two grids overlap.
-3. *Weights may be read before the wait*: every grid before the predecessor has completed and no
-   decode kernel writes a weight (the MoE w2 launch also reads the router's ids, two launches back).
-4. *L2 prefetches may run before the wait* (:func:`prefetch_l2`): a hint returns nothing, so an
-   address from data still being written cannot change a result.
-5. *Attention split kernels trigger late* (:func:`gdc_launch` after the KV loop, the CUDA ones after
-   their stores), so the combine does not sit resident through the loop.
+1. ``gdc_wait`` first: nothing is read or written before the previous grid has completed.
+2. ``gdc_launch_dependents`` next: the following kernel may launch; at most two grids overlap.
+3. Weights may be read before the wait (no decode kernel writes one).
+4. L2 prefetches may run before the wait (:func:`prefetch_l2`): a hint cannot change a result.
+5. Attention split kernels trigger late (:func:`gdc_launch` after the KV loop).
 """
 
 from __future__ import annotations
@@ -68,8 +60,7 @@ def gdc_launch(USE_GDC: tl.constexpr):
 
 @triton.jit
 def prefetch_l2(ptrs, mask):
-    """``prefetch.global.L2`` of ``ptrs`` where ``mask`` (GPU only; rule 4); a replicated element
-    (fewer elements than threads) prefetches once per replica."""
+    """``prefetch.global.L2`` of ``ptrs`` where ``mask`` (GPU only; rule 4)."""
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
         "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

@@ -1,7 +1,6 @@
-"""Cached direct relaunch of a compiled ``@triton.jit`` kernel: a few µs per eager call, not the
-tens Triton spends re-deriving its key. A first launch's binary is kept under a key the caller
-builds from all Triton specializes on (dtypes, strides, pointer alignment mod 16, constexprs);
-launches stay normal with a hook set, after a failed direct call and in the interpreter.
+"""Cached direct relaunch of a compiled ``@triton.jit`` kernel (a few µs per eager call), keyed by
+all Triton specializes on; normal launches with a hook set, after a failed direct call and in the
+interpreter.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""MLA attention over the paged latent cache: :func:`mla_decode` (the gather kernel: any layout, the
-CPU interpreter), :func:`mla_decode_paged` (the Hopper fast path :func:`paged_choice` configures)
-and their torch reference :func:`mla_decode_ref`.
+"""MLA attention over the paged latent cache: :func:`mla_decode` (gather kernel),
+:func:`mla_decode_paged` (Hopper fast path) and their torch reference :func:`mla_decode_ref`.
 """
 
 from mla_spec.kernels.mla.choice import (

@@ -1,6 +1,5 @@
-"""Which MLA kernel runs a call and with how many KV splits: the tile configs, the named variants,
-the measured per-shape defaults (``benchmarks/sweep_mla.py`` prints a suggested table) and
-:func:`paged_choice`; the gather kernel's split heuristic and the paged kernels' cost model.
+"""Which MLA kernel runs a call and with how many KV splits: tile configs, named variants, measured
+per-shape defaults (``benchmarks/sweep_mla.py``), :func:`paged_choice` and the split heuristics.
 """
 
 from __future__ import annotations
@@ -22,12 +21,9 @@ __all__ = ["PAGED_CONTEXT_DEFAULTS", "PAGED_DEFAULTS", "PAGED_VARIANTS", "VARIAN
 
 @dataclass(frozen=True)
 class PagedConfig:
-    """One kernel of ``mla_decode_paged``: ``block_m`` (token, head) rows by ``block_n`` KV tokens,
-    warps, stages. Triton: ``tma`` loads, ``part_bf16`` partials, ``vsplit`` 4 (``triton_vsplit``),
-    ``swap`` (KV tile on the MMA's M side), ``ctas_per_sm`` (the split model's wave), ``pdl``.
-    ``cuda``: ``sm90_mma``; with ``wgmma``: ``sm90_wgmma``, ``rows_m`` (64 rows on M), ``e4m3_mma``
-    / ``e4m3_pv`` (e4m3 Q K / P V: ``quant.fp8.fp8_query_attention_error_bound`` and
-    ``fp8_probability_attention_error_bound``)."""
+    """One kernel of ``mla_decode_paged``: ``block_m`` rows by ``block_n`` KV tokens, warps, stages,
+    Triton options, or ``cuda`` (``sm90_mma``; ``wgmma``: ``sm90_wgmma``, ``e4m3_mma`` / ``e4m3_pv``
+    as bounded by ``quant.fp8``). Kernels and names: docs/bench_mla.md."""
 
     block_m: int = 64
     block_n: int = 64
@@ -110,24 +106,20 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {name: cfg for name, (_, cfg) in VARIAN
 # Per-shape winners (H200; docs/bench_mla.md): (kv, rows, batch) -> "NAME", "NAME/spN" (``spN``
 # pins the split count) or "A|B" (the first that runs here: ``_runs_here``). kv: "bf16" | "fp8";
 # rows = q_len * H: "r32" (<= 32) | "r128" (<= 128) | "big"; batch: "b1" (<= 2) | "b48" | "big".
+# 2026-11-29 (b1) and 2026-11-30, `python3 benchmarks/sweep_mla.py`.
 PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
-    # 32 rows: 2026-11-29 (b1) and 2026-11-30, `python3 benchmarks/sweep_mla.py`
     ("bf16", "r32", "b1"): "S16",
     ("bf16", "r32", "b48"): "W|S16",
     ("bf16", "r32", "big"): "W|S32w4",
-    # 128 rows: 2026-11-29 (b1) and 2026-11-30, `python3 benchmarks/sweep_mla.py`
     ("bf16", "r128", "b1"): "S16",
     ("bf16", "r128", "b48"): "WR|C",
     ("bf16", "r128", "big"): "WR|C",
-    # more than 128 rows: 2026-11-30, `python3 benchmarks/sweep_mla.py`
     ("bf16", "big", "b1"): "C",
     ("bf16", "big", "b48"): "WR|C",
     ("bf16", "big", "big"): "WR|C",
-    # fp8, 32 rows: 2026-11-29 (b1) and 2026-11-30, `python3 benchmarks/sweep_mla.py`
     ("fp8", "r32", "b1"): "G4",
     ("fp8", "r32", "b48"): "WE8|WE2|W|CF",
     ("fp8", "r32", "big"): "WE8|WE2|W|CF",
-    # fp8, 128 and more rows: 2026-11-29 (b1) and 2026-11-30, `python3 benchmarks/sweep_mla.py`
     ("fp8", "r128", "b1"): "CF",
     ("fp8", "r128", "b48"): "WR|CF",
     ("fp8", "r128", "big"): "WR|CF",
@@ -137,21 +129,18 @@ PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
 }
 
 # Per-context winners where they differ from the class's: (kv, rows, batch, context) -> choice;
-# context: "c2k" (longest KV <= 2048) | "c8k" (<= 8192) | "long". Batch 1, as above.
+# context: "c2k" (longest KV <= 2048) | "c8k" (<= 8192) | "long". Batch 1; 2026-11-30, same sweep.
 PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
-    # 128 rows: 2026-11-30, `python3 benchmarks/sweep_mla.py`
     ("bf16", "r128", "b1", "long"): "WR/sp64|CF",
     ("bf16", "r128", "b1", "c8k"): "WR/sp32|S16",
     ("fp8", "r128", "b1", "c2k"): "G4",
     ("fp8", "r128", "b1", "c8k"): "WR/sp64|G4",
     ("fp8", "r128", "b1", "long"): "WR/sp64|CF",
-    # 32 rows: 2026-11-30, `python3 benchmarks/sweep_mla.py`
     ("bf16", "r32", "b1", "c8k"): "S16/sp64",
     ("bf16", "r32", "b1", "long"): "W/sp128|K/sp128",
     ("fp8", "r32", "b1", "long"): "WE8/sp128|WE2/sp128|W/sp128|G4",
     ("fp8", "r32", "b1", "c8k"): "WE8/sp32|G4",
     ("fp8", "r32", "b1", "c2k"): "WE8|G4",
-    # 512 rows: 2026-11-30, `python3 benchmarks/sweep_mla.py`
     ("bf16", "big", "b1", "long"): "WR/sp16|C",
     ("bf16", "big", "b1", "c8k"): "WR/sp16|C",
     ("bf16", "big", "b1", "c2k"): "WR|C",
@@ -196,8 +185,7 @@ def cuda_cache_ok(cfg: PagedConfig, kv_dtype: torch.dtype) -> bool:
 
 def _runs_here(cfg: PagedConfig, kv_dtype: torch.dtype, device: torch.device,
                fixed: bool, e4m3_queries: bool = True, e4m3_probs: bool = True) -> bool:
-    """Whether a table entry runs here: Triton always; CUDA with fixed rows, a cache it takes, nvcc,
-    sm_90+ (wgmma: sm_90), and consent to e4m3 queries / softmax weights."""
+    """Whether a table entry runs here (CUDA: fixed rows, the cache, nvcc, sm_90+, consent)."""
     if not cfg.cuda:
         return True
     return (fixed and cuda_cache_ok(cfg, kv_dtype) and cuda_kernels_available(device) is None
@@ -218,9 +206,7 @@ def paged_choice(rows: int, kv_dtype: torch.dtype, device: torch.device, page_si
                  bs: int = 1, max_kv: int | None = None, fixed: bool = True,
                  e4m3_queries: bool = True,
                  e4m3_probs: bool = True) -> tuple[PagedConfig, int | None]:
-    """(config, pinned splits or None) of a shape: on CUDA with pages a multiple of 64, the first
-    alternative that runs here of ``PAGED_CONTEXT_DEFAULTS`` (given ``max_kv``), else of
-    ``PAGED_DEFAULTS``; ``e4m3_queries`` / ``e4m3_probs`` False skip the e4m3 kernels."""
+    """(config, pinned splits or None) of a shape: the first entry of the tables that runs here."""
     if device.type != "cuda":
         return PagedConfig(16, min(8, page_size), 4, 1), None
     if page_size % 64:
@@ -245,7 +231,6 @@ def paged_config(rows: int, kv_dtype: torch.dtype, device: torch.device,
     return paged_choice(rows, kv_dtype, device, page_size, bs, max_kv)[0]
 
 
-# ---- split counts --------------------------------------------------------------------------------
 def pick_num_splits(bs: int, m_blocks: int, max_kv: int, block_n: int,
                     num_sms: int = 132, min_tiles: int = 2, max_splits: int = 64) -> int:
     """The gather kernel's splits: ~two waves of programs, each split >= ``min_tiles`` tiles."""

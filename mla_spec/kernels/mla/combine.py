@@ -119,8 +119,6 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     )
 
 
-# -- the CUDA combine: at batch 1 the Triton program's ~1700 instructions run once, cold -------
-
 _SRC = "mla_combine.cu"
 _DV = 512
 _GROUPS = (2, 4, 8, 16, 32)  # split groups a row (G); a CTA takes 32 / G rows

@@ -1,7 +1,6 @@
-"""``mla_decode_paged``: the page-granular fast path of ``mla_decode`` on Hopper (same result; twin:
-``reference.mla_decode_ref``). The ``PagedConfig`` (default :func:`choice.paged_choice`) picks the
-kernel: ``sm90_wgmma``, ``sm90_mma``, ``triton_vsplit`` or ``triton_paged``; the split count comes
-from :func:`choice.splits_for` unless the call or a default entry pins it.
+"""``mla_decode_paged``: the page-granular Hopper fast path of ``mla_decode`` (same result; twin:
+``reference.mla_decode_ref``); the ``PagedConfig`` (default :func:`choice.paged_choice`) picks the
+kernel, :func:`choice.splits_for` the split count unless pinned.
 """
 
 from __future__ import annotations
@@ -76,8 +75,7 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                      num_splits: int | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, config: PagedConfig | None = None,
                      num_sms: int | None = None, early_kv: bool | None = None):
-    """:func:`mla_spec.kernels.mla.mla_decode` with a contiguous, page-aligned ``kv_flat``;
-    ``max_kv`` (host int: no sync), ``config``, ``early_kv`` (``sm90_wgmma.launch_wgmma_mla``)."""
+    """``mla_decode`` with a contiguous, page-aligned ``kv_flat`` (``max_kv``: host int)."""
     check_mla_inputs(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr)
     n, h, dv = q_nope.shape
     dpe = q_pe.shape[-1]

@@ -1,6 +1,6 @@
-"""What the hand-written MLA launchers share (``csrc/mla_params.cuh``'s struct, split partials, call
-checks) and the mma.sync split-KV launcher (``K``, ``csrc/mla_splitkv_sm90.cu``): fixed ``q_len``, a
-bf16 cache, Dv 512 / Dpe 64, bf16 queries, sm_90+ (where wgmma runs, ``sm90_wgmma`` is faster).
+"""What the hand-written MLA launchers share (``csrc/mla_params.cuh``'s struct, partials, checks)
+and the mma.sync split-KV launcher (``K``, ``csrc/mla_splitkv_sm90.cu``; sm_90+, bf16 cache and
+queries).
 """
 
 from __future__ import annotations
@@ -85,7 +85,6 @@ def split_params(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
     return p, part, part_lse
 
 
-# ---- the mma.sync kernel -------------------------------------------------------------------------
 _SRC = "mla_splitkv_sm90.cu"
 _SK = DV + DPE + 8  # shared-memory row stride (elements), as in the .cu
 

@@ -1,7 +1,6 @@
-"""Launcher of the Hopper wgmma split-KV MLA kernels (``csrc/``: ``W`` ``mla_wgmma_sm90.cu``, ``WR``
-``mla_wgmma_rows_sm90.cu``, ``WE2`` / ``WE8`` ``mla_wgmma_e4m3pp_sm90.cu``): fixed ``q_len``, a bf16
-or e4m3 cache with pages a multiple of 64, Dv 512 / Dpe 64, bf16 queries, sm_90. Splits write bf16
-partials for ``combine.combine_splits_fast`` (``WR``'s two merge in a cluster).
+"""Launcher of the Hopper wgmma split-KV MLA kernels (``csrc/``: ``W``, ``WR``, ``WE2`` / ``WE8``):
+fixed ``q_len``, a bf16 or e4m3 cache with pages a multiple of 64, Dv 512 / Dpe 64, bf16 queries,
+sm_90; bf16 partials for ``combine.combine_splits_fast`` (``WR``'s two merge in a cluster).
 """
 
 from __future__ import annotations
@@ -142,12 +141,10 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
                      num_splits: int, kind, early_kv: bool | None = None) -> None:
-    """Run the split kernel of ``kind``, then the combine unless the splits merge in a cluster;
-    arguments as ``mla_decode_paged``'s. ``early_kv`` (default ``options.EARLY_KV``): from
-    :data:`EARLY_KV_MIN_SPLITS` splits, an ``_ek`` build loads its first KV tiles before the PDL
-    wait (never one holding a request's last ``q_len`` rows). Contract: ``kv_lens``, the page table
-    and all other KV rows were written before the kernel ahead began (a decode step); the kernel
-    re-reads the slots after the wait and traps if they moved."""
+    """Run the split kernel of ``kind``, then the combine unless the splits merge in a cluster.
+    ``early_kv``: from :data:`EARLY_KV_MIN_SPLITS` splits, first KV tiles before the PDL wait; sound
+    only if ``kv_lens``, the page table and all other KV rows were written before the kernel ahead
+    began (a decode step); the kernel re-reads the slots after the wait and traps if they moved."""
     kind = WgmmaKind.of(kind)
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
             out.stride(1) % 4 or out.data_ptr() % 8:

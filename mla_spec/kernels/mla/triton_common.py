@@ -1,7 +1,5 @@
-"""Per-program setup of the Triton split-KV MLA kernels, and the host-side input checks. A program
-owns ``BLOCK_M`` *flattened* query rows ``r = i * H + h`` (token ``i``, head ``h``) of request ``b``
-and KV split ``sid``; row ``r`` sees ``j < kv_len - q_len + i + 1``. Triton inlines these helpers
-(same PTX as written out; NOTE in ``triton_paged``).
+"""Per-program setup of the Triton split-KV MLA kernels and the host-side input checks: a program
+owns ``BLOCK_M`` flattened rows ``r = i * H + h`` of request ``b`` and KV split ``sid``.
 """
 
 from __future__ import annotations
@@ -115,8 +113,7 @@ def attn_pdl_kwargs(q: torch.Tensor, cfg) -> dict:
 def prefetch_kv_tiles(KV, R2T, RPI, KVL, QO, b, pid_m, sid, H, q_len_fixed, num_splits,
                       stride_r2t, num_slots, DK: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, RAGGED: tl.constexpr, TILES: tl.constexpr):
-    """L2 prefetch of the split's first ``TILES`` KV tiles before the PDL wait (``pdl`` rule 4;
-    stale metadata can only waste a prefetch)."""
+    """L2 prefetch of the split's first ``TILES`` KV tiles before the PDL wait (``pdl`` rule 4)."""
     qo_start, q_len, kv_len, n_rows, m0 = request_rows(QO, KVL, b, pid_m, H, q_len_fixed,
                                                        BLOCK_M, RAGGED)
     if m0 < n_rows:

@@ -3,9 +3,8 @@ any page size and slot order. Row ``i`` of ``q_len`` sees ``j < kv_len - q_len +
 
     out[t, h] = v_scale * softmax_j(sm_scale * k_scale * [q_nope | q_pe][t, h] . s_j) @ s_j[:Dv]
 
-with ``s_j = kv_flat[req_to_token[req, j]]``. MLA is MQA, so a program's ``BLOCK_M`` (token, head)
-rows share each KV tile (``S = Qn @ Kn^T + Qp @ Kp^T``, ``O += P @ Kn``, online softmax in fp32);
-splits write partials for ``combine``. FP8 KV: dequantized in registers, or FP8 Q.K^T.
+with ``s_j = kv_flat[req_to_token[req, j]]``; a program's ``BLOCK_M`` rows share each KV tile (MQA),
+online softmax in fp32; splits write partials for ``combine``.
 """
 
 from __future__ import annotations
@@ -158,9 +157,7 @@ def mla_decode(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
                max_q: int | None = None, num_splits: int | None = None,
                return_lse: bool = False, out: torch.Tensor | None = None, fp8_dot: int = 0,
                config: MLAKernelConfig | None = None, max_kv: int | None = None):
-    """Absorbed MLA (module docstring): ``q_nope [N, H, Dv]`` / ``q_pe [N, H, Dpe]`` (or 4-d), one
-    layer's ``kv_flat [slots, Dv + Dpe]``, ``q_len`` or ragged ``qo_indptr`` (with ``max_q``) ->
-    ``[N, H, Dv]`` (and the natural-log ``lse``)."""
+    """Absorbed MLA (module docstring) -> ``[N, H, Dv]`` (and the natural-log ``lse``)."""
     if q_nope.dim() == 4:
         q_len = q_nope.shape[1] if q_len is None else q_len
         q_nope, q_pe = q_nope.flatten(0, 1), q_pe.flatten(0, 1)

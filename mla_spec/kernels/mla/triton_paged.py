@@ -1,14 +1,9 @@
 """The paged Triton kernels (``C``, ``CF``, the fallback tiles; swap AB: ``S16``, ``S32w4``), same
-result as ``mla_decode``. With page-aligned slots and ``page_size % BLOCK_N == 0`` a KV tile is
-``BLOCK_N`` contiguous rows of one page, found by one ``req_to_token`` read::
-
-    KV tile  [BLOCK_N, Dv/2] | [BLOCK_N, Dv/2] | [BLOCK_N, Dpe]   (three boxes of one page)
-    S  = Q0 @ K0^T + Q1 @ K1^T + Qpe @ Kpe^T;   O0 += P @ K0,  O1 += P @ K1   (fp32)
-
-Rows past the split end in the last page are read but masked (finite: the pool is zeroed, stores
-saturate); a tile's row blocks run side by side, sharing it in L2. **Swap AB** puts the KV tile on
-the MMA's M side and the rows (32 at TP 4: half of wgmma's M) on N. **FP8 KV**: fp16 dots (e4m3 ->
-fp16 is exact) after an exact power-of-two query scale.
+result as ``mla_decode``: with ``page_size % BLOCK_N == 0`` a KV tile is ``BLOCK_N`` contiguous
+rows of one page (three boxes ``Dv/2 | Dv/2 | Dpe``), found by one ``req_to_token`` read. Swap AB
+puts the KV tile on the MMA's M side; FP8 KV: fp16 dots after an exact power-of-two query scale.
+Rows past the split end are read but masked (finite: the pool is zeroed). Measurements:
+docs/bench_mla.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The V-split paged MLA kernel (``G4``): four sibling programs per row block each compute the full
-``Q . K^T`` and softmax but only 128 of the 512 columns of ``P . V``; siblings are adjacent on grid
-axis 0 and share tiles in L2. The score sums column chunks in a rotated order from the sibling's own
-(``((v + j) % 4) * DC``), which ``P . V`` reuses. Sum orders differ in the last bit, so each sibling
-writes its LSE (``part_lse [4, S, rows]``); sibling 0's is final.
+``Q . K^T`` and softmax but only 128 of the 512 columns of ``P . V`` (adjacent on grid axis 0,
+sharing tiles in L2); each sums chunks in its own rotated order, so each writes its LSE (sibling
+0's is final).
 """
 
 from __future__ import annotations

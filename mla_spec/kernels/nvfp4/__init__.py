@@ -1,6 +1,4 @@
-"""NVFP4 (W4A16) weights decoded in registers: ``nvfp4_gemm`` (``gemm``) and ``fused_moe_nvfp4``
-(``moe``); references: ``reference``.
-"""
+"""NVFP4 (W4A16) weights decoded in registers: ``nvfp4_gemm`` and ``fused_moe_nvfp4``."""
 
 from mla_spec.kernels.nvfp4.configs import (
     PINNED_CONFIGS,

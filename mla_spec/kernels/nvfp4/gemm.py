@@ -1,8 +1,6 @@
-"""W4A16 GEMM with NVFP4 weights, ``y = x @ dequant(W)^T`` decoded to bf16 in registers (Hopper has
-no FP4 MMA): x ``[M, K]``, weight uint8 ``[N, K/2]``, weight_scale e4m3 ``[N, K/16]``,
-weight_scale_2 fp32. The MMA kernel: ``acc[BM, BN] += x[BM, BK] @ W'[BK, BN]``,
-``W' = E2M1 * s * 2**-8`` exact in bf16, ``weight_scale_2 * 256`` applied on the device. Default:
-the CUDA kernel (``gemm_cuda``) where pinned or at 2-8 tokens, else :func:`auto_config`.
+"""W4A16 GEMM with NVFP4 weights, ``y = x @ dequant(W)^T`` decoded to bf16 in registers (no FP4 MMA
+on Hopper): ``W' = E2M1 * s * 2**-8`` exact in bf16, ``weight_scale_2 * 256`` applied on the device.
+Default: the CUDA kernel (``gemm_cuda``) where pinned or at 2-8 tokens, else :func:`auto_config`.
 """
 
 from __future__ import annotations
@@ -30,13 +28,10 @@ PACKED_GEMV_MAX_M = 2
 _NUM_SMS = 132
 
 
-# ---- E2M1 decoders (also the sorted MoE's): a code's bits at the bottom of an fp16 exponent give
-# exactly E2M1 * 2**-14, so _decode is shifts, masks and one multiply by the block scale: bytes
-# [.., 8] (even element low) and e4m3 scales [.., 1] -> (low, high) E2M1 * s * 2**-8.
+# ---- E2M1 decoders (also the sorted MoE's): shifts, masks and one multiply by the block scale.
 _TWO_118 = tl.constexpr(2.0**118)  # jit code may only read constexpr globals
 
-# Four packed bytes ($4) and their scales s * 2**118 as bf16x2 ($5 bytes 0-1, $6 bytes 2-3) ->
-# low-nibble values ($0, $1) and high-nibble values ($2, $3) as bf16x2, E2M1 * s * 2**-8.
+# bytes $4, scales s * 2**118 as bf16x2 ($5, $6) -> low ($0, $1) / high ($2, $3) nibbles as bf16x2
 _ASM = tl.constexpr("""
 {
 .reg .b32 z, t0, t1, a, b;
@@ -182,8 +177,7 @@ def mma_block_m(m: int, cfg: NVFP4MmaConfig | None = None) -> int:
 def default_mma_config(m: int, n: int, k: int, *, block_m: int = 0, block_n: int = 0,
                        block_k: int = 0, num_warps: int = 0, num_stages: int = 0
                        ) -> NVFP4MmaConfig:
-    """MMA config of an unmeasured shape: tiles by M and N, split K until >= 8 warps per SM (<= 8
-    splits, >= 4 steps each). Nonzero keywords fix a field."""
+    """MMA config of an unmeasured shape: tiles by M and N, split K until >= 8 warps per SM."""
     bm = block_m or mma_block_m(m)
     bn, bk = block_n or (128 if n >= 2048 else 64), block_k or 128
     warps = num_warps or (4 if bm <= 64 else 8)
@@ -212,8 +206,7 @@ def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
                weight_scale_2: torch.Tensor, out_dtype: torch.dtype | None = None,
                config: GemvConfig | NVFP4MmaConfig | CudaMmaConfig | None = None
                ) -> torch.Tensor:
-    """``x [..., K] @ dequant(W)^T`` -> ``[..., N]`` in ``out_dtype`` (default x's); ``config``:
-    kernel and tiles (``nvfp4_gemm_ref`` where Triton does not run)."""
+    """``x [..., K] @ dequant(W)^T`` -> ``[..., N]`` in ``out_dtype`` (default x's)."""
     k = check_gemm(x, weight, weight_scale, weight_scale_2)
     if config is not None and not isinstance(config, GemvConfig | NVFP4MmaConfig | CudaMmaConfig):
         raise ValueError(f"config must be a GemvConfig, NVFP4MmaConfig or CudaMmaConfig, got "

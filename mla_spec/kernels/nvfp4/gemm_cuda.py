@@ -1,7 +1,6 @@
-"""Launcher of the hand-written NVFP4 ``mma.sync`` kernel (``csrc/nvfp4_mma_sm90.cu``, whose header
-explains it): 1-16 tokens, bf16 x and y, ModelOpt's layout as stored, K a multiple of 128, aligned
-rows, sm_90 with nvcc. Split-K partials are summed in order by the last CTA to arrive
-(``launch.cuda_driver.arrival_counters``).
+"""Launcher of the hand-written NVFP4 ``mma.sync`` kernel (``csrc/nvfp4_mma_sm90.cu`` explains it):
+1-16 tokens, bf16 x and y, K a multiple of 128, sm_90 with nvcc; split-K partials summed in order by
+the last CTA (``launch.cuda_driver.arrival_counters``).
 """
 
 from __future__ import annotations
@@ -117,8 +116,7 @@ def _auto(m: int, n: int, k: int, sms: int) -> CudaMmaConfig | None:
 def cuda_auto_config(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      weight_scale_2: torch.Tensor, out_dtype: torch.dtype
                      ) -> CudaMmaConfig | None:
-    """The config for ``nvfp4_gemm`` without ``config``: pinned, or 2-8 tokens on an unmeasured
-    shape; None when off (``options.NVFP4_CUDA``), unfit or slower."""
+    """The ``mma.sync`` config without ``config``: pinned or 2-8 tokens; None when off or unfit."""
     if not options.NVFP4_CUDA or not x.is_cuda or x.dim() != 2:
         return None
     m, k = x.shape

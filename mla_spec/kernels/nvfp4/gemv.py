@@ -1,10 +1,7 @@
-"""NVFP4 W4A16 GEMV for 1-2 tokens (FMA, no MMA), bound by streaming the weights when decoding costs
-a few instructions per weight. Weights are read as int64 words ``[N, K/16]`` (one per 16-element
-block); a program owns ``BN`` rows x ``MP`` tokens and a K range and accumulates
-``block dot * scale`` in fp32. Decode: nibble ``s e1 e0 m`` as fp16 bits ``s << 15 | e1e0m << 9`` is
-exactly ``E2M1 * 2**-14``; nibbles ``j``, ``j + 4`` of a 32-bit word fill both fp16 lanes with one
-shift and mask each. Split-K in one launch: the last split of a tile (per-tile counter, reset after
-use) sums the partials in order, so split-K GEMVs must not overlap across streams.
+"""NVFP4 W4A16 GEMV for 1-2 tokens (FMA, no MMA): int64 words ``[N, K/16]`` (one per 16-element
+block), a program owns ``BN`` rows x ``MP`` tokens and a K range; a nibble as fp16 bits is ``E2M1
+* 2**-14``. The last split of a tile (per-tile counter) sums the partials in order, so split-K
+GEMVs must not overlap across streams. Design: docs/design.md, docs/bench_nvfp4.md.
 """
 
 from __future__ import annotations

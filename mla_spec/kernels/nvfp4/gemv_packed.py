@@ -1,10 +1,7 @@
-"""Packed-fp16 block dot products for the NVFP4 GEMV (bf16 x): two weights per instruction. A code
-``s e1 e0 m`` with its sign at bit 7 and ``e1 e0 m`` at bits 4..2 is an e4m3 byte equal to
-``E2M1 * 2**-6``: for a word of 8 codes, ``L = (w << 2) & 0x1C1C1C1C | (w << 4) & 0x80808080`` holds
-elements 0, 2, 4, 6 and ``H = (w >> 2) & 0x1C1C1C1C | w & 0x80808080`` 1, 3, 5, 7; one
-``cvt.rn.f16x2.e4m3x2`` (sm_89+) makes a pair (0, 2), (4, 6), (1, 3), (5, 7). x becomes fp16x2 pairs
-in that order; 8 ``fma.rn.f16x2`` per block, lanes summed in fp32. x must fit fp16 (overflow: inf,
-unchecked). ``*_pure`` twins (fp32, same order) run in the interpreter.
+"""Packed-fp16 block dot products for the NVFP4 GEMV (bf16 x): a code moved into an e4m3 byte is
+``E2M1 * 2**-6``, one ``cvt.rn.f16x2.e4m3x2`` (sm_89+) makes two weights and ``fma.rn.f16x2``
+multiplies two (docs/bench_nvfp4.md). x must fit fp16 (overflow: inf, unchecked). ``*_pure`` twins
+(fp32, same order) run in the interpreter.
 """
 
 from __future__ import annotations

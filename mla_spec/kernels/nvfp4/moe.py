@@ -1,8 +1,6 @@
-"""Fused MoE with NVFP4 experts (``SiLU(x W1^T) * (x W3^T)``, ``W2``, routing-weighted sum; shapes:
-``reference``): the gemv path (``moe_gemv``) up to ``MOE_GEMV_MAX_M`` tokens, else the sorted path:
-:func:`moe_align` sorts the pairs into slots of ``BM`` rows of one expert on the device (no sync);
-one launch runs w13 + SiLU per slot x I-tile, one w2 times the routing weight per slot x K-tile, and
-``sum_rows`` adds each token's rows.
+"""Fused MoE with NVFP4 experts (shapes: ``reference``): the gemv path (``moe_gemv``) up to
+``MOE_GEMV_MAX_M`` tokens, else the sorted path: :func:`moe_align` sorts the pairs into slots of
+``BM`` rows of one expert on the device (no sync), then a w13 + SiLU and a w2 launch.
 """
 
 from __future__ import annotations
@@ -31,8 +29,7 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
                     w13: NVFP4Tensor, w2: NVFP4Tensor, path: str = "auto",
                     gemv_config: MoeGemvConfig | None = None,
                     sorted_config: NVFP4MmaConfig | None = None) -> torch.Tensor:
-    """Routed experts -> ``[M, K]`` in x's dtype. ``path``: "gemv", "sorted" or "auto";
-    ``gemv_config`` / ``sorted_config``: the paths' tiles."""
+    """Routed experts -> ``[M, K]`` in x's dtype; ``path``: "gemv", "sorted" or "auto"."""
     if path not in ("auto", "gemv", "sorted"):
         raise ValueError(f"path must be 'auto', 'gemv' or 'sorted', got {path!r}")
     scfg = sorted_config or MOE_SORTED_CONFIG
@@ -58,7 +55,6 @@ def fused_moe_nvfp4(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     return out
 
 
-# ---- the sorted path -----------------------------------------------------------------------------
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """``sorted_ids [S * block_m]`` (pair, ``P``: padding) and ``slot_expert [S]`` (-1: unused)."""

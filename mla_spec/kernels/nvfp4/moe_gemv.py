@@ -1,9 +1,7 @@
-"""Fused MoE at up to 4 tokens without sorting (nearly every pair has its own expert) or host sync.
-**w13 + SiLU**, grid ``(I / BN, S, P)``: program (n, s, p) reads expert ``topk_ids[p]``'s gate and
-up rows over the s-th K range; the last split to arrive writes ``act[p] = SiLU(gate) * up`` (ids
-outside ``[0, E)``: return). **w2, routing weights, top-k sum**: bf16 activations take
-:func:`moe_w2_loop`, one prefetching loop over a token's experts; fp32 ones a grid
-``(K / BN, topk, M)`` whose last program of a tile sums the slots in order.
+"""Fused MoE at up to 4 tokens without sorting or host sync. w13 + SiLU, grid ``(I / BN, S, P)``:
+the last K split to arrive writes ``act[p] = SiLU(gate) * up`` (ids outside ``[0, E)``: return).
+w2: bf16 activations take :func:`moe_w2_loop`, fp32 ones a grid ``(K / BN, topk, M)`` whose last
+program of a tile sums the slots in order.
 """
 
 from __future__ import annotations

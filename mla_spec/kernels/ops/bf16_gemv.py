@@ -1,7 +1,5 @@
-"""BF16 GEMV for the attention projections at 1-2 tokens:
-``y[b, m, n] = sum_k x[b, m, k] * w[b, n, k]`` in fp32, any strides (``b``: the head of the absorbed
-``W_UK`` / ``W_UV`` products; 1 for a linear layer). A program owns ``BLOCK_N`` outputs and walks K
-with the next step's loads in flight. Used on CUDA for the ``PINNED`` shapes.
+"""BF16 GEMV for the attention projections at 1-2 tokens: ``y[b, m, n] = sum_k x[b, m, k] * w[b, n,
+k]`` in fp32, any strides, next step's loads in flight. Used on CUDA for the ``PINNED`` shapes.
 """
 
 from __future__ import annotations

@@ -77,7 +77,6 @@ def _rmsnorm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, s_ptr, eps, N,
 _LAUNCH = TritonLauncher(_rmsnorm_kernel)
 
 
-# ---- torch references -----------------------------------------------------------------------
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Torch reference of :func:`rms_norm`: exactly the model's original ``RMSNorm.forward``."""
     dtype = x.dtype
@@ -93,7 +92,6 @@ def rms_norm_add_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
     return rms_norm_ref(s, weight, eps), s
 
 
-# ---- launchers ------------------------------------------------------------------------------
 def _check(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None = None) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() == 0:
         raise ValueError(f"x must be a tensor [..., N]; got {type(x).__name__} "

@@ -54,7 +54,6 @@ def _rope_qk_kernel(pos_ptr, freq_ptr, q_ptr, k_ptr, qo_ptr, ko_ptr, attn_factor
             _rotate_row(k_ptr + n * stride_kn, ko_ptr + n * stride_kon, pairs, mask, c, s)
 
 
-# ---- torch references -----------------------------------------------------------------------
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[*P, D/2]`` fp32 cos and sin at ``positions`` (attention factor applied)."""
@@ -79,7 +78,6 @@ def rope_qk_ref(positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor,
             apply_rope_interleaved(k_pe, cos, sin))
 
 
-# ---- launcher -------------------------------------------------------------------------------
 def _check(positions, q_pe, k_pe, inv_freq) -> None:
     if positions.dim() != 1 or q_pe.dim() != 3 or k_pe.dim() != 2:
         raise ValueError(f"rope_qk expects positions [N], q_pe [N, H, D], k_pe [N, D]; got "

@@ -1,18 +1,7 @@
-"""Draft-extend pad / unpad: ragged query rows <-> a fixed ``[bs, max_q, H, D]`` block. Spec-v1
-DRAFT_EXTEND gives request ``b`` ``L_b = seq_lens_q[b]`` rows, packed as ``q [total_q, H, D]`` with
-offsets ``cu_seqlens_q``; fixed-q_len MLA kernels take ``[bs, max_q, H, 576]`` where row ``i`` sees
-KV positions ``< kv_len - max_q + i + 1``. ``align="end"`` puts the ``L`` real rows last, so real
-row ``j`` sees ``< kv_len - L + j + 1``, exactly its ragged window; ``align="start"`` (SGLang's
-layout, for comparison) loses ``max_q - L`` positions::
-
-    request with L=2, max_q=4        end            start
-    padded rows 0..3              [pad pad r0 r1]  [r0 r1 pad pad]
-
-Padded rows are zeroed (``fill_padding``) or left stale: attention rows are independent, so they
-never change a real row, and ``unpad`` never copies them. Kernels: ``small`` (one round trip, never
-slower: docs/bench_pad.md) or ``large``. Grids depend only on shapes and lengths are not
-specialized, so binaries survive batch changes and graph replays; with ``out=``, ``validate=False``
-a call never allocates or syncs.
+"""Draft-extend pad / unpad: ragged query rows ``q [total_q, H, D]`` (offsets ``cu_seqlens_q``) <->
+a fixed ``[bs, max_q, H, D]`` block for fixed-q_len MLA kernels. ``align="end"`` puts the real rows
+last, so each sees exactly its ragged window (``"start"``: SGLang's layout); padded rows are zeroed
+(``fill_padding``) or left stale and never reach a real row. Layouts, kernels: docs/bench_pad.md.
 """
 
 from __future__ import annotations
@@ -41,7 +30,6 @@ _SMALL_NUM_WARPS = 4
 _CU_BLOCKS = (32, 128, 1024)
 
 
-# ---- launch machinery ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=1024)
 def _consts(h: int, d: int, elsize: int, src_hd: tuple, dst_hd: tuple, target: int,
             *flags) -> tuple:
@@ -160,7 +148,6 @@ def check_values(seq_lens_q, cu_seqlens_q, max_q, rows_avail, rows_name):
         raise ValueError(f"the lengths add up to {total} rows but {rows_name} has {rows_avail}")
 
 
-# ---- pad -----------------------------------------------------------------------------------------
 def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", out=None,
                            fill_padding=True, validate=True, variant="auto"):
     """Scatter ``q [total_q, H, D]`` (any strides) into ``[bs, max_q, H, D]``. ``seq_lens_q`` int32
@@ -194,11 +181,9 @@ def pad_draft_extend_query(q, seq_lens_q, cu_seqlens_q, max_q, *, align="end", o
     return out
 
 
-# ---- unpad ---------------------------------------------------------------------------------------
 def unpad_draft_extend_output(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, align="end",
                               out=None, validate=True, variant="auto"):
-    """Gather the real rows of ``raw_out [bs, max_q, H, Dv]`` into ``[total_q, H, Dv]`` (rows past
-    the real total untouched: under a graph, pass the capacity)."""
+    """Gather the real rows of ``raw_out [bs, max_q, H, Dv]`` into ``[total_q, H, Dv]``."""
     if validate:
         check_common(raw_out, "raw_out", 4, seq_lens_q, cu_seqlens_q, align, variant)
         if raw_out.shape[0] != seq_lens_q.shape[0]:

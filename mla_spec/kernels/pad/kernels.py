@@ -1,7 +1,5 @@
-"""The Triton kernels of draft-extend pad / unpad (``draft_extend``); a program moves one chunk of a
-flattened ``H * D`` row. ``pad_kernel`` (large) and ``unpad_kernel`` take (chunk, slot, request)
-from a 3-d grid; ``pad_small_kernel`` is token-major, its row load issued with one vector load of
-``cu_seqlens_q`` (the request found by a one-hot sum); ``FILL`` programs zero padded slots.
+"""The Triton kernels of draft-extend pad / unpad (``draft_extend``): a program moves one chunk of a
+flattened ``H * D`` row; ``FILL`` programs zero padded slots.
 """
 
 from __future__ import annotations

@@ -1,48 +1,17 @@
 """A *projection* (not a measurement) of DeepSeek-V3 tokens/s per user from per-layer timings.
 
-``benchmarks/bench_layer.py`` times one decoder layer on one GPU at the shapes a GPU holds under
-tensor parallelism 4 (32 of 128 heads, experts split 4 ways on the intermediate dimension). The
-whole model on 4 GPUs runs, per target forward:
-
-    3 dense layers + 58 MoE layers + final norm and lm_head shard (vocab-parallel)
-    + 2 all-reduces per layer (after o_proj and after the MLP / MoE down projection),
-      each of the ``[rows, 7168]`` bf16 activations, rows = bs * q_len
-    + 1 all-gather of the logits of the rows that are sampled (``[rows, 129280]`` bf16)
-
-The GPUs run the layers in lock step, so one GPU's layer time is the model's layer time. The
-collectives are *estimated* by default (or measured, see below): a ring all-reduce moves
-``2 (tp-1)/tp * bytes`` per GPU and an all-gather ``(tp-1)/tp * bytes``, over a link of stated
-bandwidth, plus a fixed latency per collective. For the H200's NVLink 4 (through NVSwitch) we
-assume ~450 GB/s per direction per GPU and 5-10 us of small-message latency (NCCL, inside a CUDA
-graph); at batch 1 the messages are 14 KB, so latency is what counts: 123 collectives x 8 us ~
-1 ms per forward.
-
-Speculative decoding with the MTP layer (spec v2, topk 1, ``num_steps`` drafts, ``ndt =
-num_steps + 1`` rows per request) runs one *cycle* per ``accept_length`` tokens:
-
-    TARGET_VERIFY   target forward with ndt rows per request (logits of all ndt rows)
-    DRAFT_EXTEND_V2 the MTP layer over ndt rows, logits of one row per request (draft 1)
-    DECODE x (num_steps - 1)  the MTP layer with one row per request (drafts 2 .. num_steps)
-
-``tokens/s per user = accept_length / cycle time`` (``accept_length`` counts the bonus token, as
-everywhere in this package); without MTP it is ``1 / decode-step time``. Host overhead (sampling,
-scheduling) is not modelled: it is ``overhead_us`` per decode step or per MTP cycle, 0 by
-default (CUDA graphs and an overlapped scheduler hide most of it). SGLang's CI bars
-(``test_bs_1_speed``, :data:`SGLANG_CI_BARS`) are for 4 B200s: > 75 tok/s without MTP, > 150
-with. :func:`b200_scaled` gives a crude bandwidth-scaled view of the same layer times, to
-separate "our kernels" from "the H200 is a slower machine".
-
-Measured collectives. ``benchmarks/bench_allreduce.py`` times the real all-reduce / all-gather
-over NCCL on the GPUs at hand; :func:`load_measured_link` turns its JSON into a
-:class:`MeasuredLink` (a table bytes -> us, interpolated linearly in bytes). Everything that takes
-a ``link`` accepts either (both live in :mod:`mla_spec.collectives`, re-exported here).
+A target forward is 3 dense + 58 MoE layer times (``benchmarks/bench_layer.py``, one GPU at TP 4
+shapes) + the lm_head shard + 2 all-reduces a layer and one logits all-gather (a link of
+``benchmarks/collectives.py``). An MTP cycle is TARGET_VERIFY + DRAFT_EXTEND_V2 + ``num_steps - 1``
+draft DECODEs and yields ``accept_length`` tokens (bonus included). The method:
+``docs/bench_layer.md``, "Projection method".
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from mla_spec.collectives import (
+from collectives import (
     NVLINK4_H200,
     Link,
     LinkSpec,
@@ -53,23 +22,10 @@ from mla_spec.collectives import (
 )
 
 __all__ = [
-    "projection_lines",
-    "LinkSpec",
-    "MeasuredLink",
-    "load_measured_link",
-    "ModelShape",
-    "ForwardTimes",
-    "Projection",
-    "NVLINK4_H200",
-    "SGLANG_CI_BARS",
-    "allreduce_us",
-    "allgather_us",
-    "target_forward_us",
-    "mtp_forward_us",
-    "project_no_mtp",
-    "project_mtp",
-    "b200_scaled",
-    "projection_report",
+    "projection_lines", "LinkSpec", "MeasuredLink", "load_measured_link", "ModelShape",
+    "ForwardTimes", "Projection", "NVLINK4_H200", "SGLANG_CI_BARS", "allreduce_us",
+    "allgather_us", "target_forward_us", "mtp_forward_us", "project_no_mtp", "project_mtp",
+    "b200_scaled", "projection_report",
 ]
 
 #: SGLang's CI bs-1 speed bars (tok/s per user; ``test_bs_1_speed`` on 4 B200s, end to end).
@@ -100,13 +56,9 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class ForwardTimes:
-    """Measured device times (us) of one GPU's pieces at one (bs, q_len, context).
-
-    ``moe_layer_us`` / ``dense_layer_us``: one decoder layer (norms, attention, MoE or dense MLP),
-    no collectives. ``lm_head_us``: final norm + lm_head shard for the rows sampled at this
-    q_len. ``mtp_layer_us``: one MTP forward (enorm, hnorm, eh_proj, its decoder layer), without
-    the lm_head.
-    """
+    """Measured device times (us) of one GPU's pieces at one (bs, q_len, context), without
+    collectives: one decoder layer of each kind, final norm + lm_head shard for the sampled rows,
+    one MTP forward without the lm_head."""
 
     moe_layer_us: float
     dense_layer_us: float
@@ -143,10 +95,8 @@ def _collectives_us(rows: int, logit_rows: int, num_layers: int, shape: ModelSha
 def target_forward_us(t: ForwardTimes, rows: int, logit_rows: int,
                       shape: ModelShape = ModelShape(),
                       link: Link = NVLINK4_H200) -> dict[str, float]:
-    """One forward of the target model: ``{"layers", "lm_head", "collectives", "total"}`` (us).
-
-    ``rows`` = bs * q_len (all-reduce size); ``logit_rows`` = rows whose logits are gathered.
-    """
+    """One target forward: ``{"layers", "lm_head", "collectives", "total"}`` (us); ``rows`` =
+    bs * q_len (all-reduce size), ``logit_rows`` the rows whose logits are gathered."""
     layers = shape.num_dense_layers * t.dense_layer_us + shape.num_moe_layers * t.moe_layer_us
     comm = _collectives_us(rows, logit_rows, shape.num_layers, shape, link)
     return {"layers": layers, "lm_head": t.lm_head_us, "collectives": comm,
@@ -169,12 +119,7 @@ def _sum(*parts: dict[str, float]) -> dict[str, float]:
 
 def project_no_mtp(decode: ForwardTimes, bs: int = 1, shape: ModelShape = ModelShape(),
                    link: Link = NVLINK4_H200, overhead_us: float = 0.0) -> Projection:
-    """Plain decoding: one target forward (q_len 1) per token.
-
-    Parameters
-    ----------
-    decode : layer times measured at q_len 1 and batch ``bs``
-    """
+    """Plain decoding: one target forward per token (``decode`` timed at q_len 1, batch ``bs``)."""
     f = target_forward_us(decode, bs, bs, shape, link)
     f["overhead"] = overhead_us
     f["total"] += overhead_us
@@ -184,16 +129,9 @@ def project_no_mtp(decode: ForwardTimes, bs: int = 1, shape: ModelShape = ModelS
 def project_mtp(decode: ForwardTimes, verify: ForwardTimes, accept_length: float,
                 num_steps: int = 3, bs: int = 1, shape: ModelShape = ModelShape(),
                 link: Link = NVLINK4_H200, overhead_us: float = 0.0) -> Projection:
-    """MTP speculative decoding (spec v2, topk 1): ``accept_length`` tokens per cycle.
-
-    Parameters
-    ----------
-    decode : times at q_len 1 (its ``mtp_layer_us`` = a DECODE draft step, ``lm_head_us`` for
-        ``bs`` rows)
-    verify : times at q_len ``num_steps + 1`` (target layers in TARGET_VERIFY, ``mtp_layer_us`` =
-        the MTP layer in DRAFT_EXTEND_V2, ``lm_head_us`` for ``bs * (num_steps + 1)`` rows)
-    accept_length : mean tokens accepted per cycle, bonus included, in 1 .. num_steps + 1
-    """
+    """MTP speculative decoding (spec v2, topk 1): ``accept_length`` tokens (bonus included) per
+    cycle. ``decode``: times at q_len 1 (a DECODE draft step); ``verify``: at q_len ``num_steps +
+    1`` (TARGET_VERIFY, the MTP layer in DRAFT_EXTEND_V2)."""
     ndt = num_steps + 1
     if num_steps < 1 or not 1.0 <= accept_length <= ndt:
         raise ValueError(f"accept_length {accept_length} must be in 1..{ndt} "
@@ -211,11 +149,8 @@ def project_mtp(decode: ForwardTimes, verify: ForwardTimes, accept_length: float
 
 
 def b200_scaled(t: ForwardTimes, factor: float = H200_HBM_TB_S / B200_HBM_TB_S) -> ForwardTimes:
-    """Every time multiplied by ``factor`` (default 4.8/8.0, the HBM bandwidth ratio).
-
-    Crude: it assumes every piece is memory-bound and ignores the B200's FP4 tensor cores and
-    faster NVLink 5. It only says what the same kernels would need on a machine with more bytes/s.
-    """
+    """Every time times ``factor`` (default the HBM bandwidth ratio 4.8/8.0): what the same
+    kernels would need on a B200 if every piece were memory-bound (crude)."""
     return replace(t, moe_layer_us=t.moe_layer_us * factor,
                    dense_layer_us=t.dense_layer_us * factor,
                    lm_head_us=t.lm_head_us * factor, mtp_layer_us=t.mtp_layer_us * factor)
@@ -225,11 +160,10 @@ def projection_lines(decode: ForwardTimes, verify: ForwardTimes | None,
                      accept_lengths=(2.04, 2.5, 3.0), num_steps: int = 3, bs: int = 1,
                      shape: ModelShape = ModelShape(), link: Link = NVLINK4_H200,
                      latency_range=(5.0, 10.0)) -> dict[str, dict]:
-    """The projection's lines as data: ``{"no_mtp" | "mtp_accept_<a>": {accept_length, tok_s,
+    """The projection as data: ``{"no_mtp" | "mtp_accept_<a>": {accept_length, tok_s,
     tok_s_range, step_ms, collectives_pct, b200_scaled_tok_s}}`` (tokens/s per user; the range
-    reprints each number with the link latency at ``latency_range``'s ends for an estimated
-    ``LinkSpec``, the number twice for a ``MeasuredLink``). The format of the shipped
-    ``mla_spec/data/bench_layer_h200.json`` (``viz.layer``)."""
+    at ``latency_range``'s link latencies, a single point for a ``MeasuredLink``), the format of
+    ``mla_spec/data/bench_layer_h200.json``."""
     lo, hi = (link, link) if link.measured else (replace(link, latency_us=v)
                                                  for v in latency_range)
 
@@ -258,12 +192,7 @@ def projection_report(decode: ForwardTimes, verify: ForwardTimes | None,
                       accept_lengths=(2.04, 2.5, 3.0), num_steps: int = 3, bs: int = 1,
                       shape: ModelShape = ModelShape(), link: Link = NVLINK4_H200,
                       latency_range=(5.0, 10.0)) -> list[str]:
-    """Human-readable lines: tokens/s per user with and without MTP next to SGLang's CI bars
-    (the numbers of :func:`projection_lines`).
-
-    ``latency_range`` reprints each number with the link latency at its low and high end (an
-    estimated ``LinkSpec`` only; a ``MeasuredLink`` has no range: the brackets repeat it).
-    """
+    """Human-readable lines of :func:`projection_lines`, next to SGLang's CI bars."""
     rng = "" if link.measured else f" (range {latency_range[0]:g}-{latency_range[1]:g} us)"
     lines = [f"PROJECTION (not a measurement): DeepSeek-V3, {shape.num_dense_layers} dense + "
              f"{shape.num_moe_layers} MoE layers + lm_head, TP {shape.tp_size}, bs {bs}; "

@@ -1,18 +1,10 @@
-"""Collective costs for the projection: the estimated link and the measured table.
+"""Collective costs for ``benchmarks/projection.py``: the estimated link and the measured table.
 
-:mod:`mla_spec.projection` charges every forward the all-reduces (2 per layer, of the
-``[rows, hidden]`` bf16 activations) and the logits all-gather of tensor parallelism. Their times
-come from a *link*: anything with ``allreduce_us(nbytes, tp)``, ``allgather_us(nbytes_total,
-tp)``, ``measured`` and ``describe()``.
-
-- :class:`LinkSpec` estimates: a ring all-reduce moves ``2 (tp-1)/tp * bytes`` per GPU and an
-  all-gather ``(tp-1)/tp * bytes`` over a stated bandwidth, plus a fixed latency per collective
-  (``NVLINK4_H200``: 450 GB/s per direction, 8 us).
-- :class:`MeasuredLink` interpolates a table of ``(bytes, us)`` points measured by
-  ``benchmarks/bench_allreduce.py`` (:func:`load_measured_link` reads its JSON); on 4 H200s an
-  all-reduce of 14 KB took 16.6 us inside a CUDA graph, about twice the estimate.
-
-Re-exported by :mod:`mla_spec.projection`.
+A *link* is anything with ``allreduce_us(nbytes, tp)``, ``allgather_us(nbytes_total, tp)``,
+``measured`` and ``describe()``. :class:`LinkSpec` estimates a ring: an all-reduce moves ``2
+(tp-1)/tp * bytes`` per GPU, an all-gather ``(tp-1)/tp * bytes``, plus a fixed latency each.
+:class:`MeasuredLink` interpolates the ``(bytes, us)`` points ``benchmarks/bench_allreduce.py``
+measured (:func:`load_measured_link`).
 """
 
 from __future__ import annotations
@@ -28,10 +20,8 @@ __all__ = ["LinkSpec", "MeasuredLink", "Link", "NVLINK4_H200", "load_measured_li
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A GPU-to-GPU link for the collective-cost estimate.
-
-    ``bandwidth_gb_s`` per direction per GPU (GB = 1e9 B); ``latency_us`` per collective.
-    """
+    """A GPU-to-GPU link for the estimate: ``bandwidth_gb_s`` per direction per GPU (GB = 1e9
+    B), ``latency_us`` per collective."""
 
     name: str
     bandwidth_gb_s: float
@@ -59,9 +49,8 @@ class LinkSpec:
 
 
 def _interp(table: tuple[tuple[float, float], ...], x: float) -> float:
-    """Piecewise-linear in bytes through ``(bytes, us)`` points sorted by bytes. Below the first
-    point: its time (the latency floor). Above the last: the slope of the last two points (the
-    bandwidth-bound regime), never below the last time."""
+    """Piecewise-linear through ``(bytes, us)`` points sorted by bytes: the first time below them
+    (latency floor), the last two points' slope above them (bandwidth-bound)."""
     if len(table) == 1 or x <= table[0][0]:
         return table[0][1]
     for (x0, y0), (x1, y1) in zip(table, table[1:]):
@@ -84,11 +73,8 @@ def _table(points: Sequence[tuple[float, float]], what: str) -> tuple[tuple[floa
 
 @dataclass(frozen=True)
 class MeasuredLink:
-    """Measured collective times on ``tp_size`` GPUs: ``(bytes, us)`` points per collective.
-
-    ``allreduce``: bytes of the reduced tensor; ``allgather``: bytes of the gathered result.
-    Times between points are interpolated linearly in bytes (see ``_interp`` for the ends).
-    Only valid at the measured ``tp_size`` (0 at TP 1): another TP size raises ValueError.
+    """Measured collective times on ``tp_size`` GPUs: ``(bytes, us)`` points per collective
+    (bytes of the reduced tensor / of the gathered result), interpolated; another TP size raises.
     """
 
     name: str
@@ -129,11 +115,8 @@ Link = LinkSpec | MeasuredLink
 
 
 def load_measured_link(path: str | Path, mode: str = "graph") -> MeasuredLink:
-    """A :class:`MeasuredLink` from ``benchmarks/bench_allreduce.py``'s JSON.
-
-    ``mode``: ``"graph"`` (per collective inside a replayed CUDA graph, what the served forward
-    pays; rows without a graph time fall back to eager) or ``"eager"``.
-    """
+    """A :class:`MeasuredLink` from ``benchmarks/bench_allreduce.py``'s JSON; ``mode`` "graph"
+    (inside a replayed CUDA graph, as served; eager where no graph time) or "eager"."""
     if mode not in ("graph", "eager"):
         raise ValueError(f"mode {mode!r}: supported 'graph', 'eager'")
     d = json.loads(Path(path).read_text())
@@ -164,9 +147,7 @@ def _bytes_per_us(link: LinkSpec) -> float:
 
 
 def allreduce_us(nbytes: float, tp_size: int, link: Link = NVLINK4_H200) -> float:
-    """All-reduce of ``nbytes`` over ``tp_size`` GPUs: ``link.allreduce_us`` (the estimate:
-    ring, ``lat + 2 (tp-1)/tp * bytes / bw``; or a measured table). 0 for ``tp_size == 1``.
-    """
+    """All-reduce of ``nbytes`` over ``tp_size`` GPUs (0 at TP 1)."""
     if tp_size < 1 or nbytes < 0:
         raise ValueError(f"tp_size {tp_size} must be >= 1 and nbytes {nbytes} >= 0")
     if tp_size == 1:
@@ -175,8 +156,7 @@ def allreduce_us(nbytes: float, tp_size: int, link: Link = NVLINK4_H200) -> floa
 
 
 def allgather_us(nbytes_total: float, tp_size: int, link: Link = NVLINK4_H200) -> float:
-    """All-gather whose result is ``nbytes_total``: ``link.allgather_us`` (estimate: ``lat +
-    (tp-1)/tp * bytes / bw``). 0 for ``tp_size == 1``."""
+    """All-gather whose result is ``nbytes_total`` over ``tp_size`` GPUs (0 at TP 1)."""
     if tp_size < 1 or nbytes_total < 0:
         raise ValueError(f"tp_size {tp_size} must be >= 1 and nbytes {nbytes_total} >= 0")
     if tp_size == 1:
