@@ -24,7 +24,7 @@ from mla_spec.engine import Engine, RequestRejectedError
 from mla_spec.forward_mode import ForwardMode
 from mla_spec.runtime.workers import RankFailedError
 from mla_spec.scheduler import Scheduler
-from mla_spec.spec.mock import build_mock_runner, mock_greedy_reference
+from mla_spec.spec.mock import WordTokenizer, build_mock_runner, mock_greedy_reference
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [3], [10, 20, 30, 40, 50, 60]]
 FIGURES: dict[str, list] = {}  # probe -> [tried, refused clearly, served, lost]
@@ -65,18 +65,7 @@ def _clean(eng: Engine) -> bool:
     return not s.has_work and s.allocator.num_free == s.num_pages - 1
 
 
-class _WordTok:
-    """Token id i <-> the word "w{i}"."""
-
-    class _Enc:
-        def __init__(self, ids):
-            self.ids = ids
-
-    def encode(self, text):
-        return self._Enc([int(w[1:]) for w in text.split()])
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"w{i}" for i in ids)
+_WordTok = WordTokenizer
 
 
 # ---- requests refused when added ----------------------------------------------------------------

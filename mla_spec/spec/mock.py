@@ -16,7 +16,7 @@ from mla_spec.config import SpecConfig
 from mla_spec.kv_cache import ReqToTokenPool
 from mla_spec.model_runner import ModelRunner
 
-__all__ = ["MockKVPool", "MockTarget", "MockDraft", "build_mock_runner"]
+__all__ = ["MockKVPool", "MockTarget", "MockDraft", "WordTokenizer", "build_mock_runner"]
 
 _MOD = 9973
 
@@ -113,3 +113,17 @@ def mock_greedy_reference(prompt: list[int], max_new_tokens: int, vocab_size: in
         out.append(nxt)
         toks.append(nxt)
     return out
+
+
+class WordTokenizer:
+    """A stand-in tokenizer for tests with the mock model: token id i <-> the word "w{i}"."""
+
+    class _Encoding:
+        def __init__(self, ids):
+            self.ids = ids
+
+    def encode(self, text):
+        return self._Encoding([int(w[1:]) for w in text.split()])
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
