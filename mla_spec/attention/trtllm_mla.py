@@ -84,7 +84,8 @@ class TRTLLMMLABackend(MLABackend):
 
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
                  kernel: Callable | None = None, q_scale: float = 1.0, align: str = "end"):
-        self._kernel, self.align = kernel, align
+        self._kernel, self.align = kernel, align  # the base's __init__ asks supports()
+        self._pad_buffers: dict[tuple, torch.Tensor] = {}  # see _pad_buffer
         super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
         if kv_pool.page_size not in (32, 64):
             raise ValueError(f"trtllm-gen MLA supports page_size 32 or 64, not {kv_pool.page_size}")
@@ -130,10 +131,10 @@ class TRTLLMMLABackend(MLABackend):
         """``[bs, max_q, H, D]``: the first ``bs`` rows of a zeroed buffer kept per (max_q, dtype)
         and grown to the largest batch seen."""
         key = (plan.max_q, *q.shape[1:], q.dtype)
-        buffers = self.__dict__.setdefault("_pad_buffers", {})
-        buf = buffers.get(key)
+        buf = self._pad_buffers.get(key)
         if buf is None or buf.shape[0] < plan.bs:
-            buf = buffers[key] = torch.zeros((plan.bs, *key[:-1]), dtype=q.dtype, device=q.device)
+            buf = torch.zeros((plan.bs, *key[:-1]), dtype=q.dtype, device=q.device)
+            self._pad_buffers[key] = buf
         return buf[: plan.bs]
 
     def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):

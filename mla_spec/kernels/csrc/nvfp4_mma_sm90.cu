@@ -127,7 +127,7 @@ struct Acts {
 
 // The loop keeps running pointers (advanced by a constant per chunk) and 32-bit shared
 // addresses: an earlier version recomputed 64-bit addresses per chunk and spent more
-// instructions on them than on decoding (docs/bench_nvfp4.md, eleventh session). R 16-row
+// instructions on them than on decoding (docs/bench_nvfp4.md). R 16-row
 // tiles per warp share each chunk's activations (and their byte permutes): at 8-16 tokens the
 // activations re-read from L2 per tile outweighed the weights.
 template <int NT, int WARPS, int STAGES, bool XPF, int R>
