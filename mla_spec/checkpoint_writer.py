@@ -73,7 +73,7 @@ def export_state_dict(model, mtp=None) -> dict[str, torch.Tensor]:
     ``model.layers.{num_hidden_layers}.*``, with copies of the shared embedding and head)."""
     if getattr(model, "tp_size", 1) != 1:
         raise ValueError("export_state_dict needs the TP-1 model (tensors are not gathered)")
-    out = {k: v for k, v in model.state_dict().items()}
+    out = dict(model.state_dict())
     if model.cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     if mtp is not None:
@@ -178,14 +178,11 @@ def calibrate_kv_scales(model, mtp, input_ids: torch.Tensor) -> dict[int, tuple[
     finally:
         for hk in hooks:
             hk.remove()
-    out = {}
     for layer, a in sorted(amax.items()):
         if not (a > 0 and a == a and a != float("inf")):
             raise ValueError(f"layer {layer}: KV amax {a} over the calibration text; cannot "
                              "make an FP8 scale (was the layer run?)")
-        s = a / FP8_E4M3_MAX
-        out[layer] = (s, s)
-    return out
+    return {layer: (a / FP8_E4M3_MAX, a / FP8_E4M3_MAX) for layer, a in sorted(amax.items())}
 
 
 def save_checkpoint(state_dict_like, cfg: ModelConfig, path: str | Path, quantize: bool = True,
@@ -198,11 +195,8 @@ def save_checkpoint(state_dict_like, cfg: ModelConfig, path: str | Path, quantiz
     writes an index; ``kv_scales`` as from :func:`calibrate_kv_scales`."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    if isinstance(state_dict_like, Mapping):
-        sd = dict(state_dict_like)
-    else:
-        sd = export_state_dict(state_dict_like, mtp)
-    qcfg = None
+    sd = (dict(state_dict_like) if isinstance(state_dict_like, Mapping)
+          else export_state_dict(state_dict_like, mtp))
     if quantize:
         qcfg = QuantConfig(quant_algo="NVFP4", group_size=16,
                            exclude_modules=tuple(exclude_modules or default_exclude_modules(cfg)),
@@ -213,9 +207,7 @@ def save_checkpoint(state_dict_like, cfg: ModelConfig, path: str | Path, quantiz
         (path / "hf_quant_config.json").write_text(json.dumps(qcfg.to_hf_quant_config(), indent=2))
     else:
         tensors = _quantize_all(sd, QuantConfig(exclude_modules=("*",)), dtype)
-        stale = path / "hf_quant_config.json"
-        if stale.exists():
-            stale.unlink()
+        (path / "hf_quant_config.json").unlink(missing_ok=True)  # a stale one
     for layer, (ks, vs) in (kv_scales or {}).items():
         tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(float(ks))
         tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(float(vs))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from mla_spec.config import ModelConfig
 
-__all__ = ["GPU_MEMORY_BYTES", "MemoryPlan", "param_counts", "memory_plan", "memory_plan_table"]
+__all__ = ["GPU_MEMORY_BYTES", "MemoryPlan", "param_counts", "memory_plan"]
 
 # Total device memory as nvidia-smi reports it (MiB * 2**20).
 GPU_MEMORY_BYTES = {"H200": 143771 * 2**20, "B200": 183359 * 2**20}
@@ -70,6 +70,10 @@ class MemoryPlan:
     params: dict
 
     @property
+    def _draft_kv(self) -> int:
+        return self.params["_draft_kv"]
+
+    @property
     def weights_total(self) -> float:
         return sum(self.weight_bytes.values())
 
@@ -82,7 +86,7 @@ class MemoryPlan:
         return max(0, int(self.kv_budget_bytes // self.kv_bytes_per_token))
 
     def table(self) -> str:
-        """A printable table (GB = 1e9 bytes)."""
+        """A printable table (GB = 1e9 bytes), as ``mla-spec memory-plan`` prints it."""
         w = max(len(k) for k in self.weight_bytes) + 2
         lines = [f"DeepSeek-V3 FP4 memory plan: {self.gpu} x TP{self.tp}, KV {self.kv_dtype}, "
                  f"mem_fraction {self.mem_fraction}",
@@ -96,10 +100,6 @@ class MemoryPlan:
                   f"{self.kv_bytes_per_token - self._draft_kv} + MTP draft {self._draft_kv})",
                   f"tokens that fit per GPU: {self.max_tokens:,}"]
         return "\n".join(lines)
-
-    @property
-    def _draft_kv(self) -> int:
-        return self.params["_draft_kv"]
 
 
 def memory_plan(cfg: ModelConfig | None = None, tp: int = 4, gpu: str = "H200",
@@ -138,9 +138,3 @@ def memory_plan(cfg: ModelConfig | None = None, tp: int = 4, gpu: str = "H200",
     c["_draft_kv"] = draft
     return MemoryPlan(gpu, tp, kv_dtype, gpu_bytes or GPU_MEMORY_BYTES[gpu], mem_fraction, wb,
                       L * row + draft, c)
-
-
-def memory_plan_table(cfg: ModelConfig | None = None, tp: int = 4, gpu: str = "H200",
-                      kv_dtype: str = "fp8_e4m3", mem_fraction: float = 0.88) -> str:
-    """The printable table for ``mla-spec memory-plan --tp N --gpu H200|B200 --kv-dtype ...``."""
-    return memory_plan(cfg, tp, gpu, kv_dtype, mem_fraction).table()

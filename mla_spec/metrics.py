@@ -43,8 +43,7 @@ class ModeTimer:
                 graph: bool = False):
         rec = ForwardRecord(mode, model, rows, batch_size, graph=graph)
         if self.device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield rec
             end.record()
@@ -103,9 +102,7 @@ class RequestMetrics:
     @property
     def ttft(self) -> float | None:
         """Time to first token (s)."""
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
     @property
     def e2e_latency(self) -> float | None:
@@ -117,13 +114,9 @@ class RequestMetrics:
         return None if not lat else self.completion_tokens / lat
 
     @property
-    def spec_verify_ct(self) -> int:
-        return len(self.accept_lengths)
-
-    @property
     def acc_length(self) -> float:
         """SGLang's ``send_one`` figure: completion_tokens / verify count (1.0 without spec)."""
-        return self.completion_tokens / self.spec_verify_ct if self.accept_lengths else 1.0
+        return self.completion_tokens / len(self.accept_lengths) if self.accept_lengths else 1.0
 
 
 class EngineMetrics:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from mock_runner import WordTokenizer, build_mock_runner, mock_greedy_reference
 
 from mla_spec.config import SpecConfig
 from mla_spec.engine import Engine, RequestRejectedError
 from mla_spec.kv_cache import KVCacheFullError
 from mla_spec.runtime.workers import RankFailedError
 from mla_spec.scheduler import Scheduler
-from mla_spec.spec.mock import WordTokenizer, build_mock_runner, mock_greedy_reference
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [3], [10, 20, 30, 40, 50, 60], [8, 8]]
 

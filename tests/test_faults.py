@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from mock_runner import WordTokenizer, build_mock_runner, mock_greedy_reference
 
 from mla_spec import cli
 from mla_spec.config import CacheConfig, SpecConfig
@@ -24,7 +25,6 @@ from mla_spec.engine import Engine, RequestRejectedError
 from mla_spec.forward_mode import ForwardMode
 from mla_spec.runtime.workers import RankFailedError
 from mla_spec.scheduler import Scheduler
-from mla_spec.spec.mock import WordTokenizer, build_mock_runner, mock_greedy_reference
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [3], [10, 20, 30, 40, 50, 60]]
 FIGURES: dict[str, list] = {}  # probe -> [tried, refused clearly, served, lost]

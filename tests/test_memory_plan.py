@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from mla_spec.config import ModelConfig
-from mla_spec.memory_plan import memory_plan, memory_plan_table, param_counts
+from mla_spec.memory_plan import memory_plan, param_counts
 
 V3 = ModelConfig.from_hf(Path(__file__).resolve().parent / "data" / "deepseek_v3_config.json")
 
@@ -38,7 +38,7 @@ def test_kv_bytes_and_tp_split():
 
 
 def test_table_and_errors():
-    t = memory_plan_table(V3, tp=4, gpu="B200", kv_dtype="fp8_e4m3")
+    t = memory_plan(V3, tp=4, gpu="B200", kv_dtype="fp8_e4m3").table()
     assert "B200 x TP4" in t and "tokens that fit per GPU" in t and "routed experts" in t
     with pytest.raises(ValueError, match="supported H200, B200"):
         memory_plan(V3, gpu="A100")

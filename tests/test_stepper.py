@@ -8,12 +8,12 @@ import gc
 import time
 
 import pytest
+from mock_runner import build_mock_runner, mock_greedy_reference
 
 from mla_spec.config import CacheConfig, SpecConfig
 from mla_spec.engine import Engine
 from mla_spec.forward_mode import ForwardMode as M
 from mla_spec.pipeline import PipelineStepper
-from mla_spec.spec.mock import build_mock_runner, mock_greedy_reference
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [3]]
 ROUND = ["draft", "verify", "accept", "draft_extend"]

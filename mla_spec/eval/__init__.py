@@ -34,30 +34,8 @@ from mla_spec.eval.sweep import (
 )
 from mla_spec.eval.tokenizer import build_tokenizer, load_tokenizer
 
-__all__ = [
-    "EMBEDDED_MODEL",
-    "EvalConfig",
-    "config_grid",
-    "dequantize_checkpoint",
-    "run_config",
-    "run_sweep",
-    "DEFAULT_MAX_NEW_TOKENS",
-    "EvalReport",
-    "Problem",
-    "STOP",
-    "build_prompt",
-    "build_prompts",
-    "build_tokenizer",
-    "few_shot_examples",
-    "format_qa",
-    "format_table",
-    "get_answer_value",
-    "heldout_problems",
-    "is_heldout",
-    "load_tokenizer",
-    "make_problem",
-    "run_eval",
-    "score_completions",
-    "train_problems",
-    "truncate_at_stop",
-]
+__all__ = ["EMBEDDED_MODEL", "EvalConfig", "config_grid", "dequantize_checkpoint", "run_config",
+           "run_sweep", "DEFAULT_MAX_NEW_TOKENS", "EvalReport", "Problem", "STOP", "build_prompt",
+           "build_prompts", "build_tokenizer", "few_shot_examples", "format_qa", "format_table",
+           "get_answer_value", "heldout_problems", "is_heldout", "load_tokenizer", "make_problem",
+           "run_eval", "score_completions", "train_problems", "truncate_at_stop"]

@@ -20,16 +20,8 @@ from collections.abc import Sequence
 
 from mla_spec.eval.gsm_synth import Problem, format_qa, train_problems
 
-__all__ = [
-    "STOP",
-    "INVALID",
-    "few_shot_examples",
-    "few_shot_prefix",
-    "build_prompt",
-    "build_prompts",
-    "get_answer_value",
-    "truncate_at_stop",
-]
+__all__ = ["STOP", "INVALID", "few_shot_examples", "few_shot_prefix", "build_prompt",
+           "build_prompts", "get_answer_value", "truncate_at_stop"]
 
 STOP: tuple[str, ...] = ("Question", "Assistant:", "<|separator|>")
 INVALID: int | None = None
@@ -63,17 +55,11 @@ def build_prompts(questions: Sequence[Problem | str], k_shots: int, seed: int = 
 
 def truncate_at_stop(text: str, stop: Sequence[str] = STOP) -> str:
     """Cut ``text`` at the first stop string (engines usually do this already)."""
-    cut = len(text)
-    for s in stop:
-        i = text.find(s)
-        if i >= 0:
-            cut = min(cut, i)
-    return text[:cut]
+    hits = [i for i in map(text.find, stop) if i >= 0]
+    return text[:min(hits, default=len(text))]
 
 
 def get_answer_value(text: str) -> int | None:
     """The last integer of ``text`` after removing commas, or ``None`` (invalid) when none."""
     nums = _INT.findall(text.replace(",", ""))
-    if not nums:
-        return INVALID
-    return int(nums[-1])
+    return int(nums[-1]) if nums else INVALID

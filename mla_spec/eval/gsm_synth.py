@@ -29,19 +29,9 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
-__all__ = [
-    "Problem",
-    "TEMPLATES",
-    "HELDOUT_MODULUS",
-    "MAX_ANSWER_TOKENS",
-    "answer_tokens",
-    "is_heldout",
-    "make_problem",
-    "train_problems",
-    "heldout_problems",
-    "format_qa",
-    "vocabulary_words",
-]
+__all__ = ["Problem", "TEMPLATES", "HELDOUT_MODULUS", "MAX_ANSWER_TOKENS", "answer_tokens",
+           "is_heldout", "make_problem", "train_problems", "heldout_problems", "format_qa",
+           "vocabulary_words"]
 
 HELDOUT_MODULUS = 16
 #: longest worked answer in tokens (" ... #### N"); + "\n\nQuestion" stays within 56 new tokens

@@ -51,9 +51,8 @@ def _engine_avg_accept(engine: Any) -> float | None:
     return None
 
 
-def score_completions(
-    completions: Sequence[str], labels: Sequence[int]
-) -> tuple[float, float, list[int | None]]:
+def score_completions(completions: Sequence[str], labels: Sequence[int]
+                      ) -> tuple[float, float, list[int | None]]:
     """``(accuracy, invalid share, predictions)`` of completions against integer labels."""
     if len(completions) != len(labels):
         raise ValueError(f"{len(completions)} completions for {len(labels)} labels")
@@ -64,33 +63,14 @@ def score_completions(
     return correct / n, invalid / n, preds
 
 
-def run_eval(
-    engine_or_generate_fn: Any | Callable[..., Sequence[Any]],
-    questions: Sequence[Problem],
-    k_shots: int = 1,
-    *,
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    stop: Sequence[str] = STOP,
-    name: str = "eval",
-    shot_seed: int = 7,
-    extra: dict[str, Any] | None = None,
-) -> EvalReport:
-    """Few-shot evaluation of a batch of questions with greedy decoding.
-
-    Parameters
-    ----------
-    engine_or_generate_fn : ``Engine`` (has ``generate``) or ``fn(prompts, max_new_tokens, stop)``
-    questions : ``[n]`` problems (``mla_spec.eval.heldout_problems``)
-    k_shots : solved examples in front of every question (shared prefix)
-    max_new_tokens, stop : generation limits (stop strings as SGLang's few_shot_gsm8k)
-    name : configuration label for the report
-    shot_seed : seed of the training problems used as shots
-    extra : carried into ``EvalReport.extra``
-
-    Returns
-    -------
-    ``EvalReport`` with accuracy, invalid share, average accept length, tokens and latency.
-    """
+def run_eval(engine_or_generate_fn: Any | Callable[..., Sequence[Any]],
+             questions: Sequence[Problem], k_shots: int = 1, *,
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, stop: Sequence[str] = STOP,
+             name: str = "eval", shot_seed: int = 7, extra: dict[str, Any] | None = None
+             ) -> EvalReport:
+    """Few-shot evaluation of ``questions`` (greedy): each after ``k_shots`` solved training
+    problems drawn with ``shot_seed`` (a shared prefix), stop strings as SGLang's few_shot_gsm8k.
+    ``name`` labels the report, ``extra`` is carried into ``EvalReport.extra``."""
     if not questions:
         raise ValueError("run_eval needs at least one question")
     prompts = build_prompts(questions, k_shots, seed=shot_seed)
@@ -114,22 +94,10 @@ def run_eval(
             accepts.extend(int(a) for a in al)
             steps.append(len(al))
     accuracy, invalid, preds = score_completions(texts, [q.label for q in questions])
-    if accepts:
-        avg_accept: float | None = sum(accepts) / len(accepts)
-    else:
-        avg_accept = _engine_avg_accept(engine_or_generate_fn)
+    avg_accept = (sum(accepts) / len(accepts) if accepts
+                  else _engine_avg_accept(engine_or_generate_fn))
     return EvalReport(
-        name=name,
-        num_questions=len(questions),
-        num_shots=k_shots,
-        accuracy=accuracy,
-        invalid=invalid,
-        avg_accept_length=avg_accept,
-        output_tokens=n_tokens,
-        latency_s=latency,
-        predictions=tuple(preds),
-        completions=tuple(texts),
-        accept_lengths=tuple(accepts),
-        accept_steps=tuple(steps) if len(steps) == len(questions) else (),
-        extra=dict(extra or {}),
-    )
+        name=name, num_questions=len(questions), num_shots=k_shots, accuracy=accuracy,
+        invalid=invalid, avg_accept_length=avg_accept, output_tokens=n_tokens, latency_s=latency,
+        predictions=tuple(preds), completions=tuple(texts), accept_lengths=tuple(accepts),
+        accept_steps=tuple(steps) if len(steps) == len(questions) else (), extra=dict(extra or {}))

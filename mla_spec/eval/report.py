@@ -19,7 +19,6 @@ import numpy as np
 
 __all__ = ["EvalReport", "format_table", "wilson_interval"]
 
-
 _DETAILS = ("predictions", "completions", "accept_lengths", "accept_steps")
 
 
@@ -35,38 +34,24 @@ def wilson_interval(correct: int, n: int, z: float = 1.96) -> tuple[float, float
 
 @dataclass(frozen=True)
 class EvalReport:
-    """Scores of one configuration on one question set.
-
-    Attributes
-    ----------
-    name : label of the configuration (e.g. ``"fp4 w / fp8 kv / tp4 / spec v2"``)
-    num_questions, num_shots : the task
-    accuracy : correct / num_questions
-    invalid : completions with no integer / num_questions
-    avg_accept_length : SGLang's ``avg_spec_accept_length`` (1.0 without speculation, None when
-        the generator does not report it)
-    output_tokens : generated tokens over all requests
-    latency_s : wall-clock seconds of the whole batch
-    predictions : parsed answer per question (None = invalid)
-    completions : generated text per question (cut at the stop string)
-    accept_lengths : accept length of every (request, verify step), for histograms
-    accept_steps : verify steps per question (``accept_lengths`` is their concatenation)
-    extra : anything else a caller wants to carry (config, per-mode timings)
-    """
+    """Scores of one configuration (``name``, e.g. ``"fp4 w / fp8 kv / tp4 / spec v2"``) on one
+    question set. ``avg_accept_length`` is SGLang's ``avg_spec_accept_length`` (None when the
+    generator does not report it); ``accept_steps`` holds the verify steps of each question, so
+    ``accept_lengths`` (every request's verify steps) is their concatenation."""
 
     name: str
     num_questions: int
     num_shots: int
-    accuracy: float
-    invalid: float
+    accuracy: float  # correct / num_questions
+    invalid: float  # completions with no integer / num_questions
     avg_accept_length: float | None
-    output_tokens: int
-    latency_s: float
-    predictions: tuple[int | None, ...] = ()
-    completions: tuple[str, ...] = ()
+    output_tokens: int  # over all requests
+    latency_s: float  # wall clock of the whole batch
+    predictions: tuple[int | None, ...] = ()  # parsed answer per question (None = invalid)
+    completions: tuple[str, ...] = ()  # cut at the stop string
     accept_lengths: tuple[int, ...] = ()
     accept_steps: tuple[int, ...] = ()
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)  # config, mode timings
 
     @property
     def tokens_per_s(self) -> float:
@@ -99,18 +84,16 @@ class EvalReport:
         """JSON-ready dict; ``details`` keeps predictions, completions and accept lengths."""
         d = asdict(self)
         d["tokens_per_s"] = self.tokens_per_s
-        if not details:
-            for k in _DETAILS:
-                d.pop(k)
-        else:
-            for k in _DETAILS:
+        for k in _DETAILS:
+            if details:
                 d[k] = list(d[k])
+            else:
+                d.pop(k)
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> EvalReport:
-        keys = {f for f in cls.__dataclass_fields__}
-        kw = {k: v for k, v in d.items() if k in keys}
+        kw = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
         for k in _DETAILS:
             kw[k] = tuple(kw.get(k, ()))
         return cls(**kw)

@@ -30,14 +30,8 @@ from mla_spec.eval.gsm_synth import Problem, heldout_problems
 from mla_spec.eval.harness import DEFAULT_MAX_NEW_TOKENS, run_eval
 from mla_spec.eval.report import EvalReport, format_table
 
-__all__ = [
-    "EMBEDDED_MODEL",
-    "EvalConfig",
-    "config_grid",
-    "dequantize_checkpoint",
-    "run_config",
-    "run_sweep",
-]
+__all__ = ["EMBEDDED_MODEL", "EvalConfig", "config_grid", "dequantize_checkpoint", "run_config",
+           "run_sweep"]
 
 EMBEDDED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-dsv3-fp4"
 
@@ -151,18 +145,11 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
     return dst
 
 
-def run_config(
-    cfg: EvalConfig,
-    questions: list[Problem],
-    *,
-    model_path: str | Path = EMBEDDED_MODEL,
-    bf16_path: str | Path | None = None,
-    k_shots: int = 1,
-    device: str | None = None,
-    attention_backend: str = "auto",
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-    engine_kw: dict | None = None,
-) -> EvalReport:
+def run_config(cfg: EvalConfig, questions: list[Problem], *,
+               model_path: str | Path = EMBEDDED_MODEL, bf16_path: str | Path | None = None,
+               k_shots: int = 1, device: str | None = None, attention_backend: str = "auto",
+               max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, engine_kw: dict | None = None
+               ) -> EvalReport:
     """Serve ``questions`` with one configuration; ``extra`` holds config, modes, step times."""
     from mla_spec.engine import Engine
 
@@ -233,11 +220,9 @@ def main(argv=None) -> None:
             "torch": torch.__version__, "questions": a.questions, "k_shots": a.k_shots,
             "max_new_tokens": a.max_new_tokens, "attention_backend": a.attention_backend,
             "cuda_graph": torch.cuda.is_available() and not a.no_cuda_graph,
-            "threads": torch.get_num_threads(),
-            "date": datetime.date.today().isoformat(),
+            "threads": torch.get_num_threads(), "date": datetime.date.today().isoformat(),
             "command": "python -m mla_spec.eval.sweep " + " ".join(sys.argv[1:] if argv is None
                                                                    else argv)}
-
     doc = json.loads(a.out.read_text()) if a.out is not None and a.out.exists() else {}
     kept = [r for r in doc.get(a.section, {}).get("reports", [])
             if r["name"] not in {c.name for c in configs}]

@@ -30,44 +30,31 @@ SPECIAL_TOKENS = ("<bos>", "<eos>", "<pad>", "<unk>")
 
 
 def _pipeline(tok: Tokenizer) -> None:
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
-            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True),
-            pre_tokenizers.Split(Regex(r"▁?\d"), behavior="isolated"),
-            pre_tokenizers.Split(Regex(r"[.,?!:;]"), behavior="isolated"),
-        ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=True),
+        pre_tokenizers.Split(Regex(r"▁?\d"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(r"[.,?!:;]"), behavior="isolated"),
+    ])
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="never", split=True)
 
 
 def build_tokenizer(texts: Iterable[str], vocab_size: int = 512,
                     words: Iterable[str] = ()) -> Tokenizer:
-    """Train the word-level vocabulary on ``texts`` (all digits are always included).
-
-    Parameters
-    ----------
-    texts : training text (the generated problems)
-    vocab_size : upper bound on the vocabulary (special tokens included)
-    words : words to include even if ``texts`` lacks them, in their ``"▁word"`` form (the
-        task's word list: ``mla_spec.eval.gsm_synth.vocabulary_words()``)
-
-    Returns
-    -------
-    ``tokenizers.Tokenizer``; ``encode(text).ids`` starts with ``<bos>``.
-    """
+    """Train the word-level vocabulary (at most ``vocab_size`` entries, special tokens
+    included) on ``texts``; every digit and every one of ``words`` (``gsm_synth``'s
+    ``vocabulary_words()``, in their ``"▁word"`` form) is in it. ``encode(text).ids`` starts
+    with ``<bos>``."""
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     _pipeline(tok)
     digits = " ".join(f"{d} {d}{d}" for d in range(10))  # "▁d" and "d" forms
-    trainer = trainers.WordLevelTrainer(
-        vocab_size=vocab_size, min_frequency=1, special_tokens=list(SPECIAL_TOKENS)
-    )
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, min_frequency=1,
+                                        special_tokens=list(SPECIAL_TOKENS))
     listed = " " + " ".join(words)  # a leading space: every word in its "▁word" form
     tok.train_from_iterator([digits, listed, *texts], trainer=trainer)
     bos = tok.token_to_id("<bos>")
-    tok.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", bos)]
-    )
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
+                                                       special_tokens=[("<bos>", bos)])
     return tok
 
 

@@ -15,15 +15,8 @@ from plotly.subplots import make_subplots
 
 from mla_spec.eval.report import EvalReport
 
-__all__ = [
-    "accuracy_figure",
-    "accept_length_figure",
-    "accept_histogram_figure",
-    "padding_figure",
-    "mode_latency_figure",
-    "step_latency_figure",
-    "as_reports",
-]
+__all__ = ["accuracy_figure", "accept_length_figure", "accept_histogram_figure", "padding_figure",
+           "mode_latency_figure", "step_latency_figure", "as_reports"]
 
 
 def as_reports(items: Sequence[EvalReport | dict[str, Any]]) -> list[EvalReport]:
@@ -117,19 +110,11 @@ def accept_histogram_figure(reports, num_draft_tokens: int = 4,
 def mode_latency_figure(reports, title: str = "Time per forward mode"):
     """Stacked bars: total milliseconds per (model, mode) of each report (``extra['modes']``)."""
     reps = as_reports(reports)
-    keys: list[str] = []
-    for r in reps:
-        for m in r.extra.get("modes", []):
-            k = f"{m['model']} {m['mode']}"
-            if k not in keys:
-                keys.append(k)
+    ms = [{f"{m['model']} {m['mode']}": m["total_ms"] for m in r.extra.get("modes", [])}
+          for r in reps]
     fig = go.Figure()
-    for k in keys:
-        ys = []
-        for r in reps:
-            ms = {f"{m['model']} {m['mode']}": m["total_ms"] for m in r.extra.get("modes", [])}
-            ys.append(ms.get(k, 0.0))
-        fig.add_bar(x=[r.name for r in reps], y=ys, name=k)
+    for k in dict.fromkeys(k for per in ms for k in per):  # first-seen order
+        fig.add_bar(x=[r.name for r in reps], y=[per.get(k, 0.0) for per in ms], name=k)
     fig.update_layout(title=title, barmode="stack", xaxis_title="configuration",
                       yaxis_title="ms (all forwards of the run)")
     return fig

@@ -11,15 +11,10 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 import torch
 
-__all__ = [
-    "dispatch_table",
-    "agreement_heatmap",
-    "latency_bars",
-    "fp8_grid_figure",
-    "error_histogram",
-    "bytes_per_token_bars",
-    "read_bench_table",
-]
+from mla_spec.viz import read_json
+
+__all__ = ["dispatch_table", "agreement_heatmap", "latency_bars", "fp8_grid_figure",
+           "error_histogram", "bytes_per_token_bars", "read_bench_table"]
 
 
 def dispatch_table(device="cpu"):
@@ -111,12 +106,6 @@ def read_bench_table(path=None) -> list[dict]:
     ``docs/bench_mla.md``'s tables: "ours µs", "FI µs", "ours graph µs", ...; the file's
     ``source`` field says which table each column comes from).
 
-    ``path`` None reads the copy shipped in the package (``mla_spec/data/bench_mla_h200.json``),
-    so the notebooks work from an installed package too.
+    ``path`` None reads the copy shipped in the package (``mla_spec/data/bench_mla_h200.json``).
     """
-    import json
-    from pathlib import Path
-
-    if path is None:
-        path = Path(__file__).resolve().parents[1] / "data" / "bench_mla_h200.json"
-    return json.loads(Path(path).read_text())["rows"]
+    return read_json(path, "bench_mla_h200.json")["rows"]

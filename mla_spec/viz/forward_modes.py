@@ -13,31 +13,21 @@ from mla_spec.forward_mode import ForwardMode
 __all__ = ["PREDICATES", "predicate_table", "truth_table_figure", "spec_loop_steps",
            "spec_loop_timeline", "batch_rows", "batch_table_figure"]
 
-# (label, method name, keyword arguments)
-PREDICATES: list[tuple[str, str, dict]] = [
-    ("is_extend()", "is_extend", {}),
-    ("is_extend(include_draft_extend_v2=True)", "is_extend", {"include_draft_extend_v2": True}),
-    ("is_decode()", "is_decode", {}),
-    ("is_mixed()", "is_mixed", {}),
-    ("is_idle()", "is_idle", {}),
-    ("is_decode_or_idle()", "is_decode_or_idle", {}),
-    ("is_target_verify()", "is_target_verify", {}),
-    ("is_draft_extend()", "is_draft_extend", {}),
-    ("is_draft_extend(include_v2=True)", "is_draft_extend", {"include_v2": True}),
-    ("is_draft_extend_v2()", "is_draft_extend_v2", {}),
-    ("is_extend_or_draft_extend_or_mixed()", "is_extend_or_draft_extend_or_mixed", {}),
-    ("is_cuda_graph()", "is_cuda_graph", {}),
-    ("is_cpu_graph()", "is_cpu_graph", {}),
-    ("is_split_prefill()", "is_split_prefill", {}),
+#: (method name, keyword arguments) of each predicate in the table
+PREDICATES: list[tuple[str, dict]] = [
+    ("is_extend", {}), ("is_extend", {"include_draft_extend_v2": True}), ("is_decode", {}),
+    ("is_mixed", {}), ("is_idle", {}), ("is_decode_or_idle", {}), ("is_target_verify", {}),
+    ("is_draft_extend", {}), ("is_draft_extend", {"include_v2": True}),
+    ("is_draft_extend_v2", {}), ("is_extend_or_draft_extend_or_mixed", {}),
+    ("is_cuda_graph", {}), ("is_cpu_graph", {}), ("is_split_prefill", {}),
 ]
 
 
 def predicate_table() -> dict[str, dict[str, bool]]:
-    """``{predicate label: {mode name: value}}`` evaluated from the code, not typed in."""
-    return {
-        label: {m.name: bool(getattr(m, meth)(**kw)) for m in ForwardMode}
-        for label, meth, kw in PREDICATES
-    }
+    """``{"is_extend()": {mode name: value}, ...}`` evaluated from the code, not typed in."""
+    label = lambda meth, kw: f"{meth}({', '.join(f'{k}={v}' for k, v in kw.items())})"
+    return {label(meth, kw): {m.name: bool(getattr(m, meth)(**kw)) for m in ForwardMode}
+            for meth, kw in PREDICATES}
 
 
 def truth_table_figure() -> go.Figure:
@@ -54,9 +44,8 @@ def truth_table_figure() -> go.Figure:
     return fig
 
 
-def spec_loop_steps(
-    num_iterations: int = 2, num_steps: int = 3, version: str = "v2"
-) -> list[tuple[str, ForwardMode, str]]:
+def spec_loop_steps(num_iterations: int = 2, num_steps: int = 3, version: str = "v2"
+                    ) -> list[tuple[str, ForwardMode, str]]:
     """The sequence of forwards of MTP speculative decoding: ``(model, mode, note)`` per step.
 
     Prefill runs the target EXTEND, then the draft (MTP) EXTEND; each iteration then runs
@@ -106,13 +95,9 @@ def spec_loop_timeline(num_iterations: int = 2, num_steps: int = 3, version: str
 
 def batch_rows(batch: ForwardBatch) -> dict[str, list]:
     """What a mode hands the attention kernel, per request."""
-    return {
-        "rows (seq_lens_q)": batch.seq_lens_q_cpu,
-        "seq_lens (SGLang)": batch.seq_lens_cpu,
-        "kv_lens (attended)": batch.kv_lens_cpu,
-        "qo_indptr": batch.qo_indptr.tolist(),
-        "positions": batch.positions.tolist(),
-    }
+    return {"rows (seq_lens_q)": batch.seq_lens_q_cpu, "seq_lens (SGLang)": batch.seq_lens_cpu,
+            "kv_lens (attended)": batch.kv_lens_cpu, "qo_indptr": batch.qo_indptr.tolist(),
+            "positions": batch.positions.tolist()}
 
 
 def batch_table_figure(batches: Sequence[ForwardBatch]) -> go.Figure:

@@ -19,50 +19,42 @@ Every figure function takes that dict (``load_layer_results()``), so the noteboo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
 
-__all__ = [
-    "load_layer_results",
-    "layer_rows",
-    "piece_times",
-    "pieces_figure",
-    "layer_vs_batch_figure",
-    "projection_figure",
-    "load_collectives",
-    "collectives_figure",
-]
+from mla_spec.viz import read_json
+
+__all__ = ["load_layer_results", "layer_rows", "piece_times", "pieces_figure",
+           "layer_vs_batch_figure", "projection_figure", "load_collectives", "collectives_figure"]
 
 SIDES = ("ours", "base")
 PIECES = ("attn", "attn_kernel", "moe", "dense", "norms", "lm_head")
 
 
+def _load(path: str | Path | None, shipped: str, keys: tuple[str, ...], what: str) -> dict:
+    d = read_json(path, shipped)
+    for key in keys:
+        if key not in d:
+            raise ValueError(f"{path or shipped}: not a {what} result (no {key!r}); expected the "
+                             f"format of mla_spec/data/{shipped}")
+    return d
+
+
 def load_layer_results(path: str | Path | None = None) -> dict[str, Any]:
     """The recorded bench_layer results; ``path`` None reads the copy shipped in the package."""
-    if path is None:
-        path = Path(__file__).resolve().parents[1] / "data" / "bench_layer_h200.json"
-    d = json.loads(Path(path).read_text())
-    for key in ("rows", "projection"):
-        if key not in d:
-            raise ValueError(f"{path}: not a bench_layer result (no {key!r}); expected the "
-                             "format of mla_spec/data/bench_layer_h200.json")
-    return d
+    return _load(path, "bench_layer_h200.json", ("rows", "projection"), "bench_layer")
 
 
 def layer_rows(res: dict, *, part: str | None = None, mode: str | None = None,
                bs: int | None = None, ctx: int | None | str = "any",
                layer: str | None = None) -> list[dict]:
     """Rows of ``res`` matching every given filter (``ctx="any"`` leaves ctx unfiltered)."""
-    out = []
-    for r in res["rows"]:
-        if ((part is None or r["part"] == part) and (mode is None or r["mode"] == mode)
-                and (bs is None or r["bs"] == bs) and (ctx == "any" or r["ctx"] == ctx)
-                and (layer is None or r["layer"] == layer)):
-            out.append(r)
-    return out
+    return [r for r in res["rows"]
+            if (part is None or r["part"] == part) and (mode is None or r["mode"] == mode)
+            and (bs is None or r["bs"] == bs) and (ctx == "any" or r["ctx"] == ctx)
+            and (layer is None or r["layer"] == layer)]
 
 
 def piece_times(res: dict, *, mode: str = "DECODE", bs: int = 1,
@@ -143,13 +135,8 @@ def load_collectives(path: str | Path | None = None) -> dict[str, Any]:
     """``benchmarks/bench_allreduce.py``'s table; ``path`` None reads the 4x H200 run shipped
     in the package (``mla_spec/data/allreduce_h200x4.json``: NCCL, inside CUDA graphs and
     eagerly, with the projection's old estimate beside each size)."""
-    if path is None:
-        path = Path(__file__).resolve().parents[1] / "data" / "allreduce_h200x4.json"
-    d = json.loads(Path(path).read_text())
-    for key in ("allreduce", "allgather", "meta"):
-        if key not in d:
-            raise ValueError(f"{path}: not a bench_allreduce result (no {key!r})")
-    return d
+    return _load(path, "allreduce_h200x4.json", ("allreduce", "allgather", "meta"),
+                 "bench_allreduce")
 
 
 def collectives_figure(d: dict, title: str | None = None) -> go.Figure:

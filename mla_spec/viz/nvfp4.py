@@ -15,6 +15,7 @@ from mla_spec.quant.nvfp4 import (
     quantize_nvfp4,
     unpack_fp4,
 )
+from mla_spec.viz import read_json
 
 __all__ = ["encode_block", "block_bits_figure", "floors_figure", "format_errors",
            "format_error_figure", "gemm_speed_figure", "weight_distribution", "RECORDED_H200",
@@ -123,86 +124,11 @@ def floors_figure(rows: list[dict]) -> go.Figure:
     return fig
 
 
-# `python3 benchmarks/bench_nvfp4.py --floors` on an H200 (2026-11-30; torch 2.11, triton 3.6):
-# per call in a replayed CUDA graph with PDL, weights rotated past the L2, at 1 token. read_us:
-# the fastest of 36 layouts of ``read_checksum`` (``experiments/mla/read_floor.py``: the weight's
-# NVFP4 bytes and block scales read once, XOR per row); ours_us: ``nvfp4_gemm``'s pinned config;
-# bf16_us: cuBLAS in the same run; target_us = bf16_us / 3.
-RECORDED_H200_FLOORS = [
-    dict(shape="dense_gate_up_tp4", read_us=11.25, ours_us=14.71, bf16_us=43.75, target_us=14.58),
-    # ours_us: the mma.sync kernel with two row tiles per warp (2026-11-30; 10.09 with one)
-    dict(shape="dense_down_tp4", read_us=6.44, ours_us=9.5, bf16_us=23.54, target_us=7.85),
-    dict(shape="expert_w13_tp4", read_us=2.39, ours_us=4.87, bf16_us=9.37, target_us=3.12),
-    # ours_us: the mma.sync kernel (2026-11-30, sweep_nvfp4_cuda.py; 2.95 with the Triton one)
-    dict(shape="expert_w2_tp4", read_us=2.05, ours_us=2.31, bf16_us=4.79, target_us=1.60),
-]
-
-
-# M = 1 rows: `benchmarks/sweep_gemv.py` on an H200 (2026-11-29): the packed, wide,
-# double-buffered GEMV pinned; default_us = the mmab pin it replaced, same day.
-# Other rows: `benchmarks/sweep_nvfp4.py --mma-only` on an H200 (2026-11-29; torch 2.11,
-# triton 3.6, PTX decoders; docs/bench_nvfp4.md): µs per call inside a CUDA graph, weights rotated
-# past L2. ours_us: the pinned config (kernels.nvfp4.configs.PINNED_CONFIGS, the
-# standard-orientation "mmab" kernel everywhere); default_us: the GEMV / swap-AB MMA pins it
-# replaced; bf16_us: cuBLAS bf16 in the same run.
-# Rows pinned 'cuda ...': `benchmarks/sweep_nvfp4_cuda.py` (2026-11-30): the hand-written
-# mma.sync kernel (kernels.nvfp4.configs.PINNED_CUDA); default_us = the Triton config it
-# replaced, bf16_us = cuBLAS, both in the same run.
-RECORDED_H200 = [
-    dict(shape='dense_gate_up_tp4', m=1, ours_us=15.23, default_us=29.59,
-         bf16_us=43.97, speedup_vs_bf16=2.89, pinned='gemv bn8 s1 w2 st1 g64 h2 pf'),
-    dict(shape='dense_gate_up_tp4', m=4, ours_us=19.24, default_us=28.79,
-         bf16_us=43.75, speedup_vs_bf16=2.27, pinned='cuda w8 st4 s1'),
-    dict(shape='dense_gate_up_tp4', m=16, ours_us=29.35, default_us=88.88,
-         bf16_us=43.97, speedup_vs_bf16=1.5, pinned='mmab bm16 bn128 bk256 w4 st3 s4'),
-    dict(shape='dense_gate_up_tp4', m=64, ours_us=51.93, default_us=317.73,
-         bf16_us=39.49, speedup_vs_bf16=0.76, pinned='mmab bm64 bn128 bk128 w4 st3 s4'),
-    dict(shape='dense_down_tp4', m=1, ours_us=9.5, default_us=10.03,
-         bf16_us=23.5, speedup_vs_bf16=2.47, pinned='cuda w8 st4 s1 r2'),
-    dict(shape='dense_down_tp4', m=4, ours_us=9.73, default_us=16.04,
-         bf16_us=23.49, speedup_vs_bf16=2.41, pinned='cuda w8 st4 s1 r2'),
-    dict(shape='dense_down_tp4', m=16, ours_us=13.52, default_us=15.41,
-         bf16_us=21.49, speedup_vs_bf16=1.59, pinned='cuda w8 st4 s1 r2 xl'),
-    dict(shape='dense_down_tp4', m=64, ours_us=26.54, default_us=140.0,
-         bf16_us=21.69, speedup_vs_bf16=0.82, pinned='mmab bm64 bn64 bk128 w4 st4 s4'),
-    dict(shape='expert_w13_tp4', m=1, ours_us=5.91, default_us=9.01,
-         bf16_us=9.4, speedup_vs_bf16=1.59, pinned='gemv bn4 s4 w1 st1 g64 h2 pf'),
-    dict(shape='expert_w13_tp4', m=4, ours_us=6.53, default_us=7.76,
-         bf16_us=9.46, speedup_vs_bf16=1.45, pinned='cuda w4 st4 s16 xl'),
-    dict(shape='expert_w13_tp4', m=16, ours_us=9.09, default_us=28.77,
-         bf16_us=9.53, speedup_vs_bf16=1.05, pinned='mmab bm16 bn64 bk128 w4 st4 s8'),
-    dict(shape='expert_w13_tp4', m=64, ours_us=11.02, default_us=159.36,
-         bf16_us=10.11, speedup_vs_bf16=0.92, pinned='mmab bm64 bn64 bk128 w4 st4 s8'),
-    dict(shape='expert_w2_tp4', m=1, ours_us=2.31, default_us=2.96,
-         bf16_us=4.79, speedup_vs_bf16=2.07, pinned='cuda w4 st4 s1 xl'),
-    dict(shape='expert_w2_tp4', m=4, ours_us=2.41, default_us=4.01,
-         bf16_us=4.79, speedup_vs_bf16=1.99, pinned='cuda w4 st4 s1 xl'),
-    dict(shape='expert_w2_tp4', m=16, ours_us=3.38, default_us=3.86,
-         bf16_us=4.83, speedup_vs_bf16=1.43, pinned='cuda w4 st4 s1 xl'),
-    dict(shape='expert_w2_tp4', m=64, ours_us=5.38, default_us=38.26,
-         bf16_us=5.13, speedup_vs_bf16=0.95, pinned='mmab bm64 bn64 bk128 w4 st4 s1'),
-]
-
-# Fused MoE, 256 experts, top-8, K 7168, I 512 (TP4), random routing; bf16 = cuBLAS GEMMs of the
-# active experts only (rows pre-gathered). M <= 4: gemv path (one program per token-expert pair;
-# benchmarks/sweep_moe_gemv.py, per-M tiles; default_us = the single tile it replaced), above:
-# the sorted path with the "mmab" grouped kernel (2026-11-29).
-RECORDED_H200_MOE = [
-    # 1-4 tokens: 2026-11-30 (`sweep_gemv.py --moe --moe-w2-loop`): the w2 launch summing each
-    # token's top-k experts in one program; default_us = the per-slot w2 launch (packed, wide,
-    # double-buffered tiles), same run
-    dict(shape='moe_256e_top8_tp4', m=1, ours_us=32.32, default_us=34.25, bf16_gemms_us=108.91,
-         speedup_vs_bf16=3.37, active_experts=8.0, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=2, ours_us=44.45, default_us=56.17, bf16_gemms_us=218.7,
-         speedup_vs_bf16=4.92, active_experts=15.9, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=4, ours_us=77.17, default_us=98.8, bf16_gemms_us=419.62,
-         speedup_vs_bf16=5.44, active_experts=30.5, path='gemv'),
-    dict(shape='moe_256e_top8_tp4', m=16, ours_us=416.85, bf16_gemms_us=1369.79,
-         speedup_vs_bf16=3.29, active_experts=100.5, path='sorted'),
-    dict(shape='moe_256e_top8_tp4', m=32, ours_us=604.8, bf16_gemms_us=2234.1,
-         speedup_vs_bf16=3.69, active_experts=163.0, path='sorted'),
-    dict(shape='moe_256e_top8_tp4', m=64, ours_us=787.02, bf16_gemms_us=3046.18,
-         speedup_vs_bf16=3.87, active_experts=223.5, path='sorted'),
-    dict(shape='moe_256e_top8_tp4', m=128, ours_us=886.48, bf16_gemms_us=3471.1,
-         speedup_vs_bf16=3.92, active_experts=253.0, path='sorted'),
-]
+# Recorded on one H200 (``mla_spec/data/bench_nvfp4_h200.json``; each table with its commands,
+# dates and notes): the GEMM per shape and M tokens (``ours_us``, ``default_us``: the pin it
+# replaced, ``bf16_us``: cuBLAS), the fused MoE (bf16: cuBLAS GEMMs of the active experts), and the
+# read floor at 1 token (``read_us``, ``ours_us``, ``bf16_us``, ``target_us = bf16_us / 3``).
+_RECORDED = read_json(None, "bench_nvfp4_h200.json")
+RECORDED_H200: list[dict] = _RECORDED["gemm"]["rows"]
+RECORDED_H200_MOE: list[dict] = _RECORDED["moe"]["rows"]
+RECORDED_H200_FLOORS: list[dict] = _RECORDED["floors"]["rows"]

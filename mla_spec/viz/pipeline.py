@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 
 from mla_spec.metrics import StepRecord
+from mla_spec.viz import read_json
 
 __all__ = ["step_rows", "step_latency_figure", "mode_time_figure", "accept_histogram_figure",
            "read_recorded_e2e", "tokens_per_s_figure"]
@@ -19,18 +20,10 @@ __all__ = ["step_rows", "step_latency_figure", "mode_time_figure", "accept_histo
 def step_rows(steps: Sequence[StepRecord]) -> list[dict]:
     """One row per step: kind, batch size, the forwards it ran (model:MODE x rows), accept
     lengths, new tokens and milliseconds."""
-    out = []
-    for s in steps:
-        out.append({
-            "step": s.index,
-            "kind": s.kind,
-            "bs": s.batch_size,
-            "forwards": ", ".join(f"{f.model}:{f.mode.name}x{f.rows}" for f in s.forwards),
-            "accept": s.accept_lengths,
-            "new_tokens": s.new_tokens,
-            "ms": round(s.seconds * 1e3, 2),
-        })
-    return out
+    return [{"step": s.index, "kind": s.kind, "bs": s.batch_size,
+             "forwards": ", ".join(f"{f.model}:{f.mode.name}x{f.rows}" for f in s.forwards),
+             "accept": s.accept_lengths, "new_tokens": s.new_tokens,
+             "ms": round(s.seconds * 1e3, 2)} for s in steps]
 
 
 def step_latency_figure(runs: Mapping[str, Sequence[StepRecord]],
@@ -54,10 +47,8 @@ def mode_time_figure(runs: Mapping[str, Sequence[Mapping]],
     keys = sorted({(r["model"], r["mode"]) for rows in runs.values() for r in rows})
     fig = go.Figure()
     for model, mode in keys:
-        ys = []
-        for rows in runs.values():
-            hit = [r["total_ms"] for r in rows if (r["model"], r["mode"]) == (model, mode)]
-            ys.append(hit[0] if hit else 0.0)
+        ys = [next((r["total_ms"] for r in rows if (r["model"], r["mode"]) == (model, mode)), 0.0)
+              for rows in runs.values()]
         fig.add_trace(go.Bar(x=list(runs), y=ys, name=f"{model} {mode}"))
     fig.update_layout(barmode="stack", title=title, xaxis_title="configuration",
                       yaxis_title="total ms (this machine)", template="plotly_white")
@@ -80,11 +71,7 @@ def accept_histogram_figure(runs: Mapping[str, Sequence[int]], num_draft_tokens:
 def read_recorded_e2e(path=None) -> dict:
     """End-to-end tokens/s of the embedded model recorded on one H200
     (``mla_spec/data/bench_e2e_h200.json``: its ``command``, ``date``, ``setup`` and ``rows``)."""
-    import json
-    from pathlib import Path
-
-    path = path or Path(__file__).resolve().parents[1] / "data" / "bench_e2e_h200.json"
-    return json.loads(Path(path).read_text())
+    return read_json(path, "bench_e2e_h200.json")
 
 
 def tokens_per_s_figure(here: Mapping[str, float], recorded: dict | None = None,

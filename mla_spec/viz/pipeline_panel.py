@@ -275,8 +275,8 @@ class PipelinePanel:
             self.refresh()
         except Exception as e:  # shown in the panel; the notebook goes on
             self.refresh()
-            self.status.value += f"<br><b style='color:#b22'>{type(e).__name__}: " \
-                                 f"{html.escape(str(e))}</b>"
+            self.status.value += (f"<br><b style='color:#b22'>{type(e).__name__}: "
+                                  f"{html.escape(str(e))}</b>")
         finally:
             self._quiet = False
 
@@ -293,9 +293,8 @@ class PipelinePanel:
         self.close_button.disabled = st is None or st.closed
         if st is None:
             return
-        done = "closed" if st.closed else "finished"
-        self.status.value = (f"round {st.rounds} · phases run {len(st.records)} · "
-                             f"next: <b>{nxt or done}</b>")
+        self.status.value = (f"round {st.rounds} · phases run {len(st.records)} · next: "
+                             f"<b>{nxt or ('closed' if st.closed else 'finished')}</b>")
         self.out.clear_output(wait=True)
         with self.out:
             display(HTML(phase_html(st)))

@@ -10,7 +10,6 @@ from mla_spec.quant.fp8 import (
     FP8_E4M3_MAX,
     dequantize_fp8,
     fp8_e4m3_values,
-    fp8_max_rel_error,
     fp8_scale_for,
     quantize_fp8,
 )
@@ -34,7 +33,6 @@ def test_scale_divides_on_write_and_multiplies_on_read():
     x = torch.randn(1000) * 30
     s = 0.37
     back = dequantize_fp8(quantize_fp8(x, s), s)
-    assert fp8_max_rel_error(x, s) <= 2.0**-4
     normal = (x.abs() / s >= 2**-6)
     assert ((back - x).abs()[normal] <= x.abs()[normal] * 2.0**-4 + 1e-7).all()
     # subnormals: absolute error <= half the smallest subnormal step times the scale

@@ -6,9 +6,10 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
+from mock_runner import build_mock_runner
+
 from mla_spec.config import SpecConfig
 from mla_spec.pipeline import PipelineStepper
-from mla_spec.spec.mock import build_mock_runner
 from mla_spec.viz.pipeline_panel import PipelinePanel, phase_html
 
 

@@ -97,27 +97,12 @@ def _xl(xs, IDX: tl.constexpr, xmask, MASKED: tl.constexpr):
 def block_dot16(wq, xs, xmask, MASKED: tl.constexpr, FAST: tl.constexpr):
     """Per-block ``sum_i decode(wq)_i * x[16 g + i]`` (fp32, units of 2**-14)."""
     if FAST:
-        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = \
-            _decode16_asm(wq)
+        v = _decode16_asm(wq)
     else:
-        v0, v1, v2, v3, v4, v5, v6, v7, v8, v9, v10, v11, v12, v13, v14, v15 = \
-            _decode16_pure(wq)
-    p = v0 * _xl(xs, 0, xmask, MASKED)
-    p += v1 * _xl(xs, 1, xmask, MASKED)
-    p += v2 * _xl(xs, 2, xmask, MASKED)
-    p += v3 * _xl(xs, 3, xmask, MASKED)
-    p += v4 * _xl(xs, 4, xmask, MASKED)
-    p += v5 * _xl(xs, 5, xmask, MASKED)
-    p += v6 * _xl(xs, 6, xmask, MASKED)
-    p += v7 * _xl(xs, 7, xmask, MASKED)
-    p += v8 * _xl(xs, 8, xmask, MASKED)
-    p += v9 * _xl(xs, 9, xmask, MASKED)
-    p += v10 * _xl(xs, 10, xmask, MASKED)
-    p += v11 * _xl(xs, 11, xmask, MASKED)
-    p += v12 * _xl(xs, 12, xmask, MASKED)
-    p += v13 * _xl(xs, 13, xmask, MASKED)
-    p += v14 * _xl(xs, 14, xmask, MASKED)
-    p += v15 * _xl(xs, 15, xmask, MASKED)
+        v = _decode16_pure(wq)
+    p = v[0] * _xl(xs, 0, xmask, MASKED)
+    for i in tl.static_range(1, 16):  # unrolled: the same sum order as written out
+        p += v[i] * _xl(xs, i, xmask, MASKED)
     return p
 
 

@@ -122,21 +122,10 @@ def _dot_pure(wq, xv):
     lo = wq.to(tl.int32)
     hi = (wq >> 32).to(tl.int32)
     p = _nib(lo, 0) * xv[0]
-    p += _nib(lo, 4) * xv[1]
-    p += _nib(lo, 8) * xv[2]
-    p += _nib(lo, 12) * xv[3]
-    p += _nib(lo, 16) * xv[4]
-    p += _nib(lo, 20) * xv[5]
-    p += _nib(lo, 24) * xv[6]
-    p += _nib(lo, 28) * xv[7]
-    p += _nib(hi, 0) * xv[8]
-    p += _nib(hi, 4) * xv[9]
-    p += _nib(hi, 8) * xv[10]
-    p += _nib(hi, 12) * xv[11]
-    p += _nib(hi, 16) * xv[12]
-    p += _nib(hi, 20) * xv[13]
-    p += _nib(hi, 24) * xv[14]
-    p += _nib(hi, 28) * xv[15]
+    for i in tl.static_range(1, 8):  # unrolled: the same sum order as written out
+        p += _nib(lo, 4 * i) * xv[i]
+    for i in tl.static_range(8):
+        p += _nib(hi, 4 * i) * xv[8 + i]
     return p
 
 

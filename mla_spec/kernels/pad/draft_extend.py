@@ -134,11 +134,9 @@ def check_values(seq_lens_q, cu_seqlens_q, max_q, rows_avail, rows_name):
     cu = cu_seqlens_q.to(torch.int64)
     sl = seq_lens_q.to(torch.int64)
     bs = sl.numel()
-    stats = torch.stack([
+    first, mismatches, lo, hi, total = torch.stack([
         cu[0], (cu[1:] - cu[:-1] != sl).sum(), sl.min() if bs else cu[0] * 0,
-        sl.max() if bs else cu[0] * 0, cu[-1],
-    ]).tolist()
-    first, mismatches, lo, hi, total = stats
+        sl.max() if bs else cu[0] * 0, cu[-1]]).tolist()
     if first != 0 or mismatches:
         raise ValueError(f"cu_seqlens_q must be [0, cumsum(seq_lens_q)]; it starts at {first} and "
                          f"disagrees with seq_lens_q at {mismatches} of {bs} requests")
@@ -207,8 +205,7 @@ def unpad_draft_extend_output(raw_out, seq_lens_q, cu_seqlens_q, total_q, *, ali
     consts = _consts(h, d, raw_out.element_size(), rs[2:], os_[1:],
                      _SMALL_TARGET_BYTES if small else _TARGET_BYTES, align == "end", small)
     _launch(_UNPAD, _slot_grid(consts[3], max_q, bs), raw_out, out, rs, os_, seq_lens_q,
-            cu_seqlens_q,
-            (max_q,), consts, _SMALL_NUM_WARPS if small else _NUM_WARPS)
+            cu_seqlens_q, (max_q,), consts, _SMALL_NUM_WARPS if small else _NUM_WARPS)
     return out
 
 

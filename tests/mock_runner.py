@@ -6,6 +6,9 @@ Target: hidden ``[next, s_p, 0, 0]`` with ``s_p = sum_{q<=p} (tok_q + 1)(pos_q +
 ``next = (31 s_p + 7 tok_p + 3) mod vocab``, one-hot logits. Draft: continues the sum and
 predicts what the target will, off by one where ``(s' + its KV window's tokens) % 3 == 0``, so
 accept lengths vary and v1 / v2 agree only if both keep the draft's cache right.
+
+A test helper, not package code: tests import it as ``mock_runner`` (pytest puts ``tests/``, the
+directory of ``tests/conftest.py``, on ``sys.path``).
 """
 
 from __future__ import annotations
