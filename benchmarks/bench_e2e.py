@@ -52,9 +52,12 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
             for key in sorted(keys_before.get(name, set()))[:2]:
                 print(f"  (earlier binary: {key[:700]})", flush=True)
     n = sum(len(r.output_ids) for r in res)
+    dec = [s for s in eng.metrics.steps if s.kind != "prefill"]  # decode steps / spec rounds
+    dec_tps = sum(s.new_tokens for s in dec) / max(sum(s.seconds for s in dec), 1e-9)
     graphs = eng.runner.graphs
     return {"spec": spec.version if spec.enabled else "off", "bs": bs, "tokens": n,
-            "seconds": wall, "tokens_per_s": n / wall, "avg_accept": eng.avg_accept_length,
+            "seconds": wall, "tokens_per_s": n / wall, "decode_tokens_per_s": dec_tps,
+            "avg_accept": eng.avg_accept_length,
             "graphs": None if graphs is None else (graphs.disabled_reason or "on"),
             "new_compiles": sum(grew.values()), "compiled": sorted(grew),
             "outputs": [r.output_ids for r in res]}
@@ -83,8 +86,8 @@ def main() -> None:
                   f"{r['new_compiles']} Triton compiles in the timed run {r['compiled']}",
                   flush=True)
     base = {r["bs"]: r for r in rows if r["spec"] == "off"}
-    head = ("| device | tp | bs | spec | tokens | s | tok/s | avg accept | vs off | same tokens "
-            "| graphs | compiles |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| device | tp | bs | spec | tokens | s | tok/s | avg accept | vs off | decode tok/s "
+            "| decode vs off | same tokens | graphs | compiles |\n" + "|---" * 14 + "|")
     lines = [head]
     for r in rows:
         b = base[r["bs"]]
@@ -92,7 +95,9 @@ def main() -> None:
         lines.append(
             f"| {args.device} | {args.tp} | {r['bs']} | {r['spec']} | {r['tokens']} | "
             f"{r['seconds']:.2f} | {r['tokens_per_s']:.1f} | {acc} | "
-            f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x | {r['outputs'] == b['outputs']} | "
+            f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x | "
+            f"{r['outputs'] == b['outputs']} | "
             f"{r['graphs']} | {r['new_compiles']} |")
     table = "\n".join(lines)
     print(f"model: {model}\n{table}")

@@ -42,6 +42,8 @@ class ModelRunner:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.timer = ModeTimer(self.device)
         self.graphs = None  # CudaGraphRunner, attached by the engine on GPU
+        self.step_graphs = None  # StepGraphs (whole decode steps and v2 rounds), likewise
+        self.capturing = False  # a step graph is being captured: plain forwards, no timing
         self.prepared: list | None = None  # a list: (which, batch) of every prepare
 
     @classmethod
@@ -102,9 +104,9 @@ class ModelRunner:
         """Drop the captured CUDA graphs and wait for the GPU. Under TP this must come before the
         process group goes: a graph holding NCCL collectives keeps their communicator alive, and
         destroying or aborting the group would block."""
-        if self.graphs is None:
+        if self.graphs is None and self.step_graphs is None:
             return
-        self.graphs = None
+        self.graphs = self.step_graphs = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -133,6 +135,8 @@ class ModelRunner:
         """One forward of ``which`` ("target" or "draft") on a prepared batch -> hidden [N, D]."""
         if batch.token_to_kv_pool is None:
             self.prepare(which, batch)
+        if self.capturing:
+            return self.forward_eager(which, batch, input_ids, target_hidden)
         graph = self.graphs is not None and self.graphs.can_run(which, batch)
         with self.timer.section(batch.forward_mode, which, batch.total_q, batch.batch_size,
                                 graph=graph):

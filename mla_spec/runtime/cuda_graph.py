@@ -9,8 +9,6 @@ its plan from device memory is captured; else :attr:`CudaGraphRunner.disabled_re
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 from dataclasses import dataclass, fields
 
@@ -18,6 +16,7 @@ import torch
 
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import ForwardMode
+from mla_spec.runtime.step_graph import StepGraphs, gc_paused
 
 __all__ = ["CudaGraphRunner", "attach_graphs"]
 
@@ -36,18 +35,6 @@ class _Graph:
     out: torch.Tensor  # [B * q, D]
     bs: int
     q: int
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    """Python's cyclic GC off for the block (back on afterwards, if it was on)."""
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            gc.enable()
 
 
 class CudaGraphRunner:
@@ -131,7 +118,7 @@ class CudaGraphRunner:
                 graph = torch.cuda.CUDAGraph()
                 # relaxed: a lazy module load or a pool allocation must not invalidate the
                 # capture; no GC inside it (a finalizer freeing CUDA objects would)
-                with _gc_paused(), torch.cuda.graph(graph, pool=self._pool,
+                with gc_paused(), torch.cuda.graph(graph, pool=self._pool,
                                                     capture_error_mode="relaxed"):
                     out = run.forward_eager(which, sb, ids, th)
                 self.graphs[(which, mode, bs)] = _Graph(graph, sb, ids, th, out, bs, q)
@@ -223,9 +210,13 @@ class CudaGraphRunner:
             d[bs:].fill_(q if f.name in ("kv_lens", "seq_lens_q") else 0)
 
 
-def attach_graphs(runner, worker, batch_sizes=None) -> None:
+def attach_graphs(runner, worker, batch_sizes=None, step_graphs: bool = True) -> None:
     """Capture the fixed-shape forwards of ``runner`` / ``worker`` per batch-size bucket and
-    attach them (``runner.graphs``; ``run`` replays them from then on)."""
-    runner.graphs = CudaGraphRunner.capture(runner, worker, batch_sizes)
-    logger.info("rank %d: %d CUDA graphs (%s)", runner.tp_rank, len(runner.graphs.graphs),
-                runner.graphs.disabled_reason or "captured")
+    attach them (``runner.graphs``; ``run`` replays them from then on), then the whole decode
+    steps and v2 rounds (``runner.step_graphs``, ``mla_spec.runtime.step_graph``)."""
+    runner.graphs = g = CudaGraphRunner.capture(runner, worker, batch_sizes)
+    if g.disabled_reason is None and step_graphs:
+        runner.step_graphs = StepGraphs.capture(runner, worker, g.batch_sizes, g._pool)
+    logger.info("rank %d: %d CUDA graphs (%s), %d step graphs", runner.tp_rank, len(g.graphs),
+                g.disabled_reason or "captured",
+                len(runner.step_graphs.graphs) if runner.step_graphs else 0)

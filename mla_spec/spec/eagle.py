@@ -178,39 +178,72 @@ class EagleWorker:
 
     def _keep_draft(self, rpi: torch.Tensor, hidden_last: torch.Tensor) -> None:
         """Store d1 = argmax of the draft logits and the draft hidden of each request row."""
-        if self.draft_hidden is None or self.draft_hidden.shape[1] != hidden_last.shape[1]:
-            self.draft_hidden = hidden_last.new_zeros(
-                (self.verified_id.shape[0], hidden_last.shape[1]))
+        self.ensure_draft_state(hidden_last.shape[1], hidden_last.dtype)
         self.draft_token[rpi] = torch.argmax(self.runner.logits("draft", hidden_last), dim=-1)
         self.draft_hidden[rpi] = hidden_last
 
     def decode(self, plan) -> StepOutput:
         run = self.runner
-        rpi = self._index(plan.req_pool_indices)
+        steps = run.step_graphs
+        if steps is not None and steps.can_run("decode", plan.batch_size):
+            (next_ids,) = steps.replay("decode", plan)
+            return StepOutput(next_ids=next_ids)
         batch = ForwardBatch.decode([L + 1 for L in plan.seq_lens],
                                     req_pool_indices=plan.req_pool_indices, device=run.device)
         run.prepare("target", batch, list(plan.req_pool_indices))
+        return StepOutput(next_ids=self.decode_body(batch, self._index(plan.req_pool_indices)))
+
+    def decode_body(self, batch: ForwardBatch, rpi: torch.Tensor) -> torch.Tensor:
+        """Target DECODE on a prepared batch, greedy next ids, kept as ``verified_id`` (device
+        work only: a step graph captures it)."""
+        run = self.runner
         hidden = run.run("target", batch, self.verified_id[rpi])
         next_ids = torch.argmax(run.logits("target", hidden), dim=-1)
         self.verified_id[rpi] = next_ids
-        return StepOutput(next_ids=next_ids)
+        return next_ids
 
-    def draft(self, plan, rpi: torch.Tensor) -> torch.Tensor:
-        """``num_steps - 1`` draft DECODE forwards from (d1, draft hidden) -> drafts [bs, ns]."""
-        run = self.runner
-        tok, h = self.draft_token[rpi], self.draft_hidden[rpi]
-        drafts = [tok]
+    def draft_batches(self, plan) -> list[ForwardBatch]:
+        """The ``num_steps - 1`` draft DECODE batches of a round, prepared (host work)."""
+        run, out = self.runner, []
         for i in range(self.spec.num_steps - 1):
             b = ForwardBatch.decode([L + 1 + i for L in plan.seq_lens],
                                     req_pool_indices=plan.req_pool_indices, device=run.device,
                                     capture_hidden_mode=LAST)
-            run.prepare("draft", b, list(plan.req_pool_indices))
+            out.append(run.prepare("draft", b, list(plan.req_pool_indices)))
+        return out
+
+    def draft(self, batches: list[ForwardBatch], rpi: torch.Tensor) -> torch.Tensor:
+        """Draft DECODE forwards from (d1, draft hidden) on prepared batches -> drafts [bs, ns]."""
+        run = self.runner
+        tok, h = self.draft_token[rpi], self.draft_hidden[rpi]
+        drafts = [tok]
+        for b in batches:
             h = run.run("draft", b, tok, h)
             tok = torch.argmax(run.logits("draft", h), dim=-1)
             drafts.append(tok)
         return torch.stack(drafts, dim=1)
 
+    def round_v2_body(self, dbs: list[ForwardBatch], vb: ForwardBatch, eb: ForwardBatch,
+                      rpi: torch.Tensor):
+        """A whole v2 round on prepared batches, device work only (a step graph captures it):
+        drafts, verify, greedy accept, draft extend -> (drafts, predict, accept)."""
+        drafts = self.draft(dbs, rpi)
+        predict, accept, vh = self.verify(vb, rpi, drafts)
+        self.draft_extend_v2(eb, rpi, predict, accept, vh)
+        return drafts, predict, accept
+
+    def ensure_draft_state(self, hidden_size: int, dtype: torch.dtype) -> None:
+        """Allocate ``draft_hidden`` now (a step graph must not allocate the state it updates)."""
+        if self.draft_hidden is None or self.draft_hidden.shape[1] != hidden_size:
+            self.draft_hidden = torch.zeros((self.verified_id.shape[0], hidden_size),
+                                            dtype=dtype, device=self.runner.device)
+
     def spec_round(self, plan) -> StepOutput:
+        steps = self.runner.step_graphs
+        if self.spec.version == "v2" and steps is not None and \
+                steps.can_run("round", plan.batch_size):
+            self.last_drafts, predict, accept = steps.replay("round", plan)
+            return StepOutput(predict=predict, accept=accept)
         self.round_draft(plan)
         v2_on_gpu = self.spec.version == "v2" and self.runner.device.type == "cuda"
         with no_host_sync(self.check_no_sync and v2_on_gpu):
@@ -222,7 +255,7 @@ class EagleWorker:
         """Draft DECODEs, then the verify (and v2's draft-extend) batches built and planned."""
         run, bs, ndt = self.runner, plan.batch_size, self.spec.num_draft_tokens
         rpi = self._index(plan.req_pool_indices)
-        drafts = self.draft(plan, rpi)  # [bs, ns]
+        drafts = self.draft(self.draft_batches(plan), rpi)  # [bs, ns]
         self.last_drafts = drafts
         # every batch of the sync-free region is built and planned here, before it
         vb = ForwardBatch.target_verify(plan.seq_lens, ndt, req_pool_indices=plan.req_pool_indices,

@@ -185,8 +185,9 @@ class CudaKernel:
                  device: torch.device, pdl: bool = False, cluster: int = 1) -> None:
         """``cluster > 1``: thread-block clusters of ``(cluster, 1, 1)`` CTAs."""
         fn = self._function(device, smem)
-        cfg = _LaunchConfig(*grid, block, 1, 1, smem,
-                            torch.cuda.current_stream(device).cuda_stream, None, 0)
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        cfg = _LaunchConfig(*grid, block, 1, 1, smem, torch._C._cuda_getCurrentRawStream(idx),
+                            None, 0)
         attrs = (_LaunchAttr * 2)()
         n = 0
         if pdl:

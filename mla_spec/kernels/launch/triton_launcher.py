@@ -54,6 +54,17 @@ class TritonLauncher:
             self.binaries.clear()
         self.binaries[key] = (kernel.run, kernel.function, kernel.packed_metadata)
 
+    def launch(self, grid: int | tuple, tensors: tuple, scalars: tuple, constexprs: tuple,
+               num_warps: int, options: dict | None = None) -> None:
+        """``fn[grid](*tensors, *scalars, *constexprs)`` (the kernel's argument order), keyed by
+        what Triton specializes on: each tensor's dtype and 16-byte alignment, each int scalar's
+        ``== 1`` and ``% 16 == 0``, the constexpr values and the launch options."""
+        key = (tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors),
+               tuple((a == 1, a % 16 == 0) if type(a) is int else type(a) for a in scalars),
+               constexprs, num_warps, tuple(options.items()) if options else ())
+        self(grid, key, tensors, tuple(t.data_ptr() for t in tensors), scalars + constexprs,
+             num_warps, options)
+
     def compile_count(self) -> int:
         """Binaries in Triton's JIT cache for ``fn`` (interpreter: specializations launched)."""
         caches = getattr(self.fn, "device_caches", None)

@@ -16,6 +16,7 @@ import triton.language as tl
 from mla_spec.device import use_triton
 from mla_spec.kernels.launch.cuda_driver import CudaKernel, cuda_kernels_available
 from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs, pdl_on
+from mla_spec.kernels.launch.triton_launcher import TritonLauncher
 from mla_spec.kernels.mla.reference import combine_splits_ref
 
 __all__ = ["combine_cuda_preferred", "combine_cuda_supported", "combine_groups",
@@ -89,6 +90,9 @@ def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
                     stride_o_h, DV, BLOCK_D, S_BLOCK, WRITE_LSE, ONE_BLOCK)
 
 
+_COMBINE = TritonLauncher(_combine_kernel)
+
+
 def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor | None = None) -> None:
     """Merge ``part [S, N*H, Dv]`` / ``part_lse [S, N*H]`` into ``out [N, H, Dv]`` (and ``lse``)."""
@@ -110,14 +114,12 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
         block_d, warps = dv, 2 if part.dtype == torch.bfloat16 else 4
     else:
         block_d, warps = min(dv, 64), 2 if s_block >= 128 else 1
-    _combine_kernel[(rows, triton.cdiv(dv, block_d))](
-        part, part_lse, out, lse if lse is not None else part_lse, s, h,
-        part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
-        DV=dv, BLOCK_D=block_d, S_BLOCK=s_block, WRITE_LSE=lse is not None,
-        ONE_BLOCK=s <= s_block,
-        num_warps=warps, **pdl_kwargs(part),
-    )
-
+    pdl = pdl_kwargs(part)
+    _COMBINE.launch((rows, triton.cdiv(dv, block_d)),
+                    (part, part_lse, out, lse if lse is not None else part_lse),
+                    (s, h, part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1)),
+                    (dv, block_d, s_block, lse is not None, s <= s_block, pdl["USE_GDC"]),
+                    warps, {"launch_pdl": pdl["launch_pdl"]})
 
 _SRC = "mla_combine.cu"
 _DV = 512

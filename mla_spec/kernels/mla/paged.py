@@ -5,6 +5,8 @@ kernel, :func:`choice.splits_for` the split count unless pinned.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -68,6 +70,26 @@ def _ensure_allocator():
         _ALLOCATOR_SET = True
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What one call signature decided once (:func:`mla_decode_paged`'s plan cache)."""
+
+    cfg: PagedConfig
+    m_blocks: int
+    num_splits: int
+    interp: bool
+    is_fp8: bool
+
+
+#: call signature -> _Call: the checks, the variant and the splits of a shape, decided once
+_CALLS: dict[tuple, _Call] = {}
+
+
+def _signature(tensors) -> tuple:
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(),
+                                         t.data_ptr() & 15) for t in tensors)
+
+
 def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, sm_scale,
                      *, page_size: int, k_scale: float = 1.0, v_scale: float = 1.0,
                      q_len: int | None = None, qo_indptr: torch.Tensor | None = None,
@@ -75,7 +97,59 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
                      num_splits: int | None = None, return_lse: bool = False,
                      out: torch.Tensor | None = None, config: PagedConfig | None = None,
                      num_sms: int | None = None, early_kv: bool | None = None):
-    """``mla_decode`` with a contiguous, page-aligned ``kv_flat`` (``max_kv``: host int)."""
+    """``mla_decode`` with a contiguous, page-aligned ``kv_flat`` (``max_kv``: host int).
+
+    The checks, the variant (``config``, default :func:`choice.paged_choice`) and the split
+    count are decided once per call signature (shapes, strides, dtypes, devices, alignment and
+    the host arguments) and cached: a repeated call only launches. Without ``max_kv`` (and
+    without ``config`` / ``num_splits``) a CUDA call reads ``kv_lens.max()`` (a device sync)."""
+    bs = req_pool_indices.numel()
+    if max_kv is None and num_splits is None and config is None and q_nope.is_cuda:
+        max_kv = int(kv_lens.max()) if bs else 0
+    if q_len is None and max_q is None and qo_indptr is not None:
+        max_q = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if bs else 0
+    key = (_signature((q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
+                       qo_indptr, out)), page_size, q_len, max_q, max_kv, num_splits,
+           return_lse, config, num_sms, early_kv)
+    call = _CALLS.get(key)
+    if call is None:
+        call = _plan(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
+                     page_size, q_len, max_q, max_kv, num_splits, config, num_sms)
+        if len(_CALLS) >= 4096:
+            _CALLS.clear()
+        _CALLS[key] = call
+    elif not kv_lens.is_cuda:  # the one data-dependent check (free on the host)
+        check_mla_inputs(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
+                         qo_indptr)
+    n, h, dv = q_nope.shape
+    dev = q_nope.device
+    if out is None:
+        out = torch.empty((n, h, dv), dtype=q_nope.dtype, device=dev)
+    lse = torch.empty((n, h), dtype=torch.float32, device=dev) if return_lse else None
+    if n == 0 or bs == 0:
+        return (out, lse) if return_lse else out
+    cfg = call.cfg
+    if cfg.tma and not call.interp:
+        _ensure_allocator()
+    args = (q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens)
+    scale = float(sm_scale) * float(k_scale) * _LOG2E
+    if cfg.wgmma:
+        launch_wgmma_mla(*args, out, lse, scale, v_scale, q_len=q_len, m_blocks=call.m_blocks,
+                         num_splits=call.num_splits, kind=cfg, early_kv=early_kv)
+    elif cfg.cuda:
+        launch_cuda_mla(*args, out, lse, scale, v_scale, q_len=q_len, m_blocks=call.m_blocks,
+                        num_splits=call.num_splits,
+                        tile=CudaTile(cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_warps))
+    else:
+        launch = launch_vsplit if cfg.sibling_kernel else launch_paged
+        launch(*args, qo_indptr, out, lse, scale, v_scale, q_len=q_len, m_blocks=call.m_blocks,
+               num_splits=call.num_splits, cfg=cfg, interp=call.interp, is_fp8=call.is_fp8)
+    return (out, lse) if return_lse else out
+
+
+def _plan(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr, page_size,
+          q_len, max_q, max_kv, num_splits, config, num_sms) -> _Call:
+    """Check a call signature and decide its variant and splits (ValueError: what is wrong)."""
     check_mla_inputs(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr)
     n, h, dv = q_nope.shape
     dpe = q_pe.shape[-1]
@@ -85,8 +159,6 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         raise ValueError("give exactly one of q_len (fixed rows per request) or qo_indptr")
     pinned = None
     if config is None:
-        if max_kv is None and num_splits is None and dev.type == "cuda":
-            max_kv = int(kv_lens.max()) if bs else 0  # read below for the splits anyway
         config, pinned = paged_choice((q_len or max_q or 1) * h, kv_flat.dtype, dev, page_size,
                                       bs, max_kv, fixed=q_len is not None)
     cfg = config
@@ -95,8 +167,6 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         raise ValueError(f"mla_decode_paged: {why}")
     if kv_flat.shape[-1] != dv + dpe or not kv_flat.is_contiguous():
         raise ValueError(f"kv_flat must be contiguous [slots, {dv + dpe}]")
-    if q_len is None and max_q is None:
-        max_q = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if bs else 0
     rows = (q_len if q_len is not None else max_q) * h
     m_blocks = max(1, triton.cdiv(rows, cfg.block_m))
     if num_splits is None:
@@ -106,33 +176,14 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         sms = num_sms or (sm_count(dev) if dev.type == "cuda" else 4)
         num_splits = splits_for(cfg, bs, m_blocks, mk, rows,
                                 kv_flat.shape[-1] * kv_flat.element_size(), sms, dv)
-    if out is None:
-        out = torch.empty((n, h, dv), dtype=q_nope.dtype, device=dev)
-    lse = torch.empty((n, h), dtype=torch.float32, device=dev) if return_lse else None
-    if n == 0 or bs == 0:
-        return (out, lse) if return_lse else out
     interp = dev.type == "cpu"
     is_fp8 = kv_flat.dtype == FP8_DTYPE
     if not (interp or is_fp8 or q_nope.dtype == kv_flat.dtype == q_pe.dtype):
         raise ValueError(f"queries {q_nope.dtype} must match the {kv_flat.dtype} cache")
-    if cfg.tma and not interp:
-        _ensure_allocator()
-    args = (q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens)
-    scale = float(sm_scale) * float(k_scale) * _LOG2E
     if cfg.cuda:
         tile = CudaTile(cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_warps)
         why = (wgmma_mla_supported(q_nope, q_pe, kv_flat, page_size, q_len, cfg)
                if cfg.wgmma else cuda_mla_supported(q_nope, q_pe, kv_flat, page_size, tile, q_len))
         if why:
             raise ValueError(f"mla_decode_paged: config {cfg.tag}: {why}")
-        if cfg.wgmma:
-            launch_wgmma_mla(*args, out, lse, scale, v_scale, q_len=q_len, m_blocks=m_blocks,
-                             num_splits=num_splits, kind=cfg, early_kv=early_kv)
-        else:
-            launch_cuda_mla(*args, out, lse, scale, v_scale, q_len=q_len, m_blocks=m_blocks,
-                            num_splits=num_splits, tile=tile)
-        return (out, lse) if return_lse else out
-    launch = launch_vsplit if cfg.sibling_kernel else launch_paged
-    launch(*args, qo_indptr, out, lse, scale, v_scale, q_len=q_len, m_blocks=m_blocks,
-           num_splits=num_splits, cfg=cfg, interp=interp, is_fp8=is_fp8)
-    return (out, lse) if return_lse else out
+    return _Call(cfg, m_blocks, int(num_splits), interp, is_fp8)

@@ -6,6 +6,7 @@ sm_90; bf16 partials for ``combine.combine_splits_fast`` (``WR``'s two merge in 
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass, fields
 
 import torch
@@ -44,8 +45,7 @@ class WgmmaKind:
     @classmethod
     def of(cls, cfg) -> WgmmaKind:
         """The kind of a ``PagedConfig`` (or of anything with these fields)."""
-        return cfg if isinstance(cfg, cls) else cls(**{f.name: getattr(cfg, f.name)
-                                                       for f in fields(cls)})
+        return cfg if isinstance(cfg, cls) else _kind_of(cfg)
 
     @property
     def block_m(self) -> int:
@@ -71,6 +71,11 @@ class WgmmaKind:
     @property
     def smem(self) -> int:
         return wgmma_smem(self)
+
+
+@functools.lru_cache(maxsize=64)
+def _kind_of(cfg) -> WgmmaKind:
+    return WgmmaKind(**{f.name: getattr(cfg, f.name) for f in fields(WgmmaKind)})
 
 
 #: the compiled kernels: (kind, e4m3 cache) -> kernel

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.kernels.launch.pdl import gdc_launch, gdc_wait
+from mla_spec.kernels.launch.triton_launcher import TritonLauncher
 from mla_spec.kernels.mla.combine import combine_splits
 from mla_spec.kernels.mla.triton_common import (
     attn_pdl_kwargs,
@@ -228,6 +229,10 @@ def _mla_swapab_kernel(
                 tl.store(Lse + rows, lse2 * 0.6931471805599453, mask=mask_m)
 
 
+_PAGED = TritonLauncher(_mla_paged_kernel)
+_SWAP = TritonLauncher(_mla_swapab_kernel)
+
+
 def launch_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
                  out, lse, qk_scale_log2: float, v_scale: float, *, q_len, m_blocks: int,
                  num_splits: int, cfg, interp: bool, is_fp8: bool) -> None:
@@ -243,17 +248,16 @@ def launch_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
     else:
         o_arg, l_arg = out, (lse if lse is not None else out)
     qo = qo_indptr if qo_indptr is not None else kv_lens  # dummy when fixed
-    kernel = _mla_swapab_kernel if cfg.swap else _mla_paged_kernel
-    kernel[(m_blocks, num_splits, req_pool_indices.numel())](
-        q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo, o_arg, l_arg,
-        q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        req_to_token.stride(0), out.stride(0), out.stride(1),
-        (n * h * dv) if split else 0, (n * h) if split else 0, kv_flat.shape[0],
-        h, q_len or 0, num_splits, qk_scale_log2, float(v_scale),
-        DV=dv, DPE=q_pe.shape[-1], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        RAGGED=qo_indptr is not None, SPLIT=split, WRITE_LSE=lse is not None,
-        DOT_F32=interp and not is_fp8, F16=is_fp8, TMA=cfg.tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **attn_pdl_kwargs(q_nope, cfg),
-    )
+    pdl = attn_pdl_kwargs(q_nope, cfg)
+    (_SWAP if cfg.swap else _PAGED).launch(
+        (m_blocks, num_splits, req_pool_indices.numel()),
+        (q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo, o_arg, l_arg),
+        (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+         req_to_token.stride(0), out.stride(0), out.stride(1),
+         (n * h * dv) if split else 0, (n * h) if split else 0, kv_flat.shape[0],
+         h, q_len or 0, num_splits, qk_scale_log2, float(v_scale)),
+        (dv, q_pe.shape[-1], cfg.block_m, cfg.block_n, qo_indptr is not None, split,
+         lse is not None, interp and not is_fp8, is_fp8, cfg.tma, pdl["USE_GDC"], pdl["L2PF"]),
+        cfg.num_warps, {"num_stages": cfg.num_stages, "launch_pdl": pdl["launch_pdl"]})
     if split:
         combine_splits(part, part_lse, out, lse)

@@ -175,3 +175,26 @@ def test_vsplit_refuses_too_narrow_tma_boxes():
     sc = _scene(ForwardMode.DECODE, [4, 9], [1, 1], FP8_DTYPE, "cpu")
     with pytest.raises(ValueError, match="TMA boxes need >= 16 bytes"):
         _run(sc, PagedConfig(16, 8, 4, 1, tma=True, vsplit=4), 2)
+
+
+def test_a_repeated_call_only_launches(monkeypatch):
+    """Host work per call: the checks, the variant and the splits of a call signature are decided
+    once; a second call with the same signature (new data) plans nothing and is still right."""
+    from mla_spec.kernels.mla import paged
+
+    planned = []
+    real = paged._plan
+    monkeypatch.setattr(paged, "_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    monkeypatch.setattr(paged, "_CALLS", {})
+    sc = _scene(ForwardMode.TARGET_VERIFY, [5, 0, 19], [3, 3, 3], torch.bfloat16, "cpu",
+                num_draft_tokens=3)
+    cfg = PagedConfig(16, 8, 4, 1)
+    o1, _, ref1, _, _ = _run(sc, cfg, 2)
+    assert len(planned) == 1
+    sc.q_nope.copy_(torch.randn_like(sc.q_nope))  # same signature, other queries
+    o2, _, ref2, _, _ = _run(sc, cfg, 2)
+    assert len(planned) == 1
+    torch.testing.assert_close(o2.float(), ref2.float(), atol=2e-2, rtol=2e-2)
+    assert not torch.equal(o1, o2)
+    _run(sc, cfg, 3)  # another split count: another signature
+    assert len(planned) == 2
