@@ -75,6 +75,7 @@ def profile_one(spec: SpecConfig, bs: int, args, dev) -> dict:
             "profile": s.getvalue()}
 
 
+@torch.no_grad()
 def margins(rows: list[dict], dev) -> list[str]:
     from mla_spec.model_api import load_model
 
