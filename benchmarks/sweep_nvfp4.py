@@ -221,7 +221,7 @@ def mma_markdown(rows, moe) -> str:
              "|" + "---|" * 7]
     lines += [f"| {r['shape']} | {r['m']} | {r['best_us']} | {r['auto_us']} | {r['bf16_us']} | "
               f"{r['bf16_over_best']} | {r['pin']} |" for r in rows]
-    lines += ["", "PINNED_CONFIGS lines:", "```"]
+    lines += ["", "PINNED_CONFIGS entries (mla_spec/data/nvfp4_pinned_h200.json):", "```"]
     lines += [f"    ({r['n']}, {r['k']}, {r['m']}): \"{r['pin']}\",  # {r['best_us']} (cuBLAS "
               f"{r['bf16_us']})" for r in rows]
     lines += ["```", "", "| MoE | M | active experts | sorted µs | gemv path µs | bf16 GEMMs µs | "

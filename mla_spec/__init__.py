@@ -29,51 +29,33 @@ __version__ = "0.1.0"
 
 _LAZY = {
     # engine and runner
-    "Engine": "mla_spec.engine",
-    "Result": "mla_spec.engine",
-    "PipelineStepper": "mla_spec.pipeline",
-    "RequestRejectedError": "mla_spec.engine",
+    "Engine": "mla_spec.engine", "Result": "mla_spec.engine",
+    "RequestRejectedError": "mla_spec.engine", "PipelineStepper": "mla_spec.pipeline",
     "ModelRunner": "mla_spec.model_runner",
     # model, checkpoints, parallelism
-    "load_model": "mla_spec.model_api",
-    "load_checkpoint": "mla_spec.loader",
-    "CheckpointError": "mla_spec.loader",
-    "save_checkpoint": "mla_spec.checkpoint_writer",
-    "DeepseekV3ForCausalLM": "mla_spec.models.deepseek_v3",
-    "DeepseekV3MTP": "mla_spec.models.mtp",
-    "launch": "mla_spec.runtime.launch",
-    "spawn_workers": "mla_spec.runtime.workers",
-    "RankFailedError": "mla_spec.runtime.workers",
-    "memory_plan": "mla_spec.memory_plan",
+    "load_model": "mla_spec.model_api", "save_checkpoint": "mla_spec.checkpoint_writer",
+    "load_checkpoint": "mla_spec.loader", "CheckpointError": "mla_spec.loader",
+    "DeepseekV3ForCausalLM": "mla_spec.models.deepseek_v3", "DeepseekV3MTP": "mla_spec.models.mtp",
+    "launch": "mla_spec.runtime.launch", "spawn_workers": "mla_spec.runtime.workers",
+    "RankFailedError": "mla_spec.runtime.workers", "memory_plan": "mla_spec.memory_plan",
     # KV cache and attention
-    "MLATokenToKVPool": "mla_spec.kv_cache",
-    "ReqToTokenPool": "mla_spec.kv_cache",
-    "PageAllocator": "mla_spec.kv_cache",
-    "KVCacheFullError": "mla_spec.kv_cache",
-    "create_backend": "mla_spec.attention",
-    "MLABackend": "mla_spec.attention.base",
-    "register_backend": "mla_spec.attention",
-    "check_backend": "mla_spec.attention.conformance",
+    "MLATokenToKVPool": "mla_spec.kv_cache", "ReqToTokenPool": "mla_spec.kv_cache",
+    "PageAllocator": "mla_spec.kv_cache", "KVCacheFullError": "mla_spec.kv_cache",
+    "create_backend": "mla_spec.attention", "register_backend": "mla_spec.attention",
+    "MLABackend": "mla_spec.attention.base", "check_backend": "mla_spec.attention.conformance",
     # kernels and quantization
     "pad_draft_extend_query": "mla_spec.kernels.pad",
-    "unpad_draft_extend_output": "mla_spec.kernels.pad",
-    "mla_decode": "mla_spec.kernels.mla",
-    "quantize_fp8": "mla_spec.quant.fp8",
-    "dequantize_fp8": "mla_spec.quant.fp8",
-    "NVFP4Tensor": "mla_spec.quant.nvfp4",
-    "quantize_nvfp4": "mla_spec.quant.nvfp4",
-    "dequantize_nvfp4": "mla_spec.quant.nvfp4",
-    "NVFP4Linear": "mla_spec.models.linear",
-    "nvfp4_gemm": "mla_spec.kernels.nvfp4",
-    "fused_moe_nvfp4": "mla_spec.kernels.nvfp4",
+    "unpad_draft_extend_output": "mla_spec.kernels.pad", "mla_decode": "mla_spec.kernels.mla",
+    "quantize_fp8": "mla_spec.quant.fp8", "dequantize_fp8": "mla_spec.quant.fp8",
+    "NVFP4Tensor": "mla_spec.quant.nvfp4", "quantize_nvfp4": "mla_spec.quant.nvfp4",
+    "dequantize_nvfp4": "mla_spec.quant.nvfp4", "NVFP4Linear": "mla_spec.models.linear",
+    "nvfp4_gemm": "mla_spec.kernels.nvfp4", "fused_moe_nvfp4": "mla_spec.kernels.nvfp4",
     # the embedded model
     "EMBEDDED_MODEL": "mla_spec.data",
 }
 
-__all__ = [
-    "CacheConfig", "CaptureHiddenMode", "ForwardBatch", "ForwardMode", "ModelConfig",
-    "ParallelConfig", "SpecConfig", *_LAZY,
-]
+__all__ = ["CacheConfig", "CaptureHiddenMode", "ForwardBatch", "ForwardMode", "ModelConfig",
+           "ParallelConfig", "SpecConfig", *_LAZY]
 
 
 def __getattr__(name: str):

@@ -37,9 +37,7 @@ _logged_defaults: set[tuple[str, str]] = set()
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     """YaRN's attention-temperature factor (1.0 when the context is not stretched)."""
-    if scale <= 1.0:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
+    return 1.0 if scale <= 1.0 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True)
@@ -224,12 +222,9 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         algo = self.algorithm.upper()
-        if algo == "NEXTN":
-            object.__setattr__(self, "algorithm", "EAGLE")
-        elif algo not in ("EAGLE", "NONE"):
+        if algo not in ("EAGLE", "NEXTN", "NONE"):
             raise ValueError(f"algorithm {self.algorithm!r}: supported EAGLE, NEXTN, NONE")
-        else:
-            object.__setattr__(self, "algorithm", algo)
+        object.__setattr__(self, "algorithm", "EAGLE" if algo == "NEXTN" else algo)
         if self.version not in ("v1", "v2"):
             raise ValueError(f"version {self.version!r}: supported 'v1', 'v2'")
         if self.topk != 1:

@@ -72,9 +72,7 @@ def cuda_capability(device: torch.device | str | None = None) -> tuple[int, int]
     """``(major, minor)`` of a CUDA device, or None on CPU; cached (the attention path asks on
     every eager call)."""
     dev = torch.device(device) if device is not None else default_device()
-    if dev.type != "cuda":
-        return None
-    return _capability(_index(dev))
+    return _capability(_index(dev)) if dev.type == "cuda" else None
 
 
 def sm_count(device: torch.device) -> int:

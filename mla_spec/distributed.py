@@ -17,19 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "default_timeout_s",
-    "init_distributed",
-    "resolve_backend",
-    "rank_device",
-    "tp_rank",
-    "tp_size",
-    "tp_all_reduce",
-    "tp_all_gather",
-    "track_progress",
-    "note_progress",
-]
+__all__ = ["DEFAULT_TIMEOUT_S", "default_timeout_s", "init_distributed", "resolve_backend",
+           "rank_device", "tp_rank", "tp_size", "tp_all_reduce", "tp_all_gather", "track_progress",
+           "note_progress"]
 
 DEFAULT_TIMEOUT_S = {"gloo": 300.0, "nccl": 30.0}
 
@@ -39,9 +29,6 @@ def default_timeout_s(backend: str) -> float:
     return DEFAULT_TIMEOUT_S.get(backend, DEFAULT_TIMEOUT_S["gloo"])
 
 
-# ---------------------------------------------------------------------------------------------
-# process groups
-# ---------------------------------------------------------------------------------------------
 def resolve_backend(backend: str, world_size: int) -> str:
     """``"auto"`` -> ``"nccl"`` when there are >= world_size GPUs, else ``"gloo"``."""
     if backend not in ("auto", "nccl", "gloo"):
@@ -73,14 +60,9 @@ def _debug_hooks() -> None:
         logging.getLogger("mla_spec").setLevel(level.upper())
 
 
-def init_distributed(
-    rank: int | None = None,
-    world_size: int | None = None,
-    *,
-    backend: str = "auto",
-    init_method: str | None = None,
-    timeout_s: float | None = None,
-) -> str:
+def init_distributed(rank: int | None = None, world_size: int | None = None, *,
+                     backend: str = "auto", init_method: str | None = None,
+                     timeout_s: float | None = None) -> str:
     """Initialize the default process group (no-op if it already is); return the backend.
     Without arguments, rank and rendezvous come from the environment, as ``torchrun`` sets them."""
     if dist.is_initialized():
@@ -91,13 +73,9 @@ def init_distributed(
     backend = resolve_backend(backend, world_size)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    dist.init_process_group(
-        backend,
-        init_method=init_method or "env://",
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=default_timeout_s(backend) if timeout_s is None else timeout_s),
-    )
+    timeout = default_timeout_s(backend) if timeout_s is None else timeout_s
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout))
     return backend
 
 
@@ -134,8 +112,7 @@ def tp_all_reduce(x: torch.Tensor, size: int | None = None) -> torch.Tensor:
         raise NotImplementedError(
             "training under tensor parallelism is not supported (replicated tensors feeding "
             "sharded ones would need their gradients reduced): run forward_train at TP 1, or "
-            "under torch.no_grad() for evaluation"
-        )
+            "under torch.no_grad() for evaluation")
     note_progress()
     if x.dtype == torch.bfloat16 and not x.is_cuda:
         # gloo sums bf16 correctly but in bf16 steps; fp32 keeps TP results close to TP 1.

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -114,11 +115,9 @@ class ForwardBatch:
 
     def to(self, device) -> ForwardBatch:
         """A copy with every tensor on ``device``."""
-        moved = {}
-        for name in ("seq_lens", "seq_lens_q", "qo_indptr", "positions", "accept_length",
-                     "req_pool_indices", "out_cache_loc"):
-            t = getattr(self, name)
-            moved[name] = None if t is None else t.to(device)
+        tensors = {n: getattr(self, n) for n in ("seq_lens", "seq_lens_q", "qo_indptr",
+                   "positions", "accept_length", "req_pool_indices", "out_cache_loc")}
+        moved = {n: None if t is None else t.to(device) for n, t in tensors.items()}
         return replace(self, **moved, extra={})
 
     @classmethod
@@ -130,9 +129,7 @@ class ForwardBatch:
                out_cache_loc: torch.Tensor | None = None) -> ForwardBatch:
         device = torch.device(device or "cpu")
         bs = len(q_lens)
-        indptr = [0]
-        for q in q_lens:
-            indptr.append(indptr[-1] + q)
+        indptr = [0, *accumulate(q_lens)]
         positions = [p + i for p, q in zip(prefix_lens, q_lens) for i in range(q)]
         if req_pool_indices is not None and len(req_pool_indices) != bs:
             raise ValueError(f"req_pool_indices has {len(req_pool_indices)} entries; batch_size "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping, Sequence
+from itertools import accumulate
 
 import torch
 
@@ -69,10 +70,9 @@ class ReqToTokenPool:
 
     def __init__(self, max_reqs: int, max_context_len: int, device=None):
         if max_reqs < 1 or max_context_len < 1:
-            raise ValueError(
-                f"max_reqs {max_reqs}, max_context_len {max_context_len}: must be >= 1")
-        self.max_reqs = max_reqs
-        self.max_context_len = max_context_len
+            raise ValueError(f"max_reqs {max_reqs}, max_context_len {max_context_len}: "
+                             "must be >= 1")
+        self.max_reqs, self.max_context_len = max_reqs, max_context_len
         self.device = torch.device(device or "cpu")
         self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int32,
                                         device=self.device)
@@ -95,10 +95,8 @@ class ReqToTokenPool:
 
 
 def _per_layer(name: str, value, num_layers: int) -> list[float]:
-    if isinstance(value, (int, float)):
-        vals = [float(value)] * num_layers
-    else:
-        vals = [float(v) for v in value]
+    vals = ([float(value)] * num_layers if isinstance(value, (int, float))
+            else [float(v) for v in value])
     if len(vals) != num_layers:
         raise ValueError(f"{name} has {len(vals)} entries; the pool has {num_layers} layers")
     for v in vals:
@@ -149,9 +147,7 @@ class MLATokenToKVPool:
 
     def read_scales(self, layer_id: int) -> tuple[float, float]:
         """``(k_scale, v_scale)`` a kernel applies when reading ``layer_id`` (1.0 unless FP8)."""
-        if not self.is_fp8:
-            return 1.0, 1.0
-        return self.k_scales[layer_id], self.v_scales[layer_id]
+        return (self.k_scales[layer_id], self.v_scales[layer_id]) if self.is_fp8 else (1.0, 1.0)
 
     def bytes_per_token(self) -> int:
         """KV bytes one token occupies across all layers."""
@@ -251,12 +247,9 @@ def build_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
     all int32 on ``req_to_token``'s device."""
     dev = req_to_token.device
     pages = [-(-int(n) // page_size) for n in kv_lens]
-    indptr = [0]
-    for p in pages:
-        indptr.append(indptr[-1] + p)
+    indptr = [0, *accumulate(pages)]
     table = build_block_tables(req_to_token, req_pool_indices, kv_lens, page_size)
-    valid = table >= 0
-    indices = table[valid]
+    indices = table[table >= 0]
     last = [(int(n) - 1) % page_size + 1 if n else 0 for n in kv_lens]
     as_i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)
     return as_i32(indptr), indices.to(torch.int32), as_i32(last)

@@ -175,9 +175,7 @@ def _check_and_read(files: CheckpointFiles, name: str, t: torch.Tensor, dim: int
                     rank: int, size: int) -> torch.Tensor:
     fname = files.path / files.file_of(name)
     sl = files.get_slice(name)
-    shape = tuple(sl.get_shape())
-    sdtype = sl.get_dtype()
-    want = list(t.shape)
+    shape, sdtype, want = tuple(sl.get_shape()), sl.get_dtype(), list(t.shape)
     if dim is not None:
         want[dim] *= size
     exact = t.dtype in (torch.uint8, torch.float8_e4m3fn)
@@ -225,7 +223,7 @@ def load_weights(model, files: CheckpointFiles, *, mtp=None, tp_rank: int = 0, t
         expected.pop("lm_head.weight", None)
     if mtp is not None:
         rn = lambda s: mp + (s[len("decoder."):] if s.startswith("decoder.") else s)  # noqa: E731
-        expected.update({k: (v[0], v[1], v[2]) for k, v in _expected(mtp, rn).items()})
+        expected.update(_expected(mtp, rn))
     skipped = {mp + "embed_tokens.weight", mp + "shared_head.head.weight"}
     layer_re = re.compile(r"model\.layers\.(\d+)\.")
     kv_raw: dict[int, dict[str, float]] = {}

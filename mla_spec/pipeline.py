@@ -175,10 +175,7 @@ class PipelineStepper:
 
     def run_to_end(self) -> list[PhaseRecord]:
         """Every phase until every request is finished."""
-        out = []
-        while (rec := self.step()) is not None:
-            out.append(rec)
-        return out
+        return list(iter(self.step, None))
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (safe to call twice)."""

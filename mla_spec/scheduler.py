@@ -113,7 +113,6 @@ class Scheduler:
         self._next_rid = 0
         self.num_preemptions = 0
 
-    # ---- requests ----------------------------------------------------------------------------
     @property
     def usable_pages(self) -> int:
         return self.num_pages - 1
@@ -142,11 +141,9 @@ class Scheduler:
             raise RequestRejectedError(
                 f"KV cache too small: the request needs {pages} pages of {self.page_size} tokens "
                 f"and the pool has {self.usable_pages} usable pages; raise num_pages to >= "
-                f"{pages + 1} or lower max_new_tokens"
-            )
+                f"{pages + 1} or lower max_new_tokens")
 
-    def add(self, prompt_ids: list[int], max_new_tokens: int, stop=(),
-            stop_token_ids=()) -> Req:
+    def add(self, prompt_ids: list[int], max_new_tokens: int, stop=(), stop_token_ids=()) -> Req:
         """Queue a request (rejected with :class:`RequestRejectedError` if it can never fit)."""
         self.check_fits(len(prompt_ids), max_new_tokens)
         req = Req(self._next_rid, list(prompt_ids), int(max_new_tokens), tuple(stop),
@@ -161,7 +158,6 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # ---- pages -------------------------------------------------------------------------------
     def _grow(self, req: Req, num_tokens: int, updates: list) -> None:
         """Give ``req`` pages for positions < num_tokens (raises KVCacheFullError)."""
         need = self.pages_for(num_tokens) - len(req.pages)
@@ -187,13 +183,10 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    # ---- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
         """The next step: a prefill if waiting requests fit, else a decode round (or None)."""
         plan = self._schedule_prefill()
-        if plan is not None:
-            return plan
-        return self._schedule_decode()
+        return plan if plan is not None else self._schedule_decode()
 
     def _schedule_prefill(self) -> StepPlan | None:
         plan = StepPlan("prefill", fill_ids=[], known_next_ids=[])
@@ -222,8 +215,7 @@ class Scheduler:
             req = self.waiting[0]
             raise KVCacheFullError(
                 f"request {req.rid} cannot be admitted into an idle engine: "
-                f"{self.allocator.num_free} free pages, {len(self._free_rows)} free request rows"
-            )
+                f"{self.allocator.num_free} free pages, {len(self._free_rows)} free request rows")
         return plan if plan.batch_size else None
 
     def _schedule_decode(self) -> StepPlan | None:
@@ -242,19 +234,14 @@ class Scheduler:
                 if len(self.running) == 1:
                     raise KVCacheFullError(
                         f"request {req.rid} alone needs more pages than the pool has free "
-                        f"({self.allocator.num_free}); raise num_pages"
-                    ) from None
+                        f"({self.allocator.num_free}); raise num_pages") from None
                 victim = next(r for r in reversed(self.running) if r is not solo)
                 # drop updates for the victim: its pages are free again
                 updates = [u for u in updates if u[0] != victim.req_pool_idx]
                 self._preempt(victim)
                 i = min(i, len(reqs))
-        return StepPlan(
-            "decode",
-            req_pool_indices=[r.req_pool_idx for r in reqs],
-            seq_lens=[r.kv_len for r in reqs],
-            slot_updates=updates,
-        )
+        return StepPlan("decode", req_pool_indices=[r.req_pool_idx for r in reqs],
+                        seq_lens=[r.kv_len for r in reqs], slot_updates=updates)
 
     def finish(self, req: Req, reason: str, error: str | None = None) -> None:
         """Mark ``req`` finished (running or still waiting) and free its KV."""

@@ -313,15 +313,15 @@ def test_capture_pauses_python_gc():
     engine dropped earlier must not free CUDA objects inside a capture)."""
     import gc
 
-    from mla_spec.runtime.cuda_graph import _gc_paused
+    from mla_spec.runtime.step_graph import gc_paused
 
     assert gc.isenabled()
-    with _gc_paused():
+    with gc_paused():
         assert not gc.isenabled()
     assert gc.isenabled()
     gc.disable()
     try:
-        with _gc_paused():
+        with gc_paused():
             pass
         assert not gc.isenabled()  # was off: stays off
     finally:

@@ -31,17 +31,8 @@ import torch
 from mla_spec.attention.base import AttnPlan, MLABackend, UnsupportedError
 from mla_spec.device import cuda_capability
 
-__all__ = [
-    "BACKENDS",
-    "MLABackend",
-    "AttnPlan",
-    "UnsupportedError",
-    "create_backend",
-    "get_backend_class",
-    "register_backend",
-    "backends_for_device",
-    "resolve_auto",
-]
+__all__ = ["BACKENDS", "MLABackend", "AttnPlan", "UnsupportedError", "create_backend",
+           "get_backend_class", "register_backend", "backends_for_device", "resolve_auto"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +87,10 @@ def get_backend_class(backend: str | type[MLABackend]) -> type[MLABackend]:
         raise ValueError(f"unknown attention backend {backend!r}: supported "
                          + ", ".join(["auto", *BACKENDS])
                          + ", an MLABackend subclass, or 'module.path:ClassName'")
-    entry = BACKENDS[backend]
-    return entry if isinstance(entry, type) else getattr(importlib.import_module(entry[0]),
-                                                         entry[1])
+    mod_or_cls = BACKENDS[backend]
+    if isinstance(mod_or_cls, type):
+        return mod_or_cls
+    return getattr(importlib.import_module(mod_or_cls[0]), mod_or_cls[1])
 
 
 def backends_for_device(device) -> dict[str, str | None]:
@@ -123,16 +115,9 @@ def resolve_auto(device) -> tuple[str, str]:
     return "torch", f"SM{cap[0]}{cap[1]} is below SM80: the torch oracle"
 
 
-def create_backend(
-    name: str | type[MLABackend] = "auto",
-    *,
-    num_heads: int,
-    softmax_scale: float,
-    kv_pool,
-    req_to_token,
-    device=None,
-    **kwargs,
-) -> MLABackend:
+def create_backend(name: str | type[MLABackend] = "auto", *, num_heads: int,
+                   softmax_scale: float, kv_pool, req_to_token, device=None,
+                   **kwargs) -> MLABackend:
     """Build an attention backend: "auto", a registered name ("torch" | "triton" | "flashinfer" |
     "trtllm" | yours), ``"module.path:ClassName"`` or an :class:`MLABackend` subclass.
 
@@ -154,9 +139,7 @@ def create_backend(
     reason = None if injected else cls.device_reason(dev)
     if reason is not None:
         able = [n for n, r in backends_for_device(dev).items() if r is None]
-        raise UnsupportedError(
-            f"attention backend {cls.name!r} cannot run on {dev}: {reason}. "
-            f"Backends that can: {', '.join(able)}"
-        )
+        raise UnsupportedError(f"attention backend {cls.name!r} cannot run on {dev}: {reason}. "
+                               f"Backends that can: {', '.join(able)}")
     return cls(num_heads=num_heads, softmax_scale=softmax_scale, kv_pool=kv_pool,
                req_to_token=req_to_token, device=dev, **kwargs)

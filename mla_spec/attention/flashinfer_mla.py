@@ -7,8 +7,8 @@ call. The cache is passed as two strided views of the pages: ``ckv [pages, page,
 ``kpe [pages, page, 64]``. FP8 KV is passed with ``ckv_scale = kpe_scale = 1.0`` and our scales
 are applied around the call (queries times ``k_scale``, output times ``v_scale``): the same score
 up to one bf16 rounding of the scaled queries (none when ``k_scale`` is 1 or a power of two), and
-independent of FlashInfer's own scale conventions. FlashInfer is imported
-lazily: ``import mla_spec`` works without it.
+independent of FlashInfer's own scale conventions. FlashInfer is imported lazily: ``import
+mla_spec`` works without it.
 """
 
 from __future__ import annotations
@@ -86,8 +86,7 @@ class FlashInferMLABackend(MLABackend):
             qo_indptr=plan.qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices,
             kv_len_arr=plan.kv_lens, num_heads=self.num_heads, head_dim_ckv=pool.kv_lora_rank,
             head_dim_kpe=pool.qk_rope_head_dim, page_size=pool.page_size, causal=True,
-            sm_scale=self.softmax_scale, q_data_type=q_dtype, kv_data_type=pool.dtype,
-        )
+            sm_scale=self.softmax_scale, q_data_type=q_dtype, kv_data_type=pool.dtype)
         plan.extra["q_dtype"] = q_dtype
 
     def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):

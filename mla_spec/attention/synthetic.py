@@ -24,10 +24,8 @@ from mla_spec.kv_cache import MLATokenToKVPool, ReqToTokenPool, assign_request_s
 
 __all__ = ["Scene", "make_scene", "make_batch", "ALL_MODES"]
 
-ALL_MODES = (
-    ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
-    ForwardMode.DRAFT_EXTEND_V2, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.IDLE,
-)
+ALL_MODES = (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+             ForwardMode.DRAFT_EXTEND_V2, ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.IDLE)
 
 
 @dataclass
@@ -61,37 +59,22 @@ def make_batch(mode: ForwardMode, prefix_lens: Sequence[int], q_lens: Sequence[i
     raise ValueError(f"make_batch: mode {mode.name} not supported")
 
 
-def make_scene(
-    mode: ForwardMode,
-    prefix_lens: Sequence[int],
-    q_lens: Sequence[int],
-    *,
-    num_heads: int = 2,
-    num_draft_tokens: int | None = None,
-    kv_dtype: torch.dtype = torch.float32,
-    q_dtype: torch.dtype = torch.float32,
-    page_size: int = 4,
-    kv_lora_rank: int = 512,
-    qk_rope_head_dim: int = 64,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    device=None,
-    seed: int = 0,
-    shuffle_pages: bool = True,
-    spare_pages: int = 3,
-    kv_amplitude: float = 1.0,
-) -> Scene:
+def make_scene(mode: ForwardMode, prefix_lens: Sequence[int], q_lens: Sequence[int], *,
+               num_heads: int = 2, num_draft_tokens: int | None = None,
+               kv_dtype: torch.dtype = torch.float32, q_dtype: torch.dtype = torch.float32,
+               page_size: int = 4, kv_lora_rank: int = 512, qk_rope_head_dim: int = 64,
+               k_scale: float = 1.0, v_scale: float = 1.0, device=None, seed: int = 0,
+               shuffle_pages: bool = True, spare_pages: int = 3,
+               kv_amplitude: float = 1.0) -> Scene:
     """Build a random scene (see the module docstring). ``kv_amplitude`` scales the KV values."""
     device = torch.device(device or "cpu")
     g = torch.Generator().manual_seed(seed)
     probe = make_batch(mode, prefix_lens, q_lens, num_draft_tokens)
-    kv_lens = probe.kv_lens_cpu
-    prefix = probe.extend_prefix_lens_cpu
-    bs = probe.batch_size
+    kv_lens, prefix, bs = probe.kv_lens_cpu, probe.extend_prefix_lens_cpu, probe.batch_size
     pages_per = [-(-k // page_size) for k in kv_lens]
     num_pages = sum(pages_per) + spare_pages
-    order = torch.randperm(num_pages, generator=g).tolist() if shuffle_pages else list(
-        range(num_pages))
+    order = (torch.randperm(num_pages, generator=g).tolist() if shuffle_pages
+             else list(range(num_pages)))
     max_ctx = max([*kv_lens, 1]) + page_size
     req_pool = ReqToTokenPool(2 * max(bs, 1), max_ctx, device)
     pool = MLATokenToKVPool(1, num_pages, page_size, kv_dtype, device, k_scale, v_scale,

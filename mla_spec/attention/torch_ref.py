@@ -20,21 +20,11 @@ from mla_spec.forward_batch import ForwardBatch
 __all__ = ["TorchMLABackend", "mla_attention_ref"]
 
 
-def mla_attention_ref(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    kv_flat: torch.Tensor,
-    req_to_token: torch.Tensor,
-    req_pool_indices: Sequence[int],
-    seq_lens_q: Sequence[int],
-    kv_lens: Sequence[int],
-    sm_scale: float,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
-    *,
-    compute_dtype: torch.dtype = torch.float32,
-    return_lse: bool = False,
-):
+def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.Tensor,
+                      req_to_token: torch.Tensor, req_pool_indices: Sequence[int],
+                      seq_lens_q: Sequence[int], kv_lens: Sequence[int], sm_scale: float,
+                      k_scale: float = 1.0, v_scale: float = 1.0, *,
+                      compute_dtype: torch.dtype = torch.float32, return_lse: bool = False):
     """Reference absorbed-MLA attention over a paged cache.
 
     Parameters
@@ -94,9 +84,7 @@ class TorchMLABackend(MLABackend):
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         kv_flat = pool.get_kv(layer_id).view(pool.num_slots, pool.kv_cache_dim)
-        res = mla_attention_ref(
-            q_nope, q_pe, kv_flat, self.req_to_token,
-            plan.req_pool_indices.tolist(), plan.seq_lens_q_cpu, plan.kv_lens_cpu,
-            self.softmax_scale, k_scale, v_scale,
-        )
+        res = mla_attention_ref(q_nope, q_pe, kv_flat, self.req_to_token,
+                                plan.req_pool_indices.tolist(), plan.seq_lens_q_cpu,
+                                plan.kv_lens_cpu, self.softmax_scale, k_scale, v_scale)
         return write_output(res, out)

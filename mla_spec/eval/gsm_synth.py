@@ -37,23 +37,16 @@ HELDOUT_MODULUS = 16
 #: longest worked answer in tokens (" ... #### N"); + "\n\nQuestion" stays within 56 new tokens
 MAX_ANSWER_TOKENS = 52
 
-# (name, subject pronoun, object pronoun)
-_PEOPLE = [
-    ("Mia", "She", "her"), ("Tom", "He", "him"), ("Ava", "She", "her"), ("Leo", "He", "him"),
-    ("Zoe", "She", "her"), ("Sam", "He", "him"), ("Ivy", "She", "her"), ("Ben", "He", "him"),
-    ("Lily", "She", "her"), ("Max", "He", "him"), ("Emma", "She", "her"), ("Jack", "He", "him"),
-    ("Nora", "She", "her"), ("Owen", "He", "him"), ("Ruby", "She", "her"), ("Eli", "He", "him"),
-    ("Rosa", "She", "her"), ("Finn", "He", "him"), ("Alma", "She", "her"), ("Omar", "He", "him"),
-]
-_OBJECTS = [
-    "apples", "pencils", "stickers", "marbles", "cookies", "books", "shells", "cards",
-    "stamps", "coins", "balloons", "crayons", "eggs", "flowers", "candies", "toys",
-    "beads", "buttons", "rocks", "seeds",
-]
-_ITEMS = ["books", "hats", "toys", "games", "balls", "kites", "lamps", "cakes", "mugs", "pens"]
-_CONTAINERS = ["packs", "boxes", "bags", "jars"]  # singular: strip the plural ending
-_FOODS = ["muffins", "cookies", "rolls", "pies", "tarts"]
-_DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
+# (name, subject pronoun, object pronoun): she and he by turns
+_PEOPLE = [(n, *(("She", "her"), ("He", "him"))[i % 2]) for i, n in enumerate(
+    "Mia Tom Ava Leo Zoe Sam Ivy Ben Lily Max Emma Jack Nora Owen Ruby Eli Rosa Finn Alma Omar"
+    .split())]
+_OBJECTS = ("apples pencils stickers marbles cookies books shells cards stamps coins balloons "
+            "crayons eggs flowers candies toys beads buttons rocks seeds").split()
+_ITEMS = "books hats toys games balls kites lamps cakes mugs pens".split()
+_CONTAINERS = "packs boxes bags jars".split()  # singular: strip the plural ending
+_FOODS = "muffins cookies rolls pies tarts".split()
+_DAYS = "Monday Tuesday Wednesday Thursday Friday".split()
 
 
 @dataclass(frozen=True)
@@ -73,9 +66,8 @@ def _one(word: str) -> str:
     return word[:-2] if word.endswith(("xes", "ches")) else word[:-1]
 
 
-def _two(rng: random.Random) -> tuple[tuple[str, str, str], tuple[str, str, str]]:
-    a, b = rng.sample(_PEOPLE, 2)
-    return a, b
+def _two(rng: random.Random) -> list[tuple[str, str, str]]:
+    return rng.sample(_PEOPLE, 2)
 
 
 def _distract(rng: random.Random, story: list[str], n: str, p: str, o: str) -> None:
@@ -132,8 +124,7 @@ def _t_three_ops(rng):
     (n, p, _), (m, _, _) = _two(rng)
     o, box = rng.choice(_OBJECTS), rng.choice(_CONTAINERS)
     a, k, s = rng.randint(10, 500), rng.randint(2, 9), rng.randint(10, 99)
-    x = k * s
-    t = a + x
+    x, t = k * s, a + k * s
     d = rng.randint(10, min(999, t - 1))
     r = t - d
     story = [f"{n} has {a} {o}.", f"{p} buys {k} {box} with {s} {o} in each {_one(box)}.",
@@ -148,8 +139,7 @@ def _t_shop(rng):
     (n, p, _), _m = _two(rng)
     i1, i2 = rng.sample(_ITEMS, 2)
     k, c1, c2 = rng.randint(2, 9), rng.randint(10, 99), rng.randint(10, 99)
-    x = k * c1
-    y = x + c2
+    x, y = k * c1, k * c1 + c2
     a = rng.randint(y + 1, 999)
     r = a - y
     story = [f"{n} has {a} dollars.",
@@ -199,8 +189,7 @@ def _t_wages(rng):
     (n, p, _), _m = _two(rng)
     d1, d2 = rng.sample(_DAYS, 2)
     h, g, w = rng.randint(1, 5), rng.randint(1, 5), rng.randint(11, 99)
-    t = h + g
-    e = t * w
+    t, e = h + g, (h + g) * w
     story = [rng.choice([f"{n} earns {w} dollars an hour.", f"{n} is paid {w} dollars an hour."]),
              f"{p} works {h} hours on {d1} and {g} hours on {d2}."]
     _distract(rng, story, n, p, "coins")
@@ -215,8 +204,7 @@ def _t_bakery(rng):
     t = k * s
     c = rng.randint(10, t - 10)
     d = rng.randint(2, t - c - 1)
-    u = c + d
-    r = t - u
+    u, r = c + d, t - c - d
     story = [f"{n} bakes {k} trays of {f} with {s} {f} on each tray.",
              f"{p} sells {c} {f} and gives {d} {f} to {m}."]
     _distract(rng, story, n, p, f)
@@ -246,8 +234,7 @@ def _t_two_buys(rng):
     i1, i2 = rng.sample(_ITEMS, 2)
     k1, k2 = rng.randint(2, 9), rng.randint(2, 9)
     c1, c2 = rng.randint(10, 99), rng.randint(10, 99)
-    x, y = k1 * c1, k2 * c2
-    t = x + y
+    x, y, t = k1 * c1, k2 * c2, k1 * c1 + k2 * c2
     story = [f"{n} buys {k1} {i1} for {c1} dollars each.",
              f"{p} also buys {k2} {i2} for {c2} dollars each."]
     _distract(rng, story, n, p, i1)
@@ -259,8 +246,7 @@ def _t_two_buys(rng):
 def _t_pages(rng):
     (n, p, _), _m = _two(rng)
     a, b, c = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
-    x = a + b
-    y = x + c
+    x, y = a + b, a + b + c
     total = rng.randint(y + 1, 999)
     r = total - y
     story = [f"{n} has a book with {total} pages.",
@@ -276,8 +262,7 @@ def _t_four_ops(rng):
     o, box = rng.choice(_OBJECTS), rng.choice(_CONTAINERS)
     a, k, s, b = rng.randint(10, 99), rng.randint(2, 9), rng.randint(10, 99), rng.randint(10, 99)
     x = k * s
-    y = a + x
-    z = y + b
+    y, z = a + x, a + x + b
     d = rng.randint(10, min(999, z - 1))
     r = z - d
     story = [f"{n} has {a} {o}.", f"{p} buys {k} {box} of {s} {o} and finds {b} more.",
@@ -291,8 +276,7 @@ def _t_times_more(rng):
     (n, p, _), (m, _, _) = _two(rng)
     o = rng.choice(_OBJECTS)
     a, k = rng.randint(10, 99), rng.randint(2, 9)
-    b = a * k
-    d = b - a
+    b, d = a * k, a * k - a
     story = [f"{n} has {a} {o}.",
              rng.choice([f"{m} has {k} times as many {o} as {n}.",
                          f"{m} has {k} times more {o} than {n}."])]
@@ -301,21 +285,11 @@ def _t_times_more(rng):
     return q, f"{m} has {a} * {k} = {b} {o}. {m} has {b} - {a} = {d} more {o}.", d
 
 
-TEMPLATES: dict[str, Callable[[random.Random], tuple[str, str, int]]] = {
-    "add_sub": _t_add_sub,
-    "pack_total": _t_pack_total,
-    "three_ops": _t_three_ops,
-    "shop": _t_shop,
-    "share": _t_share,
-    "chain_compare": _t_chain_compare,
-    "wages": _t_wages,
-    "bakery": _t_bakery,
-    "transfer": _t_transfer,
-    "two_buys": _t_two_buys,
-    "pages": _t_pages,
-    "four_ops": _t_four_ops,
-    "times_more": _t_times_more,
-}
+#: template name (the function's, less ``_t_``) -> ``rng -> (question, worked steps, label)``
+_Template = Callable[[random.Random], tuple[str, str, int]]
+TEMPLATES: dict[str, _Template] = {f.__name__[3:]: f for f in (
+    _t_add_sub, _t_pack_total, _t_three_ops, _t_shop, _t_share, _t_chain_compare, _t_wages,
+    _t_bakery, _t_transfer, _t_two_buys, _t_pages, _t_four_ops, _t_times_more)}
 
 _TOKEN_RE = re.compile(r"\n+|\d|[.,?!:;]|[^\s\d.,?!:;]+")
 

@@ -41,9 +41,7 @@ def _field(r: Any, *names: str) -> Any:
 
 def _engine_avg_accept(engine: Any) -> float | None:
     for src in (engine, getattr(engine, "metrics", None)):
-        if src is None:
-            continue
-        v = _field(src, "avg_accept_length", "avg_spec_accept_length")
+        v = None if src is None else _field(src, "avg_accept_length", "avg_spec_accept_length")
         if callable(v):
             v = v()
         if v is not None:

@@ -110,16 +110,13 @@ class EvalReport:
     def pretty(self) -> str:
         """The report as a small two-column table."""
         accuracy, accept = self.intervals_text()
-        rows = [
-            ("config", self.name),
-            ("questions", f"{self.num_questions} ({self.num_shots}-shot)"),
-            ("accuracy [95%]", f"{accuracy} ({self.num_correct}/{self.num_questions})"),
-            ("invalid", f"{self.invalid:.4f}"),
-            ("avg accept length", accept),
-            ("output tokens", str(self.output_tokens)),
-            ("latency", f"{self.latency_s:.2f} s"),
-            ("throughput", f"{self.tokens_per_s:.1f} tok/s"),
-        ]
+        rows = [("config", self.name),
+                ("questions", f"{self.num_questions} ({self.num_shots}-shot)"),
+                ("accuracy [95%]", f"{accuracy} ({self.num_correct}/{self.num_questions})"),
+                ("invalid", f"{self.invalid:.4f}"), ("avg accept length", accept),
+                ("output tokens", str(self.output_tokens)),
+                ("latency", f"{self.latency_s:.2f} s"),
+                ("throughput", f"{self.tokens_per_s:.1f} tok/s")]
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{w}} | {v}" for k, v in rows)
 
@@ -131,12 +128,9 @@ def format_table(reports: Sequence[EvalReport]) -> str:
     """Several reports as one markdown table (one row per configuration)."""
     head = ("| config | questions | accuracy [95%] | invalid | accept len [95%] | tokens | "
             "latency s | tok/s |")
-    sep = "|---|---:|---:|---:|---:|---:|---:|---:|"
-    lines = [head, sep]
+    lines = [head, "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in reports:
         accuracy, acc = r.intervals_text()
-        lines.append(
-            f"| {r.name} | {r.num_questions} | {accuracy} | {r.invalid:.4f} | {acc} | "
-            f"{r.output_tokens} | {r.latency_s:.2f} | {r.tokens_per_s:.1f} |"
-        )
+        lines.append(f"| {r.name} | {r.num_questions} | {accuracy} | {r.invalid:.4f} | {acc} | "
+                     f"{r.output_tokens} | {r.latency_s:.2f} | {r.tokens_per_s:.1f} |")
     return "\n".join(lines)

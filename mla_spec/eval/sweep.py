@@ -26,15 +26,13 @@ from pathlib import Path
 import torch
 
 from mla_spec.config import CacheConfig, ModelConfig, SpecConfig
+from mla_spec.data import EMBEDDED_MODEL
 from mla_spec.eval.gsm_synth import Problem, heldout_problems
 from mla_spec.eval.harness import DEFAULT_MAX_NEW_TOKENS, run_eval
 from mla_spec.eval.report import EvalReport, format_table
 
 __all__ = ["EMBEDDED_MODEL", "EvalConfig", "config_grid", "dequantize_checkpoint", "run_config",
            "run_sweep"]
-
-EMBEDDED_MODEL = Path(__file__).resolve().parents[1] / "data" / "tiny-dsv3-fp4"
-
 
 @dataclass(frozen=True)
 class EvalConfig:
@@ -165,8 +163,8 @@ def run_config(cfg: EvalConfig, questions: list[Problem], *,
                  attention_backend=attention_backend, device=device, **kw)
     try:
         if cfg.pad is not None:
-            eng.runner.backends["draft"] = _FixedQDraftExtend(eng.runner.backends["draft"],
-                                                              cfg.pad)
+            backends = eng.runner.backends
+            backends["draft"] = _FixedQDraftExtend(backends["draft"], cfg.pad)
         rep = run_eval(eng, questions, k_shots, max_new_tokens=max_new_tokens, name=cfg.name)
         m = eng.metrics
         steps = [{"kind": s.kind, "batch_size": s.batch_size, "ms": s.seconds * 1e3,
@@ -200,13 +198,12 @@ def main(argv=None) -> None:
     ap.add_argument("--questions", type=int, default=64)
     ap.add_argument("--k-shots", type=int, default=2)
     ap.add_argument("--tp", type=int, nargs="+", default=[1], help="the grid's TP sizes")
-    ap.add_argument("--config", nargs="+", default=None, help="keys (fp4/fp8/tp1/v2 ...) "
-                    "instead of the grid")
-    ap.add_argument("--device", default=None)
+    ap.add_argument("--config", nargs="+", help="keys (fp4/fp8/tp1/v2 ...) instead of the grid")
+    ap.add_argument("--device")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--threads", type=int, help="torch intra-op threads")
+    ap.add_argument("--out", type=Path)
     ap.add_argument("--section", default="sweep", help="the key of --out to write into: its "
                     "reports of other configurations and the file's other keys are kept")
     ap.add_argument("--no-cuda-graph", action="store_true")
@@ -221,8 +218,8 @@ def main(argv=None) -> None:
             "max_new_tokens": a.max_new_tokens, "attention_backend": a.attention_backend,
             "cuda_graph": torch.cuda.is_available() and not a.no_cuda_graph,
             "threads": torch.get_num_threads(), "date": datetime.date.today().isoformat(),
-            "command": "python -m mla_spec.eval.sweep " + " ".join(sys.argv[1:] if argv is None
-                                                                   else argv)}
+            "command": "python -m mla_spec.eval.sweep "
+                       + " ".join(sys.argv[1:] if argv is None else argv)}
     doc = json.loads(a.out.read_text()) if a.out is not None and a.out.exists() else {}
     kept = [r for r in doc.get(a.section, {}).get("reports", [])
             if r["name"] not in {c.name for c in configs}]
@@ -236,9 +233,8 @@ def main(argv=None) -> None:
 
     engine_kw = {"cuda_graph": False} if a.no_cuda_graph else None
     with tempfile.TemporaryDirectory() as tmp:
-        bf16 = None
-        if any(c.weights == "bf16" for c in configs):
-            bf16 = dequantize_checkpoint(a.model, Path(tmp) / "bf16")
+        bf16 = (dequantize_checkpoint(a.model, Path(tmp) / "bf16")
+                if any(c.weights == "bf16" for c in configs) else None)
         reports = run_sweep(configs, qs, on_report=save, model_path=a.model, bf16_path=bf16,
                             k_shots=a.k_shots, device=a.device, max_new_tokens=a.max_new_tokens,
                             attention_backend=a.attention_backend, engine_kw=engine_kw)

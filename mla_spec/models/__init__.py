@@ -8,7 +8,5 @@ from mla_spec.models.deepseek_v3 import (
 from mla_spec.models.mtp import DeepseekV3MTP
 from mla_spec.models.quant_config import QuantConfig
 
-__all__ = [
-    "DeepseekV3DecoderLayer", "DeepseekV3ForCausalLM", "DeepseekV3Model", "DeepseekV3MTP",
-    "QuantConfig",
-]
+__all__ = ["DeepseekV3DecoderLayer", "DeepseekV3ForCausalLM", "DeepseekV3Model", "DeepseekV3MTP",
+           "QuantConfig"]

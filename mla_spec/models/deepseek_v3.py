@@ -20,12 +20,6 @@ from mla_spec.models.vocab_parallel import ParallelLMHead, VocabParallelEmbeddin
 __all__ = ["DeepseekV3DecoderLayer", "DeepseekV3Model", "DeepseekV3ForCausalLM"]
 
 
-def _quantized_fn(quant_cfg):
-    if quant_cfg is None:
-        return lambda name: False
-    return quant_cfg.is_quantized
-
-
 class DeepseekV3DecoderLayer(nn.Module):
     """One pre-norm decoder layer; ``layer_id`` the checkpoint index (dense or MoE, weight
     names), ``kv_layer_id`` the KV pool's (default ``layer_id``; the MTP layer uses 0)."""
@@ -35,7 +29,7 @@ class DeepseekV3DecoderLayer(nn.Module):
                  prefix: str | None = None) -> None:
         super().__init__()
         prefix = prefix or f"model.layers.{layer_id}"
-        q = _quantized_fn(quant_cfg)
+        q = quant_cfg.is_quantized if quant_cfg is not None else None  # None: every linear dense
         kw = dict(quantized=q, tp_size=tp_size, dtype=dtype, device=device)
         self.layer_id = layer_id
         self.self_attn = MLAAttention(cfg, layer_id if kv_layer_id is None else kv_layer_id,
@@ -45,10 +39,9 @@ class DeepseekV3DecoderLayer(nn.Module):
         else:
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, prefix=f"{prefix}.mlp",
                                 **kw)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
-                                       device=device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype,
-                                                device=device)
+        norm = dict(eps=cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, hidden]`` through the paged-cache attention (the residual add
@@ -72,10 +65,9 @@ class DeepseekV3Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size,
                                                    tp_rank=tp_rank, tp_size=tp_size,
                                                    dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, quant_cfg=quant_cfg,
-                                                           tp_size=tp_size, dtype=dtype,
-                                                           device=device)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DeepseekV3DecoderLayer(cfg, i, quant_cfg=quant_cfg, tp_size=tp_size, dtype=dtype,
+                                   device=device) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
 
 

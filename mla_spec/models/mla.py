@@ -53,6 +53,7 @@ class MLAAttention(nn.Module):
         qk = cfg.qk_head_dim
         q = quantized or (lambda name: False)
         bias = cfg.attention_bias
+        norm = dict(eps=cfg.rms_norm_eps, dtype=dtype, device=device)
 
         def lin(cls, name, i, o, **extra):
             return cls(i, o, quantized=q(f"{prefix}.{name}"), tp_size=tp_size, dtype=dtype,
@@ -61,15 +62,13 @@ class MLAAttention(nn.Module):
         if cfg.q_lora_rank is not None:
             self.q_a_proj = lin(ReplicatedLinear, "q_a_proj", cfg.hidden_size, cfg.q_lora_rank,
                                 bias=bias)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype=dtype,
-                                         device=device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, **norm)
             self.q_b_proj = lin(ColumnParallelLinear, "q_b_proj", cfg.q_lora_rank, H * qk)
         else:
             self.q_proj = lin(ColumnParallelLinear, "q_proj", cfg.hidden_size, H * qk)
         self.kv_a_proj_with_mqa = lin(ReplicatedLinear, "kv_a_proj_with_mqa", cfg.hidden_size,
                                       cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype=dtype,
-                                      device=device)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, **norm)
         self.kv_b_proj = lin(ColumnParallelLinear, "kv_b_proj", cfg.kv_lora_rank,
                              H * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = lin(RowParallelLinear, "o_proj", H * cfg.v_head_dim, cfg.hidden_size,
@@ -107,11 +106,9 @@ class MLAAttention(nn.Module):
                 or wq.untyped_storage().data_ptr() != wk.untyped_storage().data_ptr() \
                 or wk.storage_offset() != wq.storage_offset() + wq.numel():
             return None
-        return wq.detach().as_strided((wq.shape[0] + wk.shape[0], wq.shape[1]),
-                                      (wq.shape[1], 1))
+        return wq.detach().as_strided((wq.shape[0] + wk.shape[0], wq.shape[1]), (wq.shape[1], 1))
 
-    def _q(self, x: torch.Tensor, q_a: torch.Tensor | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _q(self, x: torch.Tensor, q_a: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """``x [..., hidden]`` -> ``q_nope [..., H, 128]``, ``q_pe [..., H, 64]`` (not roped).
         ``q_a``: ``q_a_proj(x)`` when already computed (the joint GEMM)."""
         if self.q_lora_rank is not None:
@@ -130,8 +127,7 @@ class MLAAttention(nn.Module):
         ckv, k_pe = latent.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         return self.kv_a_layernorm(ckv), k_pe
 
-    def absorbed_weights(self, dtype: torch.dtype | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def absorbed_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         """``W_UK [H, 128, 512]`` and ``W_UV [H, 128, 512]`` (views of ``kv_b_proj``'s weight)."""
         w = self.kv_b_proj.dense_weight(dtype).view(self.num_heads, -1, self.kv_lora_rank)
         return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]

@@ -60,9 +60,8 @@ def _child(rank, world_size, backend, init_method, timeout_s, fn, args, results)
     if backend == "gloo":  # CPU ranks share the cores: avoid oversubscribing them (as torchrun)
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        init_distributed(
-            rank, world_size, backend=backend, init_method=init_method, timeout_s=timeout_s
-        )
+        init_distributed(rank, world_size, backend=backend, init_method=init_method,
+                         timeout_s=timeout_s)
         out = fn(rank, world_size, *args)
         results.put((rank, "ok", _pack(out)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
@@ -77,14 +76,9 @@ def _running_under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
-def launch(
-    fn: Callable[..., Any],
-    world_size: int,
-    backend: str = "auto",
-    args: Sequence[Any] = (),
-    timeout_s: float | None = None,
-    run_timeout_s: float | None = None,
-) -> list[Any]:
+def launch(fn: Callable[..., Any], world_size: int, backend: str = "auto",
+           args: Sequence[Any] = (), timeout_s: float | None = None,
+           run_timeout_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return ``[result_0, ...]``.
 
     ``fn`` must be picklable; tensors come back on CPU. Raises :class:`RankFailedError` as soon as a
@@ -93,9 +87,8 @@ def launch(
         raise ValueError(f"world_size {world_size}: must be >= 1")
     if _running_under_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
-            raise ValueError(
-                f"world_size {world_size} but torchrun started {os.environ['WORLD_SIZE']} ranks"
-            )
+            raise ValueError(f"world_size {world_size} but torchrun started "
+                             f"{os.environ['WORLD_SIZE']} ranks")
         owns_group = not dist.is_initialized()
         init_distributed(backend=backend, timeout_s=timeout_s)
         out = fn(dist.get_rank(), world_size, *args)
@@ -109,14 +102,9 @@ def launch(
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_child,
-            args=(r, world_size, backend, init_method, timeout_s, fn, tuple(args), results),
-            daemon=True,
-        )
-        for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_child, daemon=True, args=(
+        r, world_size, backend, init_method, timeout_s, fn, tuple(args), results))
+        for r in range(world_size)]
     for p in procs:
         p.start()
     try:
@@ -132,11 +120,8 @@ _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken p
 
 def _failure_message(procs, out, errors) -> str:
     """Root cause first: ranks that died without a word, then errors not caused by a lost peer."""
-    dead = [
-        f"rank {r} died (exit code {p.exitcode})"
-        for r, p in enumerate(procs)
-        if r not in out and r not in errors and not p.is_alive() and p.exitcode not in (0, None)
-    ]
+    dead = [f"rank {r} died (exit code {p.exitcode})" for r, p in enumerate(procs) if r not in out
+            and r not in errors and not p.is_alive() and p.exitcode not in (0, None)]
     ranked = sorted(errors.items(), key=lambda kv: (any(s in kv[1] for s in _PEER_LOST), kv[0]))
     raised = [f"rank {r} raised {msg}" for r, msg in ranked]
     return "; then ".join(dead + raised[:1]) + (
@@ -160,9 +145,8 @@ def _collect(procs, results, world_size: int, run_timeout_s: float | None) -> li
                     raise RankFailedError(_failure_message(procs, out, errors)) from None
             if deadline is not None and time.monotonic() > deadline:
                 missing = sorted(set(range(world_size)) - set(out))
-                raise RankFailedError(
-                    f"ranks {missing} still running after run_timeout_s"
-                ) from None
+                raise RankFailedError(f"ranks {missing} still running after run_timeout_s"
+                                      ) from None
             continue
         if status == "error":
             errors[rank] = payload

@@ -39,11 +39,9 @@ def _cuda_backend(pg):
     try:
         import torch
 
-        if hasattr(pg, "_get_backend"):
-            return pg._get_backend(torch.device("cuda"))
+        return pg._get_backend(torch.device("cuda")) if hasattr(pg, "_get_backend") else None
     except Exception:  # noqa: BLE001 - a group without a CUDA backend
         return None
-    return None
 
 
 def _try(name: str, call) -> bool:
@@ -63,9 +61,8 @@ def abort_nccl() -> str | None:
     if pg is None:
         return None
     backend = _cuda_backend(pg)
-    if backend is not None and hasattr(backend, "abort"):
-        if _try("ProcessGroupNCCL.abort", backend.abort):
-            return "ProcessGroupNCCL.abort"
+    if hasattr(backend, "abort") and _try("ProcessGroupNCCL.abort", backend.abort):
+        return "ProcessGroupNCCL.abort"
     if hasattr(pg, "abort") and _try("ProcessGroup.abort", pg.abort):
         return "ProcessGroup.abort"
     try:
@@ -77,9 +74,8 @@ def abort_nccl() -> str | None:
     if c10d_abort is not None and _try("_abort_process_group", c10d_abort):
         return "_abort_process_group"
     for name in ("_shutdown", "shutdown"):
-        if backend is not None and hasattr(backend, name):
-            if _try(f"ProcessGroupNCCL.{name}", getattr(backend, name)):
-                return f"ProcessGroupNCCL.{name}"
+        if hasattr(backend, name) and _try(f"ProcessGroupNCCL.{name}", getattr(backend, name)):
+            return f"ProcessGroupNCCL.{name}"
     log.error("could not abort the NCCL communicators (no method worked)")
     return None
 

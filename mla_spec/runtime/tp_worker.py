@@ -33,8 +33,7 @@ def plan_queues(tp_size: int) -> list:
     """One (spawn-context) plan queue per worker rank 1..tp_size-1."""
     import torch.multiprocessing as mp
 
-    ctx = mp.get_context("spawn")
-    return [ctx.Queue() for _ in range(tp_size - 1)]
+    return [mp.get_context("spawn").Queue() for _ in range(tp_size - 1)]
 
 
 def start_tp_workers(queues: list, build_rank: Callable[..., RankExecutor],
@@ -55,8 +54,7 @@ def broadcast_plan(queues: list, plan: Any) -> None:
 
 
 def stop_tp_workers(workers, queues: list, stop_plan: Any) -> None:
-    """Send ``stop_plan`` to the live workers, stop them and release their queues (safe after a
-    failure)."""
+    """Send ``stop_plan`` to the live workers, stop them, release their queues (safe on failure)."""
     procs = workers.processes if workers is not None else []
     for q, p in zip(queues, procs):
         if p.is_alive():

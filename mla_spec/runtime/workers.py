@@ -56,9 +56,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------------------------------------
 # leaving a child process, stopping children (shared with mla_spec.runtime.launch)
-# ---------------------------------------------------------------------------------------------
 def _exit_now(code: int) -> None:
     """Leave this child at once, after the multiprocessing finalizers (no teardown wait)."""
     import multiprocessing.util as mp_util
@@ -95,9 +93,7 @@ def _stop_processes(procs, timeout_s: float) -> None:
             p.join(timeout=1)
 
 
-# ---------------------------------------------------------------------------------------------
 # spawn_workers: the caller is rank 0
-# ---------------------------------------------------------------------------------------------
 def _child_signals() -> None:
     """A rank's child process: Ctrl-C is the parent's to handle (the terminal sends it to the
     whole group), and tqdm gets a thread lock, not a semaphore a killed rank would leak."""
@@ -159,8 +155,7 @@ class Workers:
 
     def arm(self, timeout_s: float) -> None:
         """A step starts: fail once no rank makes progress for ``timeout_s``."""
-        self._seen, self._since = None, time.monotonic()
-        self._limit_s = timeout_s
+        self._seen, self._since, self._limit_s = None, time.monotonic(), timeout_s
 
     def disarm(self) -> None:
         self._limit_s = None
@@ -250,16 +245,9 @@ class Workers:
             dist.destroy_process_group()
 
 
-def spawn_workers(
-    world_size: int,
-    worker_fn: Callable[..., Any],
-    args: Sequence[Any] = (),
-    *,
-    backend: str = "auto",
-    timeout_s: float | None = None,
-    interrupt_main: bool = True,
-    hard_exit_after_s: float | None = None,
-) -> Workers:
+def spawn_workers(world_size: int, worker_fn: Callable[..., Any], args: Sequence[Any] = (), *,
+                  backend: str = "auto", timeout_s: float | None = None,
+                  interrupt_main: bool = True, hard_exit_after_s: float | None = None) -> Workers:
     """Start ``worker_fn(rank, world_size, *args)`` on ranks 1..N-1; make this process rank 0.
 
     Returns a :class:`Workers` handle (``.device``: rank 0's device), rank 0's group initialized;
@@ -281,18 +269,15 @@ def spawn_workers(
     try:
         for r in range(1, world_size):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(
-                target=_worker_main,
-                args=(r, world_size, backend, init_method, timeout_s, worker_fn, tuple(args),
-                      send, workers.progress),
-                daemon=True,
-            )
+            p = ctx.Process(target=_worker_main, daemon=True, args=(
+                r, world_size, backend, init_method, timeout_s, worker_fn, tuple(args), send,
+                workers.progress))
             p.start()
             send.close()  # the child holds the write end: EOF here once it exits
             workers.processes.append(p)
             started.append(recv)
-        _wait_started(workers.processes, started, default_timeout_s(backend)
-                      if timeout_s is None else timeout_s)
+        _wait_started(workers.processes, started,
+                      default_timeout_s(backend) if timeout_s is None else timeout_s)
         init_distributed(0, world_size, backend=backend, init_method=init_method,
                          timeout_s=timeout_s)
         track_progress(workers.progress, 0)

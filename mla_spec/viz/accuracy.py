@@ -24,8 +24,7 @@ def as_reports(items: Sequence[EvalReport | dict[str, Any]]) -> list[EvalReport]
     return [r if isinstance(r, EvalReport) else EvalReport.from_dict(r) for r in items]
 
 
-def _bars(reps: list[EvalReport], metric: str, labels=None, vertical: bool = False,
-          **kw) -> go.Bar:
+def _bars(reps: list[EvalReport], metric: str, labels=None, vertical: bool = False, **kw) -> go.Bar:
     """Bars of ``metric`` ("accuracy" | "accept") with 95% error bars, one per report."""
     if metric == "accuracy":
         vals, ivs = [r.accuracy for r in reps], [r.accuracy_interval() for r in reps]

@@ -31,9 +31,8 @@ def dispatch_table(device="cpu"):
     for name in BACKENDS:
         cls = get_backend_class(name)
         row = {"device": cls.device_reason(dev) or "ok"}
-        for mode in ALL_MODES:
-            why = None if mode.is_idle() else cls.mode_reason(mode)
-            row[mode.name] = why or "ok"
+        row.update({m.name: "ok" if m.is_idle() else cls.mode_reason(m) or "ok"
+                    for m in ALL_MODES})
         row["kv dtypes"] = ", ".join(str(d).replace("torch.", "") for d in cls.kv_dtypes)
         table[name] = row
     return table

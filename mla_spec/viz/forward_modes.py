@@ -19,8 +19,7 @@ PREDICATES: list[tuple[str, dict]] = [
     ("is_mixed", {}), ("is_idle", {}), ("is_decode_or_idle", {}), ("is_target_verify", {}),
     ("is_draft_extend", {}), ("is_draft_extend", {"include_v2": True}),
     ("is_draft_extend_v2", {}), ("is_extend_or_draft_extend_or_mixed", {}),
-    ("is_cuda_graph", {}), ("is_cpu_graph", {}), ("is_split_prefill", {}),
-]
+    ("is_cuda_graph", {}), ("is_cpu_graph", {}), ("is_split_prefill", {})]
 
 
 def predicate_table() -> dict[str, dict[str, bool]]:
@@ -36,8 +35,7 @@ def truth_table_figure() -> go.Figure:
     z = [[int(row[m]) for m in modes] for row in table.values()]
     fig = go.Figure(go.Heatmap(
         z=z, x=modes, y=list(table), colorscale=[[0, "#f4f4f4"], [1, "#2a7ab9"]], showscale=False,
-        text=[["✓" if v else "" for v in r] for r in z], texttemplate="%{text}", xgap=2, ygap=2,
-    ))
+        text=[["✓" if v else "" for v in r] for r in z], texttemplate="%{text}", xgap=2, ygap=2))
     fig.update_layout(title="ForwardMode predicates (evaluated from mla_spec.ForwardMode)",
                       xaxis_title="forward mode", yaxis_title="predicate",
                       yaxis_autorange="reversed", height=540, margin=dict(l=260))
@@ -81,8 +79,7 @@ def spec_loop_timeline(num_iterations: int = 2, num_steps: int = 3, version: str
         fig.add_trace(go.Bar(
             x=[d], y=[model], base=[t], orientation="h", name=mode.name,
             marker_color=_COLORS[mode], showlegend=mode not in seen, legendgroup=mode.name,
-            hovertext=f"{mode.name}: {note}", hoverinfo="text",
-        ))
+            hovertext=f"{mode.name}: {note}", hoverinfo="text"))
         seen.add(mode)
         t += d
     fig.update_layout(barmode="overlay", title=f"MTP speculative loop (spec {version}, "
@@ -102,10 +99,8 @@ def batch_rows(batch: ForwardBatch) -> dict[str, list]:
 
 def batch_table_figure(batches: Sequence[ForwardBatch]) -> go.Figure:
     header = ["mode", "rows per request", "seq_lens", "kv_lens", "qo_indptr"]
-    cols = [[b.forward_mode.name for b in batches],
-            [str(b.seq_lens_q_cpu) for b in batches],
-            [str(b.seq_lens_cpu) for b in batches],
-            [str(b.kv_lens_cpu) for b in batches],
+    cols = [[b.forward_mode.name for b in batches], [str(b.seq_lens_q_cpu) for b in batches],
+            [str(b.seq_lens_cpu) for b in batches], [str(b.kv_lens_cpu) for b in batches],
             [str(b.qo_indptr.tolist()) for b in batches]]
     fig = go.Figure(go.Table(header=dict(values=header), cells=dict(values=cols)))
     fig.update_layout(height=50 + 26 * len(batches), margin=dict(t=10, b=10))

@@ -202,8 +202,7 @@ class PipelinePanel:
         self.steps = w.IntSlider(3, min=1, max=5, description="num_steps", style=style)
         self.ndt = w.Label()
         self.kv = tb(["fp8_e4m3", "bfloat16"], "KV cache")
-        self.backend = w.Dropdown(options=backends, value="auto", description="attention",
-                                  style=style)
+        self.backend = w.Dropdown(options=backends, description="attention", style=style)
         self.align = tb(["end", "start"], "v1 pad align")
         self.build = w.Button(description="build batch", button_style="primary")
         self.buttons = {p: w.Button(description=label) for label, p in self.PHASE_BUTTONS}

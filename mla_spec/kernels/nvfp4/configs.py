@@ -17,9 +17,11 @@ token bucket (``M_BUCKETS``). :func:`parse_variant` reads a name, a kind then to
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 __all__ = ["GemvConfig", "NVFP4MmaConfig", "CudaMmaConfig", "MoeGemvConfig", "PINNED_CONFIGS",
            "PINNED_CUDA", "PINNED_CUDA_REFUSED", "M_BUCKETS", "m_bucket", "parse_variant",
@@ -78,65 +80,29 @@ class MoeGemvConfig:
 
 M_BUCKETS = (1, 2, 4, 8, 16, 64, 128, 512)
 
-# H200 winners (docs/bench_nvfp4.md): "mmab" 2026-11-29, `python3 benchmarks/sweep_nvfp4.py`;
-# "gemv" 2026-11-29 / 2026-11-30, `python3 benchmarks/sweep_gemv.py`.
-PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
-    (9216, 7168, 1): "gemv bn8 s1 w2 st1 g64 h2 pf",
-    (9216, 7168, 2): "gemv bn8 s1 w2 st1 g64 h2 pf",
-    (9216, 7168, 4): "mmab bm16 bn128 bk256 w4 st3 s4",
-    (9216, 7168, 8): "mmab bm16 bn128 bk256 w4 st3 s4",
-    (9216, 7168, 16): "mmab bm16 bn128 bk256 w4 st3 s4",
-    (9216, 7168, 64): "mmab bm64 bn128 bk128 w4 st3 s4",
-    (9216, 7168, 128): "mmab bm128 bn128 bk128 w4 st4 s4",
-    (9216, 7168, 512): "mmab bm128 bn64 bk128 w4 st4 s1",
-    (7168, 4608, 1): "gemv bn8 s1 w2 st1 g64 h2 pf",
-    (7168, 4608, 2): "gemv bn8 s1 w2 st1 g64 h2",
-    (7168, 4608, 4): "mmab bm16 bn64 bk128 w4 st4 s4",
-    (7168, 4608, 8): "mmab bm16 bn64 bk128 w4 st4 s4",
-    (7168, 4608, 16): "mmab bm16 bn64 bk128 w4 st4 s4",
-    (7168, 4608, 64): "mmab bm64 bn64 bk128 w4 st4 s4",
-    (7168, 4608, 128): "mmab bm128 bn128 bk128 w8 st3 s4",
-    (7168, 4608, 512): "mmab bm128 bn128 bk64 w4 st4 s2",
-    (1024, 7168, 1): "gemv bn4 s4 w1 st1 g64 h2 pf",
-    (1024, 7168, 2): "gemv bn8 s8 w2 st1 g32 h2 pf",
-    (1024, 7168, 4): "mmab bm16 bn64 bk128 w4 st4 s8",
-    (1024, 7168, 8): "mmab bm16 bn64 bk128 w4 st4 s8",
-    (1024, 7168, 16): "mmab bm16 bn64 bk128 w4 st4 s8",
-    (1024, 7168, 64): "mmab bm64 bn64 bk128 w4 st4 s8",
-    (1024, 7168, 128): "mmab bm128 bn64 bk128 w4 st4 s8",
-    (1024, 7168, 512): "mmab bm128 bn128 bk64 w4 st4 s8",
-    (7168, 512, 1): "gemv bn4 s1 w1 st1 g32 h2 pf",
-    (7168, 512, 2): "gemv bn8 s1 w2 st1 g32 h2 pf",
-    (7168, 512, 4): "mmab bm16 bn64 bk128 w4 st4 s1",
-    (7168, 512, 8): "mmab bm16 bn64 bk128 w4 st4 s1",
-    (7168, 512, 16): "mmab bm16 bn64 bk128 w4 st4 s1",
-    (7168, 512, 64): "mmab bm64 bn64 bk128 w4 st4 s1",
-    (7168, 512, 128): "mmab bm128 bn64 bk128 w4 st4 s1",
-    (7168, 512, 512): "mmab bm128 bn256 bk128 w8 st3 s1",
-}
+# H200 winners (docs/bench_nvfp4.md) in ``mla_spec/data/nvfp4_pinned_h200.json``, with the date
+# and sweep command of each table: "NxK" -> token bucket -> variant name.
+_PINNED = json.loads((Path(__file__).resolve().parents[2] / "data" / "nvfp4_pinned_h200.json")
+                     .read_text())
 
-# Where the mma.sync kernel beat the entry above (2026-11-30, `python3
-# benchmarks/sweep_nvfp4_cuda.py`); ``nvfp4_gemm`` takes these first where the kernel runs.
+
+def _shape(name: str) -> tuple[int, int]:
+    n, k = name.split("x")
+    return int(n), int(k)
+
+
+#: Triton configs: "mmab" (``sweep_nvfp4.py``) and "gemv" (``sweep_gemv.py``) winners
+PINNED_CONFIGS: dict[tuple[int, int, int], str] = {
+    (*_shape(nk), int(m)): v for nk, per_m in _PINNED["triton"]["pinned"].items()
+    for m, v in per_m.items()}
+#: where the mma.sync kernel beat the entry above (``sweep_nvfp4_cuda.py``); ``nvfp4_gemm`` takes
+#: these first where the kernel runs
 PINNED_CUDA: dict[tuple[int, int, int], str] = {
-    (9216, 7168, 2): "cuda w8 st4 s1",
-    (9216, 7168, 4): "cuda w8 st4 s1",
-    (9216, 7168, 8): "cuda w4 st8 s1",
-    (7168, 4608, 1): "cuda w8 st4 s1 r2",
-    (7168, 4608, 2): "cuda w8 st4 s1 r2",
-    (7168, 4608, 4): "cuda w8 st4 s1 r2",
-    (7168, 4608, 8): "cuda w8 st4 s1 r2",
-    (7168, 4608, 16): "cuda w8 st4 s1 r2 xl",
-    (1024, 7168, 4): "cuda w4 st4 s16 xl",
-    (1024, 7168, 8): "cuda w4 st4 s16 xl",
-    (7168, 512, 1): "cuda w4 st4 s1 xl",
-    (7168, 512, 2): "cuda w4 st4 s1 xl",
-    (7168, 512, 4): "cuda w4 st4 s1 xl",
-    (7168, 512, 8): "cuda w4 st8 s1 r2",
-    (7168, 512, 16): "cuda w4 st4 s1 xl",
-}
-# Where the same sweep kept the Triton entry (cuda slower or within 2%).
-PINNED_CUDA_REFUSED = frozenset({(9216, 7168, 1), (9216, 7168, 16), (1024, 7168, 1),
-                                 (1024, 7168, 2), (1024, 7168, 16)})
+    (*_shape(nk), int(m)): v for nk, per_m in _PINNED["cuda"]["pinned"].items()
+    for m, v in per_m.items()}
+#: where the same sweep kept the Triton entry (cuda slower or within 2%)
+PINNED_CUDA_REFUSED = frozenset((*_shape(nk), m) for nk, ms in _PINNED["cuda"]["refused"].items()
+                                for m in ms)
 
 _FIELDS = {"bm": "block_m", "bn": "block_n", "bk": "block_k", "st": "num_stages", "s": "split_k",
            "w": "num_warps", "g": "groups", "r": "row_tiles"}

@@ -87,9 +87,7 @@ def _decode(wb, s8, OUT_F32: tl.constexpr, FAST: tl.constexpr):
 
 def ptx_decoder_ok(device: torch.device, interp: bool) -> bool:
     """Whether the packed PTX decoder (``mul.rn.bf16x2``: sm_90+) may run on ``device``."""
-    if interp or device.type != "cuda":
-        return False
-    return cuda_capability(device) >= (9, 0)
+    return not interp and device.type == "cuda" and cuda_capability(device) >= (9, 0)
 
 
 @triton.jit
@@ -197,9 +195,7 @@ def auto_config(m: int, n: int, k: int) -> GemvConfig | NVFP4MmaConfig:
     hit = pinned_config(m, n, k)
     if hit is not None:
         return hit
-    if m <= PACKED_GEMV_MAX_M:
-        return packed_gemv_config(m, n, k)
-    return default_mma_config(m, n, k)
+    return packed_gemv_config(m, n, k) if m <= PACKED_GEMV_MAX_M else default_mma_config(m, n, k)
 
 
 def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

@@ -12,11 +12,7 @@ import torch
 
 from mla_spec.device import sm_count
 from mla_spec.kernels import options
-from mla_spec.kernels.launch.cuda_driver import (
-    CudaKernel,
-    arrival_counters,
-    cuda_kernels_available,
-)
+from mla_spec.kernels.launch.cuda_driver import CudaKernel, arrival_counters, cuda_kernels_available
 from mla_spec.kernels.launch.pdl import pdl_on
 from mla_spec.kernels.nvfp4.configs import (
     PINNED_CUDA,

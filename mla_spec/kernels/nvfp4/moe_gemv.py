@@ -12,13 +12,7 @@ import triton.language as tl
 
 from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs
 from mla_spec.kernels.nvfp4.configs import MoeGemvConfig
-from mla_spec.kernels.nvfp4.gemv import (
-    block_dot16,
-    dot_unit,
-    gemv_counters,
-    packed_ok,
-    split_k_for,
-)
+from mla_spec.kernels.nvfp4.gemv import block_dot16, dot_unit, gemv_counters, packed_ok, split_k_for
 from mla_spec.kernels.nvfp4.gemv_packed import (
     PACKED_UNIT,
     dot16_packed,

@@ -17,13 +17,10 @@ __all__ = ["store_kv", "store_kv_ref"]
 
 
 @triton.jit
-def _store_kv_kernel(
-    buf_ptr, loc_ptr, ckv_ptr, kpe_ptr, inv_scale,
-    stride_buf, stride_ckv, stride_kpe,
-    D_CKV: tl.constexpr, D_KPE: tl.constexpr,
-    BLOCK_CKV: tl.constexpr, BLOCK_KPE: tl.constexpr,
-    IS_FP8: tl.constexpr, PREQUANT: tl.constexpr, USE_GDC: tl.constexpr,
-):
+def _store_kv_kernel(buf_ptr, loc_ptr, ckv_ptr, kpe_ptr, inv_scale, stride_buf, stride_ckv,
+                     stride_kpe, D_CKV: tl.constexpr, D_KPE: tl.constexpr,
+                     BLOCK_CKV: tl.constexpr, BLOCK_KPE: tl.constexpr, IS_FP8: tl.constexpr,
+                     PREQUANT: tl.constexpr, USE_GDC: tl.constexpr):
     gdc_enter(USE_GDC)
     t = tl.program_id(0)
     slot = tl.load(loc_ptr + t).to(tl.int64)
@@ -102,10 +99,9 @@ def store_kv_ref(buf: torch.Tensor, loc: torch.Tensor, ckv: torch.Tensor, kpe: t
     n = loc.numel()
     if n == 0:
         return
-    row = torch.cat([ckv.reshape(n, -1), kpe.reshape(n, -1)], dim=-1)
     keep = loc >= 0
     idx = loc[keep].to(torch.int64)
-    row = row[keep]
+    row = torch.cat([ckv.reshape(n, -1), kpe.reshape(n, -1)], dim=-1)[keep]
     if buf.dtype == FP8_DTYPE:
         q = (row.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8_DTYPE)
         buf.view(torch.uint8).index_copy_(0, idx, q.view(torch.uint8))

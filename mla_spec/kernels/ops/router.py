@@ -154,11 +154,8 @@ class GateConfig:
 
 
 #: Per padded token count: 2026-11-29, ``python3 benchmarks/bench_router.py``
-GATE_CONFIGS: dict[int, GateConfig] = {
-    1: GateConfig(1, 8192, 8),
-    2: GateConfig(1, 8192, 16),
-    4: GateConfig(1, 8192, 8),
-}
+GATE_CONFIGS: dict[int, GateConfig] = {1: GateConfig(1, 8192, 8), 2: GateConfig(1, 8192, 16),
+                                       4: GateConfig(1, 8192, 8)}
 
 
 def gate_config(n: int, num_experts: int, hidden: int) -> GateConfig:
@@ -223,12 +220,9 @@ def route_tokens(router_logits: torch.Tensor, bias: torch.Tensor | None, *, top_
                  routed_scaling_factor: float, scoring_func: str = "sigmoid"
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Grouped top-k routing of ``router_logits [N, E]`` -> (weights fp32, ids int64) ``[N, k]``."""
-    if scoring_func == "sigmoid":
-        scores = router_logits.sigmoid()
-    elif scoring_func == "softmax":
-        scores = router_logits.softmax(dim=-1)
-    else:
+    if scoring_func not in ("sigmoid", "softmax"):
         raise ValueError(f"scoring_func {scoring_func!r}: supported 'sigmoid', 'softmax'")
+    scores = router_logits.sigmoid() if scoring_func == "sigmoid" else router_logits.softmax(-1)
     n, e = scores.shape
     choice = scores if bias is None else scores + bias.float()
     if n_group > 1:
