@@ -63,6 +63,9 @@ def _add_engine_flags(p: argparse.ArgumentParser, *, tp: int, spec: str, kv: str
                         "max(300, 10x))")
     p.add_argument("--no-check-finite", action="store_true",
                    help="skip the NaN / inf scan of the checkpoint at load")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant forwards: at TP 1 speculation gives plain greedy's "
+                        "tokens exactly, on the GPU too (slower)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +182,7 @@ def _engine(args, model: Path, spec, dev):
                   attention_backend=args.attention_backend, device=dev,
                   cuda_graph=False if args.no_cuda_graph or dev.type == "cpu" else None,
                   max_context_len=args.max_context_len, timeout_s=args.timeout_s,
-                  check_finite=not args.no_check_finite)
+                  check_finite=not args.no_check_finite, deterministic=args.deterministic)
 
 
 # ---- commands -----------------------------------------------------------------------------------

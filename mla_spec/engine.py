@@ -68,7 +68,10 @@ class Engine:
     an ``MLABackend`` subclass; ``cuda_graph``: capture the decode-side modes (GPU only);
     ``runner``: a prebuilt ``ModelRunner`` (tests; TP 1 only); ``stop_token_ids`` default to the
     config's eos; ``timeout_s``: TP > 1 seconds without progress before the hung rank is named
-    (first step of each kind: max(300, 10x)); ``check_finite``: scan for NaN / inf."""
+    (first step of each kind: max(300, 10x)); ``check_finite``: scan for NaN / inf;
+    ``deterministic``: batch-invariant forwards (a row at a time through the row-mixing ops, one
+    attention kernel and one KV split for every mode), so that at TP 1 speculation (v1, v2)
+    gives greedy decoding's tokens exactly, on the GPU too; slower."""
 
     def __init__(self, model_path: str | Path | None = None, tp_size: int = 1,
                  spec: SpecConfig | None = None, cache: CacheConfig | None = None,
@@ -78,7 +81,8 @@ class Engine:
                  cuda_graph: bool | None = None, graph_batch_sizes: Sequence[int] | None = None,
                  runner: ModelRunner | None = None, tokenizer=None,
                  stop_token_ids: Sequence[int] | None = None,
-                 timeout_s: float | None = None, check_finite: bool = True) -> None:
+                 timeout_s: float | None = None, check_finite: bool = True,
+                 deterministic: bool = False) -> None:
         self.spec = spec if spec is not None else SpecConfig()
         self.cache = cache if cache is not None else CacheConfig()
         self.tp_size = tp_size
@@ -89,6 +93,7 @@ class Engine:
         self.first_step_timeout_s = max(300.0, 10 * self.timeout_s)
         self._warm: set[str] = set()  # step kinds run once (their first step may compile)
         self._check_finite = check_finite
+        self.deterministic = bool(deterministic)
         self._threads: int | None = None
         self.workers = None
         self._queues: list = []
@@ -97,6 +102,9 @@ class Engine:
                 raise ValueError("Engine needs model_path (a checkpoint folder) or runner=")
         elif tp_size != 1:
             raise ValueError("runner= is for single-rank engines; use model_path for tp_size > 1")
+        elif deterministic and not getattr(runner, "deterministic", False):
+            raise ValueError("deterministic=True with runner=: build the runner with "
+                             "ModelRunner.from_checkpoint(..., deterministic=True)")
         try:
             if runner is None:
                 runner = self._start(Path(model_path), tp_size, attention_backend, device, dtype,
@@ -148,7 +156,7 @@ class Engine:
             backend = get_backend_class(backend)
         kw = dict(path=path, cache=self.cache, attention_backend=backend, dtype=dtype,
                   num_pages=num_pages, max_reqs=max_reqs, max_context_len=max_context_len,
-                  check_finite=self._check_finite)
+                  check_finite=self._check_finite, deterministic=self.deterministic)
         if tp_size > 1:
             if device.type == "cpu":
                 # tp_size CPU ranks share the cores: one thread each (restored at shutdown)

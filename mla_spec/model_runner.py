@@ -19,6 +19,7 @@ from mla_spec.config import CacheConfig, ModelConfig
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.kv_cache import MLATokenToKVPool, ReqToTokenPool
 from mla_spec.metrics import ModeTimer
+from mla_spec.models.batch_invariant import batch_invariant
 
 __all__ = ["ModelRunner"]
 
@@ -44,6 +45,7 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner, attached by the engine on GPU
         self.step_graphs = None  # StepGraphs (whole decode steps and v2 rounds), likewise
         self.capturing = False  # a step graph is being captured: plain forwards, no timing
+        self.deterministic = False  # batch-invariant forwards and logits
         self.prepared: list | None = None  # a list: (which, batch) of every prepare
 
     @classmethod
@@ -52,8 +54,10 @@ class ModelRunner:
                         dtype: torch.dtype | None = None, num_pages: int = 256,
                         max_reqs: int = 64, max_context_len: int = 2048, tp_rank: int = 0,
                         tp_size: int = 1, with_draft: bool = True,
-                        check_finite: bool = True) -> ModelRunner:
-        """Load this rank's shard of a DeepSeek-V3 checkpoint (+ its MTP layer) and build pools."""
+                        check_finite: bool = True, deterministic: bool = False) -> ModelRunner:
+        """Load this rank's shard of a DeepSeek-V3 checkpoint (+ its MTP layer) and build pools.
+        ``deterministic``: batch-invariant forwards (``models.batch_invariant``) over a backend
+        built with ``deterministic=True``."""
         from mla_spec.attention import create_backend
         from mla_spec.loader import load_checkpoint
 
@@ -74,9 +78,19 @@ class ModelRunner:
             if tpool.is_fp8 and layer < n:
                 tpool.set_scales(layer, ks, vs)
         heads = cfg.num_attention_heads // tp_size
-        mk = lambda pool: create_backend(attention_backend, num_heads=heads,  # noqa: E731
-                                         softmax_scale=cfg.softmax_scale, kv_pool=pool,
-                                         req_to_token=req_pool, device=device)
+        if deterministic and attention_backend == "auto":
+            attention_backend = "triton" if device.type == "cuda" else "torch"
+        opts = {"deterministic": True} if deterministic else {}
+
+        def mk(pool):
+            try:
+                return create_backend(attention_backend, num_heads=heads, device=device,
+                                      softmax_scale=cfg.softmax_scale, kv_pool=pool,
+                                      req_to_token=req_pool, **opts)
+            except TypeError as e:
+                raise ValueError(f"deterministic mode needs an attention backend with a "
+                                 f"deterministic option (triton, torch): {e}") from e
+
         dpool = dbackend = None
         if draft is not None:
             dpool = MLATokenToKVPool(1, num_pages, cache.page_size, kv_dtype, device,
@@ -84,9 +98,11 @@ class ModelRunner:
             if dpool.is_fp8 and n in (loaded.kv_scales or {}):
                 dpool.set_scales(0, *loaded.kv_scales[n])
             dbackend = mk(dpool)
-        return cls(target, draft, target_pool=tpool, draft_pool=dpool,
-                   req_to_token_pool=req_pool, backend=mk(tpool), draft_backend=dbackend,
-                   page_size=cache.page_size, device=device, tp_rank=tp_rank, tp_size=tp_size)
+        runner = cls(target, draft, target_pool=tpool, draft_pool=dpool,
+                     req_to_token_pool=req_pool, backend=mk(tpool), draft_backend=dbackend,
+                     page_size=cache.page_size, device=device, tp_rank=tp_rank, tp_size=tp_size)
+        runner.deterministic = deterministic
+        return runner
 
     def apply_slot_updates(self, updates) -> None:
         """Write ``(row, first_page_index, pages)`` page assignments into req_to_token."""
@@ -146,17 +162,19 @@ class ModelRunner:
 
     def forward_eager(self, which: str, batch: ForwardBatch, input_ids: torch.Tensor,
                       target_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        if which == "target":
-            return self.target(input_ids, batch.positions, batch)
-        if self.draft is None:
+        if which == "draft" and self.draft is None:
             raise ValueError("this runner has no draft (MTP) model: speculation needs one")
-        return self.draft(input_ids, batch.positions, target_hidden, batch)
+        with batch_invariant(self.deterministic):
+            if which == "target":
+                return self.target(input_ids, batch.positions, batch)
+            return self.draft(input_ids, batch.positions, target_hidden, batch)
 
     def logits(self, which: str, hidden: torch.Tensor) -> torch.Tensor:
         """``[M, vocab]`` fp32 logits (identical on every rank)."""
         model = self.draft if which == "draft" and hasattr(self.draft, "compute_logits") \
             else self.target
-        return model.compute_logits(hidden)
+        with batch_invariant(self.deterministic):
+            return model.compute_logits(hidden)
 
     @property
     def has_draft(self) -> bool:

@@ -73,9 +73,16 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.T
 
 
 class TorchMLABackend(MLABackend):
-    """The oracle as a backend: any device, every mode, every KV dtype."""
+    """The oracle as a backend: any device, every mode, every KV dtype. ``deterministic``: each
+    query row alone (a one-row request over its visible KV), so a row's result does not depend
+    on the rows beside it (``Engine(deterministic=True)``)."""
 
     name = "torch"
+
+    def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
+                 deterministic: bool = False):
+        super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
+        self.deterministic = bool(deterministic)
 
     def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):
         plan = self.checked_plan(q_nope, q_pe, layer_id, batch)
@@ -84,7 +91,12 @@ class TorchMLABackend(MLABackend):
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
         kv_flat = pool.get_kv(layer_id).view(pool.num_slots, pool.kv_cache_dim)
-        res = mla_attention_ref(q_nope, q_pe, kv_flat, self.req_to_token,
-                                plan.req_pool_indices.tolist(), plan.seq_lens_q_cpu,
-                                plan.kv_lens_cpu, self.softmax_scale, k_scale, v_scale)
+        rpi, q_lens, kv_lens = plan.req_pool_indices.tolist(), plan.seq_lens_q_cpu, \
+            plan.kv_lens_cpu
+        if self.deterministic:  # row i of a request sees kv_len - q_len + i + 1 positions
+            rpi, kv_lens = ([x for x, q in zip(rpi, q_lens) for _ in range(q)],
+                            [k - q + i + 1 for q, k in zip(q_lens, kv_lens) for i in range(q)])
+            q_lens = [1] * len(rpi)
+        res = mla_attention_ref(q_nope, q_pe, kv_flat, self.req_to_token, rpi, q_lens, kv_lens,
+                                self.softmax_scale, k_scale, v_scale)
         return write_output(res, out)

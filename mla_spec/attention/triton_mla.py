@@ -41,6 +41,7 @@ from mla_spec.kernels.mla import (
 __all__ = ["TritonMLABackend"]
 
 _KERNELS = ("auto", "paged", "generic")
+_ANY_ROWS = 1 << 20  # deterministic: every shape takes the kernel of the largest class
 
 
 class TritonMLABackend(MLABackend):
@@ -58,7 +59,11 @@ class TritonMLABackend(MLABackend):
     docs/bench_mla.md, "early_kv"). Turn it on only where the layer's
     KV store writes just the step's rows (each request's last ``q_len``) and the page table and
     lengths were written at the step's start, as in a decode loop; not where a whole cache is
-    written just before the call."""
+    written just before the call. ``deterministic`` (default False): one kernel and one KV split
+    for every mode, batch and context (the class default of the largest shapes, Triton), so a
+    query row's result does not depend on the batch or mode it runs in (with the model's
+    ``batch_invariant()``, ``Engine(deterministic=True)``: speculation equals greedy decoding
+    token for token); slower at small batches and long contexts."""
 
     name = "triton"
     graph_safe = True
@@ -66,7 +71,8 @@ class TritonMLABackend(MLABackend):
     def __init__(self, num_heads, softmax_scale, kv_pool, req_to_token, device=None, *,
                  num_splits: int | None = None, fp8_dot: int = 0,
                  config: MLAKernelConfig | PagedConfig | None = None, kernel: str = "auto",
-                 e4m3_queries: bool = True, e4m3_probs: bool = True, early_kv: bool = False):
+                 e4m3_queries: bool = True, e4m3_probs: bool = True, early_kv: bool = False,
+                 deterministic: bool = False):
         super().__init__(num_heads, softmax_scale, kv_pool, req_to_token, device)
         if kernel not in _KERNELS:
             raise ValueError(f"kernel {kernel!r}: choose one of {', '.join(_KERNELS)}")
@@ -75,6 +81,7 @@ class TritonMLABackend(MLABackend):
         self.num_splits, self.fp8_dot, self.config = num_splits, fp8_dot, config
         self.e4m3_queries, self.e4m3_probs = e4m3_queries, e4m3_probs
         self.early_kv = bool(early_kv)
+        self.deterministic = bool(deterministic)
         self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
                      if self.device.type == "cuda" else 4)
         pool = kv_pool
@@ -111,14 +118,19 @@ class TritonMLABackend(MLABackend):
         # from step to step (eager steps would otherwise compile mid-run)
         ndt = batch.num_draft_tokens if batch.forward_mode == ForwardMode.DRAFT_EXTEND else None
         rows_cfg = max(rows, (ndt or 0) * self.num_heads)
+        if self.deterministic:  # the same kernel whatever the shape: the largest class's
+            rows_cfg = _ANY_ROWS
         # v1 draft extend stays ragged even when every request accepted as many tokens: the
         # fixed-q_len binary (RAGGED is a constexpr) would otherwise be compiled mid-run the
         # first time the accept lengths differ (bench_e2e's "compiles" column, bs 32)
         plan.extra["ragged"] = plan.fixed_q is None or plan.mode == ForwardMode.DRAFT_EXTEND
         if self.paged:
+            det = self.deterministic
             cfg, pinned = ((self.config, None) if self.config is not None else
                            paged_choice(rows_cfg, pool.dtype, self.device, pool.page_size,
-                                        plan.bs, plan.max_kv, fixed=not plan.extra["ragged"],
+                                        _ANY_ROWS if det else plan.bs,
+                                        None if det else plan.max_kv,
+                                        fixed=not (det or plan.extra["ragged"]),
                                         e4m3_queries=self.e4m3_queries,
                                         e4m3_probs=self.e4m3_probs))
             m_blocks = -(-rows // cfg.block_m)
@@ -128,13 +140,15 @@ class TritonMLABackend(MLABackend):
                 pool.kv_lora_rank)
             if ndt:  # ragged draft extend: always the split binary (SPLIT is a constexpr), so
                 splits = max(splits, 2)  # growing contexts never switch binaries mid-run
+            if det:  # one split: a row's KV is reduced in one order, whatever the batch
+                splits = 1
             plan.extra["paged_config"] = cfg
             plan.extra["paged_splits"] = splits
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)
-               else default_config(rows, torch.bfloat16, pool.dtype, self.device))
+               else default_config(rows_cfg, torch.bfloat16, pool.dtype, self.device))
         plan.extra["config"] = cfg
-        plan.extra["num_splits"] = self.num_splits or pick_num_splits(
-            plan.bs, -(-rows // cfg.block_m), plan.max_kv, cfg.block_n, self._sms)
+        plan.extra["num_splits"] = 1 if self.deterministic else self.num_splits or \
+            pick_num_splits(plan.bs, -(-rows // cfg.block_m), plan.max_kv, cfg.block_n, self._sms)
 
     def forward(self, q_nope, q_pe, layer_id: int, batch: ForwardBatch, *, out=None):
         plan = self.checked_plan(q_nope, q_pe, layer_id, batch)
@@ -154,9 +168,9 @@ class TritonMLABackend(MLABackend):
                 num_splits=plan.extra["paged_splits"], config=plan.extra["paged_config"],
                 early_kv=self.early_kv and not plan.extra["ragged"], **common)
             return write_output(res, out)
+        rows = _ANY_ROWS if self.deterministic else (plan.fixed_q or plan.max_q) * self.num_heads
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)
-               else default_config((plan.fixed_q or plan.max_q) * self.num_heads,
-                                   q_nope.dtype, pool.dtype, self.device))
+               else default_config(rows, q_nope.dtype, pool.dtype, self.device))
         res = mla_decode(
             q_nope, q_pe, kv_flat, self.req_to_token, plan.req_pool_indices, plan.kv_lens,
             self.softmax_scale, num_splits=plan.extra["num_splits"], fp8_dot=self.fp8_dot,

@@ -16,6 +16,7 @@ from torch import nn
 from mla_spec.distributed import tp_all_reduce
 from mla_spec.kernels.nvfp4 import nvfp4_gemm
 from mla_spec.kernels.ops import gemv_linear
+from mla_spec.models.batch_invariant import per_row
 from mla_spec.quant.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 
 __all__ = ["ReplicatedLinear", "ColumnParallelLinear", "RowParallelLinear", "NVFP4Linear",
@@ -71,8 +72,8 @@ class _TPLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized:
-            return nvfp4_linear(x, self)
-        return gemv_linear(x, self.weight)
+            return per_row(lambda r: nvfp4_linear(r, self), x)
+        return per_row(lambda r: gemv_linear(r, self.weight), x)
 
     def extra_repr(self) -> str:
         q = ", nvfp4" if self.quantized else ""

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_spec.kernels.ops import bgemv, bgemv_supported, gemv_linear
+from mla_spec.models.batch_invariant import per_row
 from mla_spec.models.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from mla_spec.models.norm import RMSNorm
 from mla_spec.models.rope import DeepseekRotaryEmbedding
@@ -170,26 +171,29 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-def _per_head_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """``x [N, H, K]`` times ``w [H, N_out, K]`` per head -> contiguous ``[N, H, N_out]`` through
-    the BF16 GEMV, or None where it does not run (the caller uses einsum)."""
-    xt = x.transpose(0, 1)  # [H, N, K]
-    if bgemv_supported(xt, w) is not None:
-        return None
-    out = torch.empty(x.shape[0], w.shape[0], w.shape[1], dtype=x.dtype, device=x.device)
-    # no PDL kernel writes kv_b_proj's weight: the GEMV may load it before the previous grid ends
-    bgemv(xt, w, out.transpose(0, 1), static_w=True)
-    return out
+def _per_head(x: torch.Tensor, w: torch.Tensor, equation: str, w_einsum: torch.Tensor
+              ) -> torch.Tensor:
+    """``x [N, H, K]`` times ``w [H, N_out, K]`` per head -> contiguous ``[N, H, N_out]``: the
+    BF16 GEMV where it runs, else ``einsum(equation, x, w_einsum)``; a row at a time inside
+    ``batch_invariant()``."""
+    def rows(xr: torch.Tensor) -> torch.Tensor:
+        xt = xr.transpose(0, 1)  # [H, N, K]
+        if bgemv_supported(xt, w) is not None:
+            return torch.einsum(equation, xr, w_einsum)
+        out = torch.empty(xr.shape[0], w.shape[0], w.shape[1], dtype=xr.dtype, device=xr.device)
+        # no PDL kernel writes kv_b_proj's weight: the GEMV may load it before the previous
+        # grid ends
+        bgemv(xt, w, out.transpose(0, 1), static_w=True)
+        return out
+    return per_row(rows, x)
 
 
 def _absorb_uk(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """``q_nope [N, H, 128] @ W_UK [H, 128, 512]`` per head -> ``[N, H, 512]``."""
-    out = _per_head_gemv(q_nope, w_uk.transpose(1, 2))
-    return out if out is not None else torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+    return _per_head(q_nope, w_uk.transpose(1, 2), "nhd,hdc->nhc", w_uk)
 
 
 def _absorb_uv(o_latent: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """``o_latent [N, H, 512]`` times ``W_UV [H, 128, 512]^T`` per head -> contiguous ``[N, H,
     128]`` (``o_proj`` reads it flattened)."""
-    out = _per_head_gemv(o_latent, w_uv)
-    return out if out is not None else torch.einsum("nhc,hvc->nhv", o_latent, w_uv)
+    return _per_head(o_latent, w_uv, "nhc,hvc->nhv", w_uv)

@@ -19,6 +19,7 @@ from torch import nn
 from mla_spec.device import use_triton
 from mla_spec.distributed import tp_all_reduce
 from mla_spec.kernels.ops import route_tokens
+from mla_spec.models.batch_invariant import per_row
 from mla_spec.models.linear import ColumnParallelLinear, RowParallelLinear
 from mla_spec.models.moe_grouped import (
     grouped_experts_forward,
@@ -257,7 +258,10 @@ class DeepseekV3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> ``[..., hidden]`` (all-reduced)."""
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
+        return per_row(self._forward_rows, x.reshape(-1, shape[-1])).view(shape)
+
+    def _forward_rows(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
         if self._use_fused(x):
             # the router writes the shared column and int32 ids itself (no cat / cast kernels)
             shared_done = self._fuse_shared() and shared_fusion_pays(x.shape[0])

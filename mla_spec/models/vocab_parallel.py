@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mla_spec.distributed import tp_all_gather, tp_all_reduce
+from mla_spec.models.batch_invariant import per_row
 
 __all__ = ["VocabParallelEmbedding", "ParallelLMHead", "lm_head_logits"]
 
@@ -69,7 +70,7 @@ class ParallelLMHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden]`` -> fp32 ``[..., vocab]`` (matmul in the weight dtype), the same bits
         on every rank."""
-        part = F.linear(hidden.to(self.weight.dtype), self.weight).float()
+        part = _rows_logits(hidden, self.weight)
         if not self.sharded:
             return part
         with torch.no_grad():  # sampling / evaluation only: training runs at TP 1
@@ -86,5 +87,9 @@ def lm_head_logits(lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     (e.g. a plain ``nn.Linear`` a benchmark shares with the MTP layer)."""
     if isinstance(lm_head, ParallelLMHead):
         return lm_head.logits(hidden)
-    w = lm_head.weight
-    return F.linear(hidden.to(w.dtype), w).float()
+    return _rows_logits(hidden, lm_head.weight)
+
+
+def _rows_logits(hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 ``hidden @ w^T`` in ``w``'s dtype (a row at a time inside ``batch_invariant()``)."""
+    return per_row(lambda h: F.linear(h.to(w.dtype), w), hidden).float()

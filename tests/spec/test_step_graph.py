@@ -6,7 +6,6 @@ graphs (``tests/test_engine.py``'s GPU tests compare graphs against eager)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mla_spec.cli import DEMO_MODEL
 from mla_spec.config import CacheConfig, SpecConfig
@@ -20,15 +19,15 @@ pytestmark = pytest.mark.skipif(not (DEMO_MODEL / "config.json").exists(),
 
 def _generate(spec: SpecConfig, bodies: bool, monkeypatch) -> tuple[list, list, int]:
     monkeypatch.setenv("MLA_SPEC_TRITON_ON_CPU", "0")  # the ops' torch twins, our attention
-    prompts = build_prompts(heldout_problems(3), k_shots=1)
+    prompts = build_prompts(heldout_problems(3), k_shots=0)
     with Engine(DEMO_MODEL, spec=spec, attention_backend="triton", device="cpu",
                 cache=CacheConfig(page_size=16, kv_dtype="fp8_e4m3"), max_reqs=8,
-                max_context_len=384, cuda_graph=False) as eng:
-        if bodies:  # buckets 1, 2, 4: three requests run in bucket 4 with one padded row
-            eng.runner.step_graphs = StepGraphs.capture(eng.runner, eng.worker, [1, 2, 4],
+                max_context_len=128, cuda_graph=False) as eng:
+        if bodies:  # three requests run in bucket 4: one padded row (scratch row 0, length 0)
+            eng.runner.step_graphs = StepGraphs.capture(eng.runner, eng.worker, [1, 4],
                                                         use_graphs=False)
             assert eng.runner.step_graphs is not None
-        res = eng.generate(prompts, max_new_tokens=10)
+        res = eng.generate(prompts, max_new_tokens=8)
         used = sum(1 for s in eng.metrics.steps for f in s.forwards
                    if f.model == "round" or (f.model == "target" and f.mode.name == "DECODE"))
         return [r.output_ids for r in res], [r.accept_lengths for r in res], used
@@ -44,20 +43,3 @@ def test_step_bodies_equal_the_plain_path(version, monkeypatch):
     assert steps_acc == plain_acc
     if version == "v2":
         assert max(a for acc in steps_acc for a in acc) > 1  # the drafts were checked for real
-
-
-def test_padded_rows_leave_live_requests_alone(monkeypatch):
-    """A bucket larger than the batch pads with scratch row 0 at length 0: the live rows'
-    results do not depend on the padding (bucket 4 vs the exact bucket 3)."""
-    monkeypatch.setenv("MLA_SPEC_TRITON_ON_CPU", "0")
-    outs = []
-    for buckets in ([4], [3]):
-        prompts = build_prompts(heldout_problems(3), k_shots=1)
-        with Engine(DEMO_MODEL, spec=SpecConfig(version="v2"), attention_backend="triton",
-                    device="cpu", cache=CacheConfig(page_size=16, kv_dtype="fp8_e4m3"),
-                    max_reqs=8, max_context_len=384, cuda_graph=False) as eng:
-            eng.runner.step_graphs = StepGraphs.capture(eng.runner, eng.worker, buckets,
-                                                        use_graphs=False)
-            outs.append([r.output_ids for r in eng.generate(prompts, max_new_tokens=6)])
-    assert outs[0] == outs[1]
-    assert torch.tensor([len(o) for o in outs[0]]).min() > 0
