@@ -5,8 +5,9 @@
 The model is the embedded tiny DeepSeek-V3 (``mla_spec/data/tiny-dsv3-fp4``), or a random tiny
 checkpoint when it is not installed (then the draft is random and accept lengths are ~1, so
 speculation can only cost time). Each configuration generates from the same few-shot prompts
-(greedy); the table lists output tokens/s, the average accept length, and the ratio to spec off at
-the same batch size (the peer here is plain greedy decoding in the same run). With ``$OUT`` set,
+(greedy); the table lists output tokens/s (median of ``--repeats`` timed generations; ``decode``:
+prefill steps left out), the average accept length, and the ratio to spec off at the same batch
+size (the peer here is plain greedy decoding in the same run). With ``$OUT`` set,
 the table is also written there as JSON and markdown.
 """
 
@@ -39,11 +40,16 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
     prompts = build_prompts(heldout_problems(bs), k_shots=2)
     with eng:
         eng.generate(prompts, max_new_tokens=8)  # warm-up at this batch size (JIT, graphs)
-        eng.metrics.reset()
         before, keys_before = kernel_binaries(), kernel_keys()
-        t0 = time.perf_counter()
-        res = eng.generate(prompts, max_new_tokens=args.max_new_tokens)
-        wall = time.perf_counter() - t0
+        walls, decode = [], []
+        for _ in range(args.repeats):  # the median of the repeats (short runs are noisy)
+            eng.metrics.reset()
+            t0 = time.perf_counter()
+            res = eng.generate(prompts, max_new_tokens=args.max_new_tokens)
+            walls.append(time.perf_counter() - t0)
+            dec = [s for s in eng.metrics.steps if s.kind != "prefill"]  # decode steps, rounds
+            decode.append(sum(s.new_tokens for s in dec) / max(sum(s.seconds for s in dec), 1e-9))
+        wall, dec_tps = sorted(walls)[len(walls) // 2], sorted(decode)[len(decode) // 2]
         grew = new_compiles(before)
         keys_after = kernel_keys() if grew else {}
         for name in grew:  # what the new binaries were specialized for (why they compiled)
@@ -52,8 +58,6 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
             for key in sorted(keys_before.get(name, set()))[:2]:
                 print(f"  (earlier binary: {key[:700]})", flush=True)
     n = sum(len(r.output_ids) for r in res)
-    dec = [s for s in eng.metrics.steps if s.kind != "prefill"]  # decode steps / spec rounds
-    dec_tps = sum(s.new_tokens for s in dec) / max(sum(s.seconds for s in dec), 1e-9)
     graphs = eng.runner.graphs
     return {"spec": spec.version if spec.enabled else "off", "bs": bs, "tokens": n,
             "seconds": wall, "tokens_per_s": n / wall, "decode_tokens_per_s": dec_tps,
@@ -69,6 +73,7 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--batch-sizes", default="1,32")
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3, help="timed generations (median)")
     ap.add_argument("--kv-dtype", default="fp8_e4m3")
     ap.add_argument("--attention-backend", default=None)
     args = ap.parse_args()

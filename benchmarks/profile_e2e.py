@@ -1,12 +1,15 @@
 """Where a speculative round's time goes, and where spec and spec off part ways (GPU or CPU).
 
     python benchmarks/profile_e2e.py [--device cuda] [--batch-sizes 1,32] [--max-new-tokens 64]
-        [--specs off,v2] [--deterministic] [--top 18]
+        [--specs off,v2] [--deterministic] [--top 18] [--kernels 25] [--no-margins]
 
 Per (spec, batch size), on the embedded model with the FP8 cache and the triton backend (CUDA
 graphs on a GPU): decode-only tokens/s (prefill steps left out), ms per step, the GPU ms of its
 forwards (CUDA events around each forward: graph replays and eager ones), the host ms left over,
-and the host functions that cost most (cProfile over one more generation, ``--top`` rows).
+and the host functions that cost most (cProfile over one more generation, ``--top`` rows); on a
+GPU also the µs per replay of every captured graph of the batch's bucket, back to back (the
+GPU's own time per forward and per whole step), and with ``--kernels`` the top kernels of the
+step graphs (torch.profiler).
 
 Then the divergence table: for each batch size and spec, how many sequences differ from spec
 off's, the first differing output index, the two tokens, and the top-1 minus top-2 logit margin
@@ -63,6 +66,7 @@ def profile_one(spec: SpecConfig, bs: int, args, dev) -> dict:
         prof.enable()
         eng.generate(prompts, max_new_tokens=args.max_new_tokens)
         prof.disable()
+        graphs = graph_times(eng, bs, args.kernels) if dev.type == "cuda" else {}
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(args.top)
     name = spec.version if spec.enabled else "off"
@@ -71,11 +75,52 @@ def profile_one(spec: SpecConfig, bs: int, args, dev) -> dict:
             "step_ms": 1e3 * secs / n, "gpu_ms": 1e3 * gpu / n,
             "host_ms": 1e3 * (secs - gpu) / n, "steps": len(steps),
             "accept": eng.avg_accept_length, "fwd_ms": {k: 1e3 * v / n for k, v in by_fwd.items()},
+            "graph_us": graphs,
             "outputs": [r.output_ids for r in res], "prompts": [r.prompt_ids for r in res],
             "profile": s.getvalue()}
 
 
 @torch.no_grad()
+def _replay_us(graph, reps: int = 50) -> float:
+    graph.replay()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    a.record()
+    for _ in range(reps):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / reps
+
+
+def graph_times(eng, bs: int, kernels: int) -> dict[str, float]:
+    """µs per replay of each captured graph of this batch size's bucket, back to back (GPU time,
+    no host work between): the per-forward graphs and the whole-step graphs. With ``kernels``,
+    the profiler's top kernels inside 20 replays of the step graph."""
+    out = {}
+    run = eng.runner
+    if run.graphs is not None:
+        b = run.graphs._bucket(bs)
+        for (which, mode, gb), g in run.graphs.graphs.items():
+            if gb == b:
+                out[f"{which}:{mode.name}"] = _replay_us(g.graph)
+    if run.step_graphs is not None:
+        b = run.step_graphs._bucket(bs)
+        for (kind, gb), g in run.step_graphs.graphs.items():
+            if gb == b:
+                out[f"step:{kind}"] = _replay_us(g.graph)
+                if kernels:
+                    from torch.profiler import ProfilerActivity, profile
+
+                    with profile(activities=[ProfilerActivity.CUDA]) as p:
+                        for _ in range(20):
+                            g.graph.replay()
+                        torch.cuda.synchronize()
+                    print(f"-- step graph {kind}, bucket {gb}: kernels of 20 replays")
+                    print(p.key_averages().table(sort_by="cuda_time_total", row_limit=kernels))
+    return out
+
+
 def margins(rows: list[dict], dev) -> list[str]:
     from mla_spec.model_api import load_model
 
@@ -116,6 +161,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="print the profiler's top N kernels of the step graphs")
+    ap.add_argument("--no-margins", action="store_true")
     args = ap.parse_args()
     dev = torch.device(args.device)
     rows = []
@@ -129,6 +177,8 @@ def main() -> None:
                   f", accept {r['accept']}\n   per step GPU ms by forward: "
                   + ", ".join(f"{k} {v:.3f}" for k, v in r["fwd_ms"].items()), flush=True)
             print(r["profile"], flush=True)
+            print("   graph µs per replay: " + ", ".join(f"{k} {v:.1f}"
+                                                    for k, v in r["graph_us"].items()), flush=True)
     off = {r["bs"]: r for r in rows if r["spec"] == "off"}
     print("\n| bs | spec | decode tok/s | vs off | ms/step | GPU ms/step | host ms/step | accept "
           "| same tokens |\n|---|---|---|---|---|---|---|---|---|")
@@ -137,7 +187,8 @@ def main() -> None:
         print(f"| {r['bs']} | {r['spec']} | {r['tok_s']:.1f} | {r['tok_s'] / b['tok_s']:.2f}x | "
               f"{r['step_ms']:.3f} | {r['gpu_ms']:.3f} | {r['host_ms']:.3f} | "
               f"{r['accept'] or '-'} | {r['outputs'] == b['outputs']} |")
-    print("\n".join(margins(rows, dev)))
+    if not args.no_margins:
+        print("\n".join(margins(rows, dev)))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from mla_spec.attention.torch_ref import TorchMLABackend
 from mla_spec.attention.trtllm_mla import reference_trtllm_kernel
 
 SMALL = dict(kv_lora_rank=32, qk_rope_head_dim=16)
-TOL: dict[str, float] = {}  # per backend, where its error bound differs from 1e-2
+TOL = {"flashinfer": 2e-2}  # H200 2026-12-02: FlashInfer FP8 rows at up to 1.3e-2
 
 
 @pytest.fixture
