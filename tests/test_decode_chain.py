@@ -34,15 +34,17 @@ def _in_package(filename: str) -> bool:
 def _is_kernel_launch(frame) -> bool:
     """A call that launches a kernel: ``kernel[grid](...)`` enters a Triton ``KernelInterface``
     (a JIT function, the interpreter's stand-in, an autotuner) through ``__getitem__`` / ``run``
-    / ``__call__`` (helpers such as ``triton.cdiv`` are not kernels); a hand-written CUDA kernel
-    is launched by calling its ``CudaKernel`` (GPU only)."""
-    if frame.f_code.co_name not in ("__getitem__", "run", "__call__"):
+    / ``__call__`` (helpers such as ``triton.cdiv`` are not kernels); the launchers of
+    ``kernels/launch/`` are the launch too: a hand-written CUDA kernel's ``CudaKernel`` (GPU
+    only) and the cached relauncher of a Triton kernel (``TritonLauncher.launch`` / call)."""
+    if frame.f_code.co_name not in ("__getitem__", "run", "__call__", "launch"):
         return False
     from triton.runtime.jit import KernelInterface
 
     from mla_spec.kernels.launch.cuda_driver import CudaKernel
+    from mla_spec.kernels.launch.triton_launcher import TritonLauncher
 
-    return isinstance(frame.f_locals.get("self"), (KernelInterface, CudaKernel))
+    return isinstance(frame.f_locals.get("self"), (KernelInterface, CudaKernel, TritonLauncher))
 
 
 def record_verify_chain(engine: Engine) -> list[tuple[str, int, str]]:
