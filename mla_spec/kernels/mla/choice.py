@@ -108,44 +108,29 @@ PAGED_VARIANTS: dict[str, PagedConfig] = {name: cfg for name, (_, cfg) in VARIAN
 # rows = q_len * H: "r32" (<= 32) | "r128" (<= 128) | "big"; batch: "b1" (<= 2) | "b48" | "big".
 # 2026-11-29 (b1) and 2026-11-30, `python3 benchmarks/sweep_mla.py`.
 PAGED_DEFAULTS: dict[tuple[str, str, str], str] = {
-    ("bf16", "r32", "b1"): "S16",
-    ("bf16", "r32", "b48"): "W|S16",
-    ("bf16", "r32", "big"): "W|S32w4",
-    ("bf16", "r128", "b1"): "S16",
-    ("bf16", "r128", "b48"): "WR|C",
-    ("bf16", "r128", "big"): "WR|C",
-    ("bf16", "big", "b1"): "C",
-    ("bf16", "big", "b48"): "WR|C",
-    ("bf16", "big", "big"): "WR|C",
-    ("fp8", "r32", "b1"): "G4",
-    ("fp8", "r32", "b48"): "WE8|WE2|W|CF",
-    ("fp8", "r32", "big"): "WE8|WE2|W|CF",
-    ("fp8", "r128", "b1"): "CF",
-    ("fp8", "r128", "b48"): "WR|CF",
-    ("fp8", "r128", "big"): "WR|CF",
-    ("fp8", "big", "b1"): "C",
-    ("fp8", "big", "b48"): "WR|CF",
-    ("fp8", "big", "big"): "WR|CF",
+    (kv, rows, batch): choice for (kv, rows), row in {
+        #                batch "b1"  "b48"            "big"
+        ("bf16", "r32"): ("S16", "W|S16", "W|S32w4"),
+        ("bf16", "r128"): ("S16", "WR|C", "WR|C"),
+        ("bf16", "big"): ("C", "WR|C", "WR|C"),
+        ("fp8", "r32"): ("G4", "WE8|WE2|W|CF", "WE8|WE2|W|CF"),
+        ("fp8", "r128"): ("CF", "WR|CF", "WR|CF"),
+        ("fp8", "big"): ("C", "WR|CF", "WR|CF"),
+    }.items() for batch, choice in zip(("b1", "b48", "big"), row)
 }
 
 # Per-context winners where they differ from the class's: (kv, rows, batch, context) -> choice;
 # context: "c2k" (longest KV <= 2048) | "c8k" (<= 8192) | "long". Batch 1; 2026-11-30, same sweep.
 PAGED_CONTEXT_DEFAULTS: dict[tuple[str, str, str, str], str] = {
-    ("bf16", "r128", "b1", "long"): "WR/sp64|CF",
-    ("bf16", "r128", "b1", "c8k"): "WR/sp32|S16",
-    ("fp8", "r128", "b1", "c2k"): "G4",
-    ("fp8", "r128", "b1", "c8k"): "WR/sp64|G4",
+    ("bf16", "r128", "b1", "long"): "WR/sp64|CF", ("bf16", "r128", "b1", "c8k"): "WR/sp32|S16",
+    ("fp8", "r128", "b1", "c2k"): "G4", ("fp8", "r128", "b1", "c8k"): "WR/sp64|G4",
     ("fp8", "r128", "b1", "long"): "WR/sp64|CF",
-    ("bf16", "r32", "b1", "c8k"): "S16/sp64",
-    ("bf16", "r32", "b1", "long"): "W/sp128|K/sp128",
+    ("bf16", "r32", "b1", "c8k"): "S16/sp64", ("bf16", "r32", "b1", "long"): "W/sp128|K/sp128",
     ("fp8", "r32", "b1", "long"): "WE8/sp128|WE2/sp128|W/sp128|G4",
-    ("fp8", "r32", "b1", "c8k"): "WE8/sp32|G4",
-    ("fp8", "r32", "b1", "c2k"): "WE8|G4",
-    ("bf16", "big", "b1", "long"): "WR/sp16|C",
-    ("bf16", "big", "b1", "c8k"): "WR/sp16|C",
+    ("fp8", "r32", "b1", "c8k"): "WE8/sp32|G4", ("fp8", "r32", "b1", "c2k"): "WE8|G4",
+    ("bf16", "big", "b1", "long"): "WR/sp16|C", ("bf16", "big", "b1", "c8k"): "WR/sp16|C",
     ("bf16", "big", "b1", "c2k"): "WR|C",
-    ("fp8", "big", "b1", "long"): "WR/sp16|CF",
-    ("fp8", "big", "b1", "c8k"): "WR/sp16|C",
+    ("fp8", "big", "b1", "long"): "WR/sp16|CF", ("fp8", "big", "b1", "c8k"): "WR/sp16|C",
     ("fp8", "big", "b1", "c2k"): "WR|C",
 }
 
