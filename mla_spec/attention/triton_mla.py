@@ -126,16 +126,20 @@ class TritonMLABackend(MLABackend):
         plan.extra["ragged"] = plan.fixed_q is None or plan.mode == ForwardMode.DRAFT_EXTEND
         if self.paged:
             det = self.deterministic
+            # v1 draft extend: variant and splits by the most rows and the longest context a
+            # request can have, so its binaries (the combine's too) stay the same as contexts grow
+            stable = ndt is not None
+            kv = self.req_to_token.shape[1] if stable else plan.max_kv
             cfg, pinned = ((self.config, None) if self.config is not None else
                            paged_choice(rows_cfg, pool.dtype, self.device, pool.page_size,
                                         _ANY_ROWS if det else plan.bs,
-                                        None if det else plan.max_kv,
+                                        None if det or stable else plan.max_kv,
                                         fixed=not (det or plan.extra["ragged"]),
                                         e4m3_queries=self.e4m3_queries,
                                         e4m3_probs=self.e4m3_probs))
-            m_blocks = -(-rows // cfg.block_m)
+            r = rows_cfg if stable else rows
             splits = self.num_splits or pinned or splits_for(
-                cfg, plan.bs, m_blocks, plan.max_kv, rows,
+                cfg, plan.bs, -(-r // cfg.block_m), kv, r,
                 pool.kv_cache_dim * pool.kv_buffer[0].element_size(), self._sms,
                 pool.kv_lora_rank)
             if ndt:  # ragged draft extend: always the split binary (SPLIT is a constexpr), so

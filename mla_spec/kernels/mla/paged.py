@@ -108,9 +108,10 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
         max_kv = int(kv_lens.max()) if bs else 0
     if q_len is None and max_q is None and qo_indptr is not None:
         max_q = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if bs else 0
+    decided = config is not None and num_splits is not None  # max_kv then decides nothing
     key = (_signature((q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
-                       qo_indptr, out)), page_size, q_len, max_q, max_kv, num_splits,
-           return_lse, config, num_sms, early_kv)
+                       qo_indptr, out)), page_size, q_len, max_q, None if decided else max_kv,
+           num_splits, return_lse, config, num_sms, early_kv)
     call = _CALLS.get(key)
     if call is None:
         call = _plan(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
