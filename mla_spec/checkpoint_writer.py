@@ -4,8 +4,6 @@
 :func:`random_state_dict` makes random weights that keep activations O(1) through depth.
 """
 
-from __future__ import annotations
-
 import json
 import re
 from collections.abc import Mapping
@@ -58,16 +56,6 @@ def _init_tensor(name: str, shape: torch.Size, g: torch.Generator) -> torch.Tens
     return torch.randn(shape, generator=g) / fan_in**0.5
 
 
-def _build_fp32(cfg: ModelConfig):
-    from mla_spec.models.deepseek_v3 import DeepseekV3ForCausalLM
-    from mla_spec.models.mtp import DeepseekV3MTP
-
-    with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
-        mtp = DeepseekV3MTP(cfg, dtype=torch.float32) if cfg.num_nextn_predict_layers else None
-    return model, mtp
-
-
 def export_state_dict(model, mtp=None) -> dict[str, torch.Tensor]:
     """Checkpoint-named tensors of a TP-1 target model and its MTP layer (at
     ``model.layers.{num_hidden_layers}.*``, with copies of the shared embedding and head)."""
@@ -88,7 +76,11 @@ def export_state_dict(model, mtp=None) -> dict[str, torch.Tensor]:
 def random_state_dict(cfg: ModelConfig, seed: int = 0, *, mtp: bool = True
                       ) -> dict[str, torch.Tensor]:
     """Full (TP 1) fp32 state dict with checkpoint names and O(1)-scale random weights."""
-    model, mtp_mod = _build_fp32(cfg)
+    from mla_spec.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from mla_spec.models.mtp import DeepseekV3MTP
+    with torch.device("meta"):  # names and shapes only
+        model = DeepseekV3ForCausalLM(cfg, dtype=torch.float32)
+        mtp_mod = DeepseekV3MTP(cfg, dtype=torch.float32) if cfg.num_nextn_predict_layers else None
     names = export_state_dict(model, mtp_mod if mtp else None)
     g = torch.Generator().manual_seed(seed)
     sd = {n: _init_tensor(n, t.shape, g) for n, t in sorted(names.items())}
@@ -109,7 +101,6 @@ def default_exclude_modules(cfg: ModelConfig) -> list[str]:
 def _quantize_all(sd: Mapping[str, torch.Tensor], qcfg: QuantConfig, dtype: torch.dtype
                   ) -> dict[str, torch.Tensor]:
     from mla_spec.models.linear import quantize_weight
-
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
         m = LINEAR_RE.fullmatch(name)
@@ -150,7 +141,6 @@ def calibrate_kv_scales(model, mtp, input_ids: torch.Tensor) -> dict[int, tuple[
     """Per-layer FP8 KV scales ``amax / 448`` of the cached ``[ckv | k_pe]`` rows over
     ``forward_train(input_ids)`` (target and MTP); ``{layer: (k_scale, v_scale)}``, equal."""
     from mla_spec.quant.fp8 import FP8_E4M3_MAX
-
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"calibrate_kv_scales needs input_ids [B, T] with B, T >= 1, got "
                          f"{tuple(input_ids.shape)}")

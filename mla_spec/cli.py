@@ -10,8 +10,6 @@ forward mode. Exit codes: 1 if a request ended in error, 2 for refused flags, 13
 At TP > 1 a rank that dies or hangs for --timeout-s ends the run with one line naming it.
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import os
@@ -29,7 +27,6 @@ _KV = ("auto", "bfloat16", "float16", "float32", "fp8_e4m3")
 
 def _attention_backend(spec: str) -> str:
     from mla_spec.attention import get_backend_class
-
     try:
         if spec != "auto":
             get_backend_class(spec)
@@ -93,13 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-# ---- validation ---------------------------------------------------------------------------------
 def _spec_config(args, ap):
     from mla_spec.config import SpecConfig
-
     if args.spec == "off":
         return SpecConfig.off()
-    ndt = args.num_draft_tokens if args.num_draft_tokens is not None else args.num_steps + 1
+    ndt = args.num_steps + 1 if args.num_draft_tokens is None else args.num_draft_tokens
     try:
         return SpecConfig(num_steps=args.num_steps, num_draft_tokens=ndt, version=args.spec)
     except ValueError as e:
@@ -136,7 +131,6 @@ def _device(args, ap) -> torch.device:
 def _check(args, ap, model: Path, spec) -> torch.device:
     """Refuse impossible combinations before any process starts."""
     from mla_spec.config import ModelConfig
-
     dev = _device(args, ap)
     if not (model / "config.json").exists():
         ap.error(f"--model {model}: no config.json there (a DeepSeek-V3 checkpoint folder)")
@@ -160,7 +154,6 @@ def _check(args, ap, model: Path, spec) -> torch.device:
         ap.error(f"--attention-backend trtllm needs --page-size 32 or 64 (got {args.page_size})")
     if args.attention_backend != "auto":
         from mla_spec.attention import backends_for_device
-
         reasons = backends_for_device(dev)
         why = reasons.get(args.attention_backend)
         if why is not None:
@@ -173,7 +166,6 @@ def _check(args, ap, model: Path, spec) -> torch.device:
 def _engine(args, model: Path, spec, dev):
     from mla_spec.config import CacheConfig
     from mla_spec.engine import Engine
-
     # A command-line run is disposable: if a rank dies and rank 0 stays blocked in the GPU
     # (NCCL cannot abort a communicator that captured CUDA graphs hold), exit 15 s later.
     os.environ.setdefault("MLA_SPEC_HARD_EXIT_S", "15")
@@ -185,13 +177,11 @@ def _engine(args, model: Path, spec, dev):
                   check_finite=not args.no_check_finite, deterministic=args.deterministic)
 
 
-# ---- commands -----------------------------------------------------------------------------------
 def random_demo_checkpoint(path: str | Path) -> Path:
     """A random tiny checkpoint (NVFP4 layout) with the task's tokenizer: the demo's stand-in
     until the embedded model is installed. Its answers are noise; the pipeline is the real one."""
     from mla_spec.checkpoint_writer import random_state_dict, save_checkpoint, tiny_config
     from mla_spec.eval import build_tokenizer, format_qa, train_problems
-
     tok = build_tokenizer([format_qa(p) for p in train_problems(300)], vocab_size=256)
     cfg = tiny_config(vocab_size=256)
     path = save_checkpoint(random_state_dict(cfg, seed=0), cfg, path, quantize=True)
@@ -204,23 +194,17 @@ def demo_report(engine, report) -> dict:
     m = engine.metrics
     return {
         "model": str(engine.model_path) if getattr(engine, "model_path", None) else None,
-        "tp_size": engine.tp_size,
-        "spec": engine.spec.version if engine.spec.enabled else "off",
-        "kv_dtype": engine.cache.kv_dtype,
-        "num_questions": report.num_questions,
-        "accuracy": report.accuracy,
-        "invalid": report.invalid,
-        "avg_accept_length": m.avg_accept_length,
-        "output_tokens": m.generated_tokens,
-        "tokens_per_s": m.tokens_per_s,
-        "wall_seconds": m.wall_seconds,
+        "tp_size": engine.tp_size, "spec": engine.spec.version if engine.spec.enabled else "off",
+        "kv_dtype": engine.cache.kv_dtype, "num_questions": report.num_questions,
+        "accuracy": report.accuracy, "invalid": report.invalid,
+        "avg_accept_length": m.avg_accept_length, "output_tokens": m.generated_tokens,
+        "tokens_per_s": m.tokens_per_s, "wall_seconds": m.wall_seconds,
         "modes": m.mode_table(),
     }
 
 
 def format_demo_report(rep: dict) -> str:
     from mla_spec.metrics import format_mode_table
-
     acc = rep["avg_accept_length"]
     lines = [
         f"model {rep['model']}  tp {rep['tp_size']}  spec {rep['spec']}  kv {rep['kv_dtype']}",
@@ -245,7 +229,6 @@ def _error_lines(errors: list[dict], n: int) -> list[str]:
 
 def _demo(args, ap) -> int:
     from mla_spec.eval import heldout_problems, run_eval
-
     _check_numbers(args, ap)
     spec = _spec_config(args, ap)
     tmp = None
@@ -313,7 +296,6 @@ def _memory_plan(args, ap) -> int:
     from dataclasses import asdict
 
     from mla_spec.memory_plan import memory_plan
-
     if args.kv_dtype == "auto":
         args.kv_dtype = "fp8_e4m3"
     try:
@@ -333,7 +315,6 @@ def _memory_plan(args, ap) -> int:
 def main(argv: list[str] | None = None) -> int:
     from mla_spec.loader import CheckpointError
     from mla_spec.runtime.workers import RankFailedError
-
     ap = build_parser()
     args = ap.parse_args(argv)
     run = {"demo": _demo, "generate": _generate}.get(args.command, _memory_plan)

@@ -9,8 +9,6 @@ counts collectives so a hung rank can be named. Process management: :mod:`mla_sp
 Imports nothing from the package.
 """
 
-from __future__ import annotations
-
 import os
 from datetime import timedelta
 

@@ -9,11 +9,11 @@ Rank 0, in the caller's process::
       -> one device-to-host copy of the results   new tokens, accept lengths
       -> stop checks, metrics (StepRecord)        eos, stop strings, max_new_tokens
 
-Ranks 1..N-1 (:mod:`mla_spec.runtime.tp_worker`) run the same plans, so collectives pair up.
-Failures: a malformed request is refused when added (:mod:`mla_spec.request_checks`); at TP 1 a
-step that raises fails only the requests it can blame (:meth:`Scheduler.step_failed`) and
-serving goes on; at TP > 1 the engine shuts down and raises ``RankFailedError`` naming the rank
-that died or hung (``docs/architecture.md``). Greedy only; speculation is lossless.
+Ranks 1..N-1 (:mod:`mla_spec.runtime.tp_worker`) run the same plans, so collectives pair up. A
+malformed request is refused when added (:mod:`mla_spec.request_checks`); a step that raises
+fails at TP 1 only the requests it can blame (:meth:`Scheduler.step_failed`), at TP > 1 shuts the
+engine down with ``RankFailedError`` naming the rank that died or hung (docs/architecture.md).
+Greedy only; speculation is lossless.
 """
 
 from __future__ import annotations
@@ -117,7 +117,6 @@ class Engine:
             self.shutdown()
             raise
 
-    # ---- setup -------------------------------------------------------------------------------
     def _setup(self, runner, max_running, max_prefill_tokens, tokenizer, model_path,
                stop_token_ids, cuda_graph, graph_batch_sizes) -> None:
         self.runner = runner
@@ -174,14 +173,12 @@ class Engine:
         return ModelRunner.from_checkpoint(**kw, device=device, tp_rank=0, tp_size=tp_size,
                                            with_draft=self.spec.enabled)
 
-    # ---- requests ----------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         return prompt_token_ids(prompt, self.tokenizer, None, None, 1)  # not checked for range
 
     def decode_text(self, ids: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        tok = self.tokenizer
+        return "" if tok is None else tok.decode(list(ids), skip_special_tokens=True)
 
     def add_request(self, prompt: str | Sequence[int], max_new_tokens: int = 64,
                     stop: str | Sequence[str] | None = None) -> Req:
@@ -190,9 +187,8 @@ class Engine:
         max_new_tokens, stop = _check_max_new(max_new_tokens), check_stop(stop)
         ids = prompt_token_ids(prompt, self.tokenizer, self._vocab_size, self._max_positions,
                                max_new_tokens)
-        req = self.scheduler.add(ids, max_new_tokens, stop=stop,
-                                 stop_token_ids=self.stop_token_ids)
-        return req
+        return self.scheduler.add(ids, max_new_tokens, stop=stop,
+                                  stop_token_ids=self.stop_token_ids)
 
     def generate(self, prompts, max_new_tokens: int = 64, stop: str | Sequence[str] | None = None,
                  progress: bool = False) -> list[Result]:
@@ -201,8 +197,7 @@ class Engine:
         A refused prompt ends ``"abort"`` with ``error`` saying why; a request whose step
         failed ends ``"error"``. An exception leaving this call leaves none of them queued."""
         max_new_tokens, stop = _check_max_new(max_new_tokens), check_stop(stop)
-        single = isinstance(prompts, str) or (
-            len(prompts) > 0 and isinstance(prompts[0], int))
+        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
         reqs: list[Req] = []
         for p in prompts:
@@ -214,7 +209,10 @@ class Engine:
                 with contextlib.suppress(RequestRejectedError):
                     ids = self.encode(p)
                 reqs.append(Req(-1, ids, max_new_tokens, finished_reason="abort", error=str(e)))
-        bar = _progress(len(reqs)) if progress else None
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(reqs), desc="requests", unit="req")
         t0 = time.perf_counter()
         done = sum(r.finished for r in reqs)
         try:
@@ -239,7 +237,6 @@ class Engine:
         return Result(r.rid, r.prompt_ids, list(r.output_ids), r.text, r.finished_reason,
                       r.error, list(r.metrics.accept_lengths), r.metrics)
 
-    # ---- one step ----------------------------------------------------------------------------
     def step(self, plan: StepPlan | None = None) -> StepRecord | None:
         """Schedule and run one step (or run ``plan``, as ``mla_spec.pipeline`` does for a phase).
         On failure: at TP 1 see :meth:`Scheduler.step_failed` (an ``"error"`` record); at TP > 1 the
@@ -321,7 +318,6 @@ class Engine:
         by_row = {r.req_pool_idx: r for r in self.scheduler.running}
         return [by_row[i] for i in plan.req_pool_indices]
 
-    # ---- reports -----------------------------------------------------------------------------
     @property
     def avg_accept_length(self) -> float | None:
         return self.metrics.avg_accept_length
@@ -354,12 +350,5 @@ def _load_tokenizer(model_path):
     if p is None or not p.exists():
         return None
     from tokenizers import Tokenizer
-
     return Tokenizer.from_file(str(p))
-
-
-def _progress(total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="requests", unit="req")
 

@@ -16,9 +16,8 @@ DRAFT_EXTEND_V2     ``num_draft_tokens``   prefix + ndt                    = seq
 IDLE                0                      empty                           empty
 ==================  =====================  ==============================  ==============
 
-``accept_length`` always counts the bonus token: ``1..num_draft_tokens``. The builders
-(``decode``, ``extend``, ``target_verify``, ``draft_extend``, ``draft_extend_v2``, ``idle``) take
-Python lists, validate them, and derive the rest.
+``accept_length`` counts the bonus token (``1..num_draft_tokens``). The builders (``decode``,
+``extend``, ...) take Python lists, validate them and derive the rest.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@ at commit d98b81e26): ``TARGET_VERIFY`` counts as extend; ``DRAFT_EXTEND_V2`` do
 asked; ``SPLIT_PREFILL`` is not ``is_extend()`` but is ``is_extend_or_draft_extend_or_mixed()``.
 """
 
-from __future__ import annotations
-
 from enum import IntEnum, auto
 from functools import total_ordering
 

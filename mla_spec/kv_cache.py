@@ -9,8 +9,6 @@ Page tables: ``block_tables`` (-1 fill) and FlashInfer's ``kv_indptr`` / ``kv_in
 ``kv_last_page_len``.
 """
 
-from __future__ import annotations
-
 import math
 import re
 from collections.abc import Mapping, Sequence

@@ -1,15 +1,11 @@
 """Load DeepSeek-V3 checkpoints (NVIDIA's NVFP4 ModelOpt layout, or BF16) onto a TP rank.
 
-A folder holds ``config.json``, optionally ``hf_quant_config.json``, and ``model.safetensors``
-or indexed shards. Names are the target's ``state_dict()`` keys; the MTP layer is
-``model.layers.{num_hidden_layers}.*`` (its ``embed_tokens`` / ``shared_head.head`` copies are
-skipped); FP8 KV scales go to ``kv_scales``. Each rank reads only its shard along the
-``tp_shard_dims`` of each module. Every problem raises :class:`CheckpointError` naming the tensor
-and file (missing, unexpected, mis-shaped, corrupt, unusable config, bad scales; with
-``check_finite`` NaN / inf, one sync per tensor).
+A folder holds ``config.json``, optionally ``hf_quant_config.json``, and ``model.safetensors`` or
+indexed shards named as the target's ``state_dict()``; the MTP layer is ``model.layers.{L}.*``
+(its embedding / head copies skipped); FP8 KV scales go to ``kv_scales``. A rank reads its shard
+along each module's ``tp_shard_dims``. Any problem raises :class:`CheckpointError` naming tensor
+and file (``check_finite``: NaN / inf too, one sync per tensor).
 """
-
-from __future__ import annotations
 
 import json
 import math
@@ -271,7 +267,6 @@ def load_checkpoint(path: str | Path, *, tp_rank: int = 0, tp_size: int = 1,
     defaults to bf16 on CUDA, fp32 on CPU; ``check_finite`` also scans for NaN / inf."""
     from mla_spec.models.deepseek_v3 import DeepseekV3ForCausalLM
     from mla_spec.models.mtp import DeepseekV3MTP
-
     cfg, qcfg = read_configs(path)
     files = CheckpointFiles(path)
     device = torch.device(device or "cpu")

@@ -5,8 +5,6 @@ MLPs and experts, the rest bf16, split over TP where the model splits). The late
 replicated: tokens = ``(mem_fraction * gpu_memory - weights) / kv_bytes_per_token``.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from mla_spec.config import ModelConfig

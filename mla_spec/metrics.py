@@ -5,8 +5,6 @@ resolved only where the engine syncs anyway. Accept length counts accepted draft
 bonus token (``1..num_draft_tokens``).
 """
 
-from __future__ import annotations
-
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -161,12 +159,9 @@ class EngineMetrics:
     def mode_table(self) -> list[dict]:
         """Per (model, mode): forward count, rows, total and mean milliseconds, share of time."""
         agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])
-        for s in self.steps:
-            for f in s.forwards:
-                a = agg[(f.model, f.mode.name)]
-                a[0] += 1
-                a[1] += f.rows
-                a[2] += f.seconds
+        for f in (f for s in self.steps for f in s.forwards):
+            c, r, t = agg[(f.model, f.mode.name)]
+            agg[(f.model, f.mode.name)] = [c + 1, r + f.rows, t + f.seconds]
         total = sum(v[2] for v in agg.values()) or 1.0
         return [{"model": m, "mode": mode, "count": int(c), "rows": int(r), "total_ms": t * 1e3,
                  "mean_ms": t * 1e3 / c, "share": t / total}

@@ -4,8 +4,6 @@
 quickest way to check a checkpoint or compare backends and KV dtypes without the engine.
 """
 
-from __future__ import annotations
-
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +26,6 @@ def prefill_forward(model, input_ids: torch.Tensor, *, kv_dtype: torch.dtype | N
     ``input_ids [B, T]`` -> hidden ``[B, T, hidden]``."""
     from mla_spec.attention import create_backend
     from mla_spec.kv_cache import MLATokenToKVPool, ReqToTokenPool, assign_request_slots
-
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"input_ids must be a non-empty [B, T] tensor, got "
                          f"{tuple(input_ids.shape)}")
@@ -94,7 +91,6 @@ def load_model(path: str | Path, *, device=None, dtype: torch.dtype | None = Non
     available, ``dtype`` to bf16 on CUDA and fp32 on CPU; ``kv_dtype`` "auto" is the model's."""
     from mla_spec.device import default_device
     from mla_spec.loader import load_checkpoint
-
     dev = torch.device(device) if device is not None else default_device()
     if dtype is None:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

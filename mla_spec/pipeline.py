@@ -1,19 +1,14 @@
 """PipelineStepper: the serving pipeline one phase at a time (notebook 06's panel drives it).
 
-A step of the engine is a prefill, a plain DECODE (spec off) or one speculative round. The
-stepper runs a round as four phases: ``draft`` (the MTP layer's DECODEs; the verify batch, and
-v2's draft-extend batch, are planned right after), ``verify`` (TARGET_VERIFY; greedy accept runs
-on the device), ``accept`` (host only: the stepper copies the accept lengths to show them) and
-``draft_extend``. The forward phases are the code ``Engine.step`` runs in one go
-(``EagleWorker.round_draft`` / ``round_verify`` / ``round_draft_extend``): rank 0 sends each to
-ranks 1..N-1 as a plan of that kind, so between phases every rank waits on its plan queue, not
-inside a collective, and a reader may pause as long as they like. A round's last phase, a
-prefill and a plain decode go through ``Engine.step(plan)``, which commits the tokens (eos, stop
-strings, ``max_new_tokens``) and records the step: outputs and metrics equal
-``Engine.generate``'s. To show a round, the stepper copies its drafts, the verify's argmax and
-the accept lengths to the host after their phases (``Engine.step`` copies results once a round).
-The ranks live until :meth:`PipelineStepper.close`, the stepper's garbage collection or the
-interpreter's exit (a ``weakref.finalize``).
+An engine step is a prefill, a plain DECODE (spec off) or one speculative round, which the
+stepper runs as four phases: ``draft`` (the MTP DECODEs; the verify and v2 draft-extend batches
+are planned right after), ``verify`` (TARGET_VERIFY, greedy accept on the device), ``accept``
+(host only: the accept lengths copied to show them) and ``draft_extend``. The forward phases are
+``Engine.step``'s code (``EagleWorker.round_*``), sent to ranks 1..N-1 as plans of that kind, so
+between phases every rank waits on its queue, not in a collective. A round's last phase, a prefill
+and a decode go through ``Engine.step(plan)``, which commits tokens and records the step: outputs
+and metrics equal ``Engine.generate``'s. The ranks live until :meth:`PipelineStepper.close`, the
+stepper's collection or the interpreter's exit (``weakref.finalize``).
 """
 
 from __future__ import annotations
@@ -52,18 +47,13 @@ class PhaseRecord:
 
 
 class PipelineStepper:
-    """An :class:`~mla_spec.engine.Engine` with ``prompts`` queued, stepped phase by phase.
-
-    ``engine_kw`` go to ``Engine`` (``tp_size``, ``spec``, ``cache``, ``attention_backend``,
-    ``device``, ``runner`` ...); ``model_path`` defaults to the embedded model.
-    :attr:`next_phase` names what :meth:`step` runs next; asking for it schedules the next step
-    (its KV pages are given then).
-    """
+    """An :class:`~mla_spec.engine.Engine` (``engine_kw``; ``model_path`` default: the embedded
+    model) with ``prompts`` queued, stepped phase by phase. :attr:`next_phase` names what
+    :meth:`step` runs next; asking for it schedules the next step (and gives its KV pages)."""
 
     def __init__(self, prompts: Sequence[str | Sequence[int]], model_path=None, *,
                  max_new_tokens: int = 24, stop: Sequence[str] | None = None, **engine_kw):
         from mla_spec.data import EMBEDDED_MODEL
-
         self.attention_backend = engine_kw.get("attention_backend", "auto")
         if model_path is None and engine_kw.get("runner") is None:
             model_path = EMBEDDED_MODEL

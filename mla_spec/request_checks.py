@@ -6,8 +6,6 @@ added (:class:`RequestRejectedError`). :func:`commit_tokens` ends a request on e
 ``max_new_tokens`` or a stop string.
 """
 
-from __future__ import annotations
-
 import numbers
 import operator
 import time

@@ -1,22 +1,17 @@
 """Host-side scheduling: requests, KV page bookkeeping, admission, preemption, step plans.
 
-Tokens: a running request has ``all_ids = prompt + output``; its first ``kv_len = L`` tokens
-have target KV and the last, ``verified_id = t_L``, has none yet. A step writes KV at positions
-``L .. L + rows - 1``, ``rows = 1`` (DECODE) or ``num_draft_tokens`` (TARGET_VERIFY; the draft
-writes inside that window, in its own pool at the same slots).
+Tokens: of a running request's ``all_ids = prompt + output`` the first ``kv_len = L`` have target
+KV, the last (``verified_id``) none yet. A step writes KV at ``L .. L + rows - 1``, ``rows`` 1
+(DECODE) or ``num_draft_tokens`` (TARGET_VERIFY; the draft writes there too, in its own pool).
 
-Pages: page 0 and request row 0 are reserved scratch (CUDA-graph padding). Before each decode
-step :meth:`Scheduler.schedule` gives every running request the pages it will write; when the
-pool runs dry the most recently admitted request is preempted (pages freed, tokens kept,
-recomputed by a prefill later). A request that could never fit is rejected at
-:meth:`Scheduler.add`. A page belongs to exactly one request until it frees it.
-
+Pages: page 0 and request row 0 are scratch (CUDA-graph padding). Each decode step first gives
+every running request the pages it will write; when the pool runs dry the latest admitted request
+is preempted (pages freed, tokens kept, recomputed by a prefill later). A request that could
+never fit is rejected at :meth:`Scheduler.add`. A page belongs to one request until freed.
 Failed steps (:meth:`Scheduler.step_failed`): a lone request is blamed (``"error"``); several
-go back to the queue as *suspects*, each run alone until one solo step succeeds.
-:meth:`Scheduler.schedule` returns a picklable :class:`StepPlan`, the message sent to all ranks.
+are requeued as *suspects*, each run alone until one solo step succeeds. ``schedule`` returns a
+picklable :class:`StepPlan`, the message sent to all ranks.
 """
-
-from __future__ import annotations
 
 import time
 from collections import deque

@@ -9,18 +9,15 @@ flashinfer  ``flashinfer.mla.BatchMLAPagedAttentionWrapper``     CUDA SM80 / SM9
 trtllm      ``flashinfer.decode.trtllm_batch_decode_with_kv_c…`` CUDA SM100 (kernel injectable)
 =========== ==================================================== ============================
 
-``create_backend("auto", ...)`` picks by device: SM100+ -> trtllm, SM80/SM90 -> triton, CPU ->
-torch (the Triton interpreter is only used when "triton" is asked for explicitly), and logs why.
-Asking for a backend the device cannot run raises an error naming those that can. Backend modules
-are imported lazily, so ``import mla_spec`` never imports FlashInfer.
+``create_backend("auto", ...)`` picks by device (SM100+ trtllm, SM80/SM90 triton, CPU torch: the
+Triton interpreter only when asked for) and logs why; a backend the device cannot run is refused,
+naming those that can. Modules are imported lazily (``import mla_spec`` never imports FlashInfer).
 
 A new backend (the contract: :class:`MLABackend`'s docstring) is registered by name with
 :func:`register_backend` (also a decorator), or named ``"module.path:ClassName"`` (imported and
 registered on first use: how the command line reaches one), or passed as the class itself.
 ``mla_spec.attention.conformance.check_backend`` scores it against the oracle in every mode.
 """
-
-from __future__ import annotations
 
 import importlib
 import inspect
@@ -120,16 +117,9 @@ def create_backend(name: str | type[MLABackend] = "auto", *, num_heads: int,
                    **kwargs) -> MLABackend:
     """Build an attention backend: "auto", a registered name ("torch" | "triton" | "flashinfer" |
     "trtllm" | yours), ``"module.path:ClassName"`` or an :class:`MLABackend` subclass.
-
-    Parameters
-    ----------
-    num_heads : local query heads (128 / tp)
-    softmax_scale : ``1/sqrt(192) * mscale**2`` (``ModelConfig.softmax_scale``)
-    kv_pool : ``MLATokenToKVPool``
-    req_to_token : ``ReqToTokenPool`` or its ``[max_reqs, max_ctx]`` int32 tensor
-    device : defaults to the pool's device
-    kwargs : backend-specific options (e.g. ``kernel=`` for trtllm, ``num_splits=`` for triton)
-    """
+    ``num_heads``: local query heads (128 / tp); ``softmax_scale``: ``ModelConfig.softmax_scale``
+    (``1/sqrt(192) * mscale**2``); ``req_to_token``: a ``ReqToTokenPool`` or its int32 tensor;
+    ``device``: default the pool's; ``kwargs``: backend options (trtllm ``kernel=``, ...)."""
     dev = torch.device(device) if device is not None else kv_pool.device
     if name == "auto":
         name, why = resolve_auto(dev)

@@ -16,12 +16,9 @@ Life cycle, per step::
     pool.store(layer_id, batch.out_cache_loc, ckv, kpe)   # the model writes the new rows
     out = backend.forward(q_nope, q_pe, layer_id, batch)  # [N, H, 512] in q_nope's dtype
 
-Each backend implements ``forward`` itself (``checked_plan``, its kernel, ``write_output``), so
-the model reaches the kernel through one frame of the backend's module; the base class is a
-library of helpers, not a dispatcher. The contract: :class:`MLABackend`'s docstring.
+Each backend implements ``forward`` itself (one frame from the model to its kernel); the base
+class is a library of helpers, not a dispatcher. The contract: :class:`MLABackend`'s docstring.
 """
-
-from __future__ import annotations
 
 import copyreg
 import sys
@@ -106,7 +103,6 @@ def _reduce_backend_class(cls):
     if obj is cls and cls.__module__ != "__main__":
         return cls.__qualname__  # pickle's own by-reference form
     import cloudpickle
-
     return cloudpickle.loads, (cloudpickle.dumps(cls),)
 
 
@@ -120,18 +116,15 @@ class MLABackend(metaclass=_BackendMeta):
 
     * ``__init__(num_heads, softmax_scale, kv_pool, req_to_token, device=None, **options)``:
       call ``super().__init__`` first. ``num_heads`` is the rank's share (128 / TP).
-    * ``plan(batch)``: host work once per step, before layer 0 (host lengths: no device sync).
-      ``common_plan(batch)`` gives an :class:`AttnPlan`; store it in ``batch.extra[self.name]``
-      and return it. Rows per request by mode (``plan.seq_lens_q_cpu``, ``fixed_q``): DECODE 1;
-      TARGET_VERIFY and DRAFT_EXTEND_V2 ``num_draft_tokens`` (v2 keeps all rows, padded past the
-      accept length); DRAFT_EXTEND (v1) the accept lengths, ragged; EXTEND / MIXED the new
-      tokens, ragged, 0 allowed; IDLE none. ``kv_lens`` count the new rows too.
+    * ``plan(batch)``: host work once per step, before layer 0 (no device sync): the
+      :class:`AttnPlan` of ``common_plan(batch)``, stored in ``batch.extra[self.name]`` and
+      returned. Rows per request by mode: ``ForwardBatch``'s table (v2 keeps all
+      ``num_draft_tokens`` rows; ragged modes allow 0); ``kv_lens`` count the new rows too.
     * ``forward(q_nope, q_pe, layer_id, batch, *, out=None)``: ``q_nope [N, H, 512]`` (times
       W_UK), ``q_pe [N, H, 64]`` (roped), one dtype (bf16 / fp16 / fp32), rows request after
       request (``plan.qo_indptr``); the layer's new KV rows are already in the pool. Returns
-      ``[N, H, 512]`` in ``q_nope.dtype`` (into ``out`` when given), never writes the pool. Row
-      ``i`` of a request sees positions ``j < kv_len - q_len + i + 1``. Move one:
-      ``checked_plan`` (None for IDLE: return ``empty_output``); last move: ``write_output``.
+      ``[N, H, 512]`` in ``q_nope.dtype`` (into ``out`` when given), never writes the pool. Move
+      one: ``checked_plan`` (None for IDLE: return ``empty_output``); last: ``write_output``.
     * The pool: ``kv_pool.get_kv(layer_id)`` is ``[pages, page_size, 576]`` rows ``[ckv 512 |
       kpe 64]``, slot ``page * page_size + offset``, ``req_to_token[req, pos]`` a position's
       slot. With an FP8 pool the row holds e4m3 values ``s``; the key is ``s * k_scale``, the
@@ -163,7 +156,6 @@ class MLABackend(metaclass=_BackendMeta):
         if reason is not None:
             raise UnsupportedError(f"backend {self.name!r} cannot run on {self.device}: {reason}")
 
-    # ---- capability ------------------------------------------------------------------------
     @classmethod
     def device_reason(cls, device: torch.device) -> str | None:
         """None if this backend can run on ``device`` at all, else why not."""
@@ -193,13 +185,11 @@ class MLABackend(metaclass=_BackendMeta):
             return None
         return self.mode_reason(mode)
 
-    # ---- plan --------------------------------------------------------------------------------
     def common_plan(self, batch: ForwardBatch) -> AttnPlan:
         """The metadata every backend needs for this step (validated; not stored)."""
         if batch.req_pool_indices is None and not batch.forward_mode.is_idle():
             raise ValueError("batch.req_pool_indices is required (rows of req_to_token)")
-        q_cpu = list(batch.seq_lens_q_cpu)
-        kv_cpu = list(batch.kv_lens_cpu)
+        q_cpu, kv_cpu = list(batch.seq_lens_q_cpu), list(batch.kv_lens_cpu)
         for b, (q, k) in enumerate(zip(q_cpu, kv_cpu)):
             if q > k:
                 raise ValueError(f"request {b}: {q} query rows but only {k} KV positions")
@@ -222,24 +212,20 @@ class MLABackend(metaclass=_BackendMeta):
         )
 
     def plan(self, batch: ForwardBatch) -> AttnPlan:
-        """Host-side metadata for this step; stored in ``batch.extra[self.name]``. Backends with
-        host work of their own override this: ``common_plan``, their extras (not for IDLE),
-        then store the plan."""
+        """Host-side metadata for this step, stored in ``batch.extra[self.name]`` (an override:
+        ``common_plan``, its extras (not for IDLE), then store)."""
         plan = self.common_plan(batch)
         batch.extra[self.name] = plan
         return plan
 
-    # ---- run ---------------------------------------------------------------------------------
     def checked_plan(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
                      batch: ForwardBatch) -> AttnPlan | None:
-        """The first move of ``forward``: check one layer's queries against the batch and this
-        backend (host metadata only, no device sync) and return the batch's plan (planned now if
-        this backend has not planned it), or None when the batch has no query rows (IDLE)."""
+        """``forward``'s first move: check the queries against the batch and this backend (no
+        device sync); the batch's plan (planned now if need be), or None when it has no rows."""
         mode = batch.forward_mode
         if mode.is_idle() or batch.total_q == 0:
             return None
-        H, dv = self.num_heads, self.kv_pool.kv_lora_rank
-        n = batch.total_q
+        H, dv, n = self.num_heads, self.kv_pool.kv_lora_rank, batch.total_q
         _check_queries(q_nope, q_pe, layer_id, self.kv_pool)
         exp_pe = (n, H, self.kv_pool.qk_rope_head_dim)
         if tuple(q_nope.shape) != (n, H, dv) or tuple(q_pe.shape) != exp_pe:
@@ -262,12 +248,7 @@ class MLABackend(metaclass=_BackendMeta):
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of one layer: q_nope ``[N, H, 512]``, q_pe ``[N, H, 64]`` -> ``[N, H, 512]``
-        in ``q_nope.dtype``.
-
-        ``out`` (optional, ``[N, H, 512]``) receives the result. The new rows must already be in
-        the pool. Implementations: ``plan = self.checked_plan(...)``; ``None`` ->
-        ``self.empty_output(q_nope, out)``; else the kernel, then ``write_output(res, out)``.
-        """
+        in ``q_nope.dtype`` (into ``out`` when given); see the class docstring."""
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(name={self.name!r}, num_heads={self.num_heads}, "
@@ -277,7 +258,4 @@ class MLABackend(metaclass=_BackendMeta):
 
 def write_output(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     """``forward``'s last move: ``res``, or ``res`` copied into the caller's ``out``."""
-    if out is None:
-        return res
-    out.copy_(res)
-    return out
+    return res if out is None else out.copy_(res)

@@ -5,18 +5,14 @@ score it against the torch oracle.
     print(report)                              # one row per case: pass / FAIL / ERROR / unsupported
     assert report.ok
 
-Cases (random scenes of :mod:`mla_spec.attention.synthetic`: pages in random order, irregular
-lengths, a request with an empty prefix, one with no new rows): every forward mode, with the draft
-extend both ragged (v1, accept lengths 1..3) and padded (v2, all ``num_draft_tokens`` rows), over
-a bf16 and an FP8 KV pool (scales 0.37 / 0.61, so a misplaced scale shows). A case passes when
-``forward`` returns ``[N, H, 512]`` in the query dtype, finite, within ``tol`` of the oracle (max
-abs error over the oracle's max abs), fills ``out=`` when given, leaves the pool unchanged, and
-``plan`` stores its plan in ``batch.extra[name]``. A mode or dtype the backend declares it cannot
-run (``supports``) is "unsupported", not a failure; a backend that cannot run on the device at
-all is skipped with its reason.
+Cases (random scenes of :mod:`mla_spec.attention.synthetic`: shuffled pages, irregular lengths,
+an empty prefix, a request without new rows): every forward mode, draft extend both ragged (v1)
+and padded (v2), over a bf16 and an FP8 pool (scales 0.37 / 0.61: a misplaced scale shows). A case
+passes when ``forward`` returns a finite ``[N, H, 512]`` in the query dtype within ``tol`` of the
+oracle (max abs error / the oracle's max abs), fills ``out=``, leaves the pool unchanged, and
+``plan`` stores its plan in ``batch.extra[name]``. What ``supports`` declares it cannot run is
+"unsupported", not a failure; a backend that cannot run on the device is skipped with its reason.
 """
-
-from __future__ import annotations
 
 from dataclasses import dataclass, field
 

@@ -1,17 +1,12 @@
 """FlashInfer's ``BatchMLAPagedAttentionWrapper`` (SM80 / SM90), the peer we measure against.
 
-``plan`` builds FlashInfer's page form (``kv_indptr`` / ``kv_indices`` page ids / ``kv_len_arr``)
-from ``req_to_token`` and calls ``wrapper.plan(qo_indptr, ..., causal=True)``; FlashInfer's causal
-mask is aligned to the end of each request's KV, like ours, so every mode maps onto one ragged
-call. The cache is passed as two strided views of the pages: ``ckv [pages, page, 512]`` and
-``kpe [pages, page, 64]``. FP8 KV is passed with ``ckv_scale = kpe_scale = 1.0`` and our scales
-are applied around the call (queries times ``k_scale``, output times ``v_scale``): the same score
-up to one bf16 rounding of the scaled queries (none when ``k_scale`` is 1 or a power of two), and
-independent of FlashInfer's own scale conventions. FlashInfer is imported lazily: ``import
-mla_spec`` works without it.
+``plan`` builds FlashInfer's page form (``kv_indptr`` / ``kv_indices`` / ``kv_len_arr``) and calls
+``wrapper.plan(qo_indptr, ..., causal=True)``; its causal mask is end-aligned like ours, so every
+mode is one ragged call over two strided views of the pages (``ckv [pages, page, 512]``, ``kpe
+[pages, page, 64]``). FP8 KV goes in with unit scales and ours are applied around the call
+(queries times ``k_scale``, output times ``v_scale``): one bf16 rounding of the scaled queries
+(none for a power-of-two ``k_scale``), independent of FlashInfer's scale conventions.
 """
-
-from __future__ import annotations
 
 import torch
 
@@ -43,7 +38,6 @@ class FlashInferMLABackend(MLABackend):
         if reason is not None:
             raise UnsupportedError(f"backend 'flashinfer': {reason}")
         import flashinfer.mla
-
         self._workspace = torch.zeros(_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self.wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
             self._workspace, backend=fi_backend)

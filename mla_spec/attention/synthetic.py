@@ -1,17 +1,11 @@
 """Random paged-KV scenes for tests, notebooks and benchmarks (every forward mode).
 
-:func:`make_scene` builds what the engine would have at one attention call: a pool whose pages
-are handed to requests in *random order*, a ``req_to_token`` table, a ``ForwardBatch`` of the
-asked mode with ``req_pool_indices`` and ``out_cache_loc``, the prefix rows already in the cache,
-the new rows written with ``pool.store`` (as the model does before ``backend.forward``), and random
-absorbed queries ``q_nope [N, H, Dv]``, ``q_pe [N, H, Dpe]``.
-
-Shapes per mode, from ``prefix_lens`` and ``q_lens`` (rows per request):
-DECODE (q = 1), TARGET_VERIFY and DRAFT_EXTEND_V2 (q = ``num_draft_tokens``), DRAFT_EXTEND
-(q = accept length, ragged), EXTEND / MIXED (q = extend length, ragged, 0 allowed).
+:func:`make_scene` builds what the engine has at one attention call: a pool whose pages go to
+requests in *random order*, ``req_to_token``, a ``ForwardBatch`` of the mode (with
+``req_pool_indices``, ``out_cache_loc``), prefix and new rows stored (as the model does before
+``backend.forward``), random absorbed queries ``q_nope [N, H, Dv]``, ``q_pe [N, H, Dpe]``. Rows per
+request (``q_lens``) follow ``ForwardBatch``'s table of modes.
 """
-
-from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass

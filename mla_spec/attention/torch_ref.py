@@ -8,8 +8,6 @@ device, in every forward mode (the mode only decides the rows per request, which
 already carries).
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch
@@ -25,24 +23,13 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch.T
                       seq_lens_q: Sequence[int], kv_lens: Sequence[int], sm_scale: float,
                       k_scale: float = 1.0, v_scale: float = 1.0, *,
                       compute_dtype: torch.dtype = torch.float32, return_lse: bool = False):
-    """Reference absorbed-MLA attention over a paged cache.
-
-    Parameters
-    ----------
-    q_nope : ``[N, H, Dv]`` (Dv = kv_lora_rank), rows packed request after request
-    q_pe : ``[N, H, Dpe]``
-    kv_flat : ``[num_slots, Dv + Dpe]`` stored rows (any dtype, fp8 included)
-    req_to_token : ``[max_reqs, max_ctx]`` int slot table
-    req_pool_indices, seq_lens_q, kv_lens : per request (host sequences)
-    sm_scale, k_scale, v_scale : softmax scale and the dequant scales
-    compute_dtype : fp32 (the oracle) or fp64 (the oracle's own reference)
-    return_lse : also return ``lse [N, H]`` (natural log of the softmax denominator; -inf rows
-        with an empty window)
-
-    Returns
-    -------
-    ``[N, H, Dv]`` in ``q_nope.dtype`` (and ``lse`` fp32 if asked).
-    """
+    """Reference absorbed-MLA attention over a paged cache: ``q_nope [N, H, Dv]`` / ``q_pe [N, H,
+    Dpe]`` rows packed request after request, ``kv_flat [num_slots, Dv + Dpe]`` stored rows (any
+    dtype, fp8 included), ``req_to_token [max_reqs, max_ctx]``; per request (host sequences)
+    ``req_pool_indices``, ``seq_lens_q``, ``kv_lens``; the softmax and dequant scales;
+    ``compute_dtype`` fp32 (the oracle) or fp64 (its own reference). Returns ``[N, H, Dv]`` in
+    ``q_nope.dtype`` (and with ``return_lse`` the natural-log ``lse [N, H]`` fp32, -inf for an
+    empty window)."""
     n, h, dv = q_nope.shape
     out = torch.zeros((n, h, dv), dtype=compute_dtype, device=q_nope.device)
     lse = torch.full((n, h), float("-inf"), dtype=torch.float32, device=q_nope.device)

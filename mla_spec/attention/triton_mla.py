@@ -18,8 +18,6 @@ which can select the V-split / fused-combine variants (``kernels/mla/triton_vspl
 CUDA kernels on Hopper (``kernels/mla/sm90_*.py``).
 """
 
-from __future__ import annotations
-
 import torch
 
 from mla_spec.attention.base import AttnPlan, MLABackend, write_output
@@ -46,24 +44,16 @@ _ANY_ROWS = 1 << 20  # deterministic: every shape takes the kernel of the larges
 
 class TritonMLABackend(MLABackend):
     """Triton split-KV MLA. Options: ``kernel`` ("auto" | "paged" | "generic"), ``num_splits``
-    (None = heuristic), ``fp8_dot`` (generic kernel only: 0 / 1), ``config`` (an
-    ``MLAKernelConfig`` for the generic kernel or a ``PagedConfig`` for the paged one),
-    ``e4m3_queries`` (default True: on an FP8 cache the defaults may pick the kernels that
-    round the queries to e4m3 per row for e4m3 MMAs, as TRT-LLM-gen does; False keeps them in
-    fp16), ``e4m3_probs`` (default True: those kernels may round the softmax weights to e4m3
-    too, for e4m3 P V MMAs, as TRT-LLM-gen does; False keeps them in fp16). The errors they
-    add: ``quant.fp8.fp8_query_attention_error_bound`` and
-    ``fp8_probability_attention_error_bound``. ``early_kv`` (default False): in the fixed-row
-    modes the wgmma kernels (H200) load their first KV tile before their PDL wait, overlapping
-    the kernel ahead of them (H200, 2026-11-30, batch 1 ctx 16k-32k: 4-5.4% a call;
-    docs/bench_mla.md, "early_kv"). Turn it on only where the layer's
-    KV store writes just the step's rows (each request's last ``q_len``) and the page table and
-    lengths were written at the step's start, as in a decode loop; not where a whole cache is
-    written just before the call. ``deterministic`` (default False): one kernel and one KV split
-    for every mode, batch and context (the class default of the largest shapes, Triton), so a
-    query row's result does not depend on the batch or mode it runs in (with the model's
-    ``batch_invariant()``, ``Engine(deterministic=True)``: speculation equals greedy decoding
-    token for token); slower at small batches and long contexts."""
+    (None = heuristic), ``fp8_dot`` (generic kernel: 0 / 1), ``config`` (``MLAKernelConfig`` /
+    ``PagedConfig``); on an FP8 cache ``e4m3_queries`` / ``e4m3_probs`` (default True) let the
+    defaults round queries / softmax weights to e4m3 for e4m3 MMAs, as TRT-LLM-gen does (errors:
+    ``quant.fp8.fp8_query_attention_error_bound``, ``fp8_probability_attention_error_bound``);
+    ``early_kv`` (default False): the wgmma kernels load their first KV tile before their PDL
+    wait (docs/bench_mla.md), sound only where the step's KV store writes just the step's rows
+    and the page table and lengths were written at the step's start (a decode loop);
+    ``deterministic`` (default False): one kernel and one KV split for every mode, batch and
+    context, so a query row's result does not depend on the batch or mode it runs in
+    (``Engine(deterministic=True)``)."""
 
     name = "triton"
     graph_safe = True

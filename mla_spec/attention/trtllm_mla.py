@@ -7,21 +7,14 @@ lengths), and two static scales: ``bmm1_scale = q_scale * k_scale * sm_scale`` a
 v_scale`` (SGLang passes no bmm2_scale, so it never applies v_scale). Rows are causal, aligned to
 the end of each request's KV.
 
-Ragged modes (v1 DRAFT_EXTEND) are padded to ``max_q`` rows with
-``mla_spec.kernels.pad.pad_draft_extend_query(align="end")`` (real rows at the bottom,
-so each sees exactly its own causal window; ``align="start"``, SGLang's layout, only to measure
-what it costs) and the output is unpadded with ``unpad_draft_extend_output``. Prefill (EXTEND /
-MIXED) is not this kernel's job (SGLang runs ragged MHA over decompressed K/V there) and is
-reported unsupported.
+Ragged v1 DRAFT_EXTEND is padded to ``max_q`` rows (``pad_draft_extend_query``, ``align="end"``:
+real rows last, each sees its own causal window; ``"start"`` is SGLang's layout, kept to measure
+its cost) and unpadded after. Prefill (EXTEND / MIXED) is unsupported (SGLang runs ragged MHA).
 
-We have no Blackwell GPU. The kernel call is injectable (``kernel=``): the CPU tests pass
-:func:`reference_trtllm_kernel`, an fp32 torch implementation of the *same contract* (block tables,
-seq_lens, end-aligned causal rows, bmm1/bmm2 scales), so the plumbing around the kernel
-(block tables, padding, q cast, scales, unpadding) is tested everywhere; only the real kernel
-needs SM100.
+The kernel call is injectable (``kernel=``): the CPU tests pass :func:`reference_trtllm_kernel`,
+an fp32 torch implementation of the same contract, so everything around the kernel (block tables,
+padding, q cast, scales, unpadding) is tested without SM100.
 """
-
-from __future__ import annotations
 
 from collections.abc import Callable
 
@@ -43,11 +36,9 @@ TRTLLM_BLOCK_CONSTRAINT = 128
 def reference_trtllm_kernel(query, kv_cache, workspace_buffer, qk_nope_head_dim, kv_lora_rank,
                             qk_rope_head_dim, block_tables, seq_lens, max_seq_len,
                             out=None, bmm1_scale=1.0, bmm2_scale=1.0, **_):
-    """Torch stand-in with trtllm-gen's contract: ``query [bs, q, H, D]`` -> ``[bs, q, H, Dv]``.
-
+    """Torch stand-in with trtllm-gen's contract: ``query [bs, q, H, D]`` -> ``[bs, q, H, Dv]``;
     ``kv_cache [num_pages, 1, page_size, D]``; row ``i`` of request ``b`` sees KV positions
-    ``< seq_lens[b] - q + i + 1``; scores ``= bmm1_scale * q.k``; output ``= bmm2_scale * P V``.
-    """
+    ``< seq_lens[b] - q + i + 1``; scores ``= bmm1_scale * q.k``; output ``= bmm2_scale * P V``."""
     bs, ql, h, d = query.shape
     page = kv_cache.shape[2]
     res = torch.zeros((bs, ql, h, kv_lora_rank), dtype=torch.float32, device=query.device)
@@ -58,8 +49,8 @@ def reference_trtllm_kernel(query, kv_cache, workspace_buffer, qk_nope_head_dim,
         pages = block_tables[b, : -(-n // page)].to(torch.int64)
         kv = kv_cache[pages, 0].reshape(-1, d)[:n].float()
         s = torch.einsum("qhd,kd->qhk", query[b].float(), kv) * bmm1_scale
-        vis = torch.arange(n)[None, :].to(s.device) < (n - ql + torch.arange(ql) + 1)[:, None].to(
-            s.device)
+        vis = torch.arange(n, device=s.device)[None, :] < (
+            n - ql + torch.arange(ql, device=s.device) + 1)[:, None]
         s = s.masked_fill(~vis[:, None, :], float("-inf"))
         p = torch.softmax(s, -1).nan_to_num(0.0)
         res[b] = torch.einsum("qhk,kd->qhd", p, kv[:, :kv_lora_rank]) * bmm2_scale
@@ -72,7 +63,6 @@ def reference_trtllm_kernel(query, kv_cache, workspace_buffer, qk_nope_head_dim,
 
 def _load_trtllm_kernel() -> Callable:
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache_mla
-
     return trtllm_batch_decode_with_kv_cache_mla
 
 
@@ -153,11 +143,9 @@ class TRTLLMMLABackend(MLABackend):
             q = q.to(pool.dtype)
         ragged = plan.fixed_q is None
         if ragged:
-            # Padded rows are left as they are (fill_padding=False): each output row depends
-            # only on its own query row (static bmm1 / bmm2 scales, no reduction across rows) and
-            # the unpad drops padded rows, so their contents never reach a result. The buffer is
-            # zeroed once per shape and reused (no NaN bit patterns; graph-safe: no allocation
-            # and, with validate=False, no host sync per call; the plan checked the lengths).
+            # Padded rows stay stale (fill_padding=False): an output row depends only on its own
+            # query row and the unpad drops padded ones. The buffer, zeroed once per shape (no NaN
+            # bits), is reused: no allocation, no host sync (validate=False: the plan checked).
             query = pad_draft_extend_query(q, plan.seq_lens_q, plan.qo_indptr, plan.max_q,
                                            align=self.align, out=self._pad_buffer(plan, q),
                                            fill_padding=False, validate=False)

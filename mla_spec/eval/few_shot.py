@@ -7,13 +7,10 @@ A prompt is ``k`` solved examples followed by the question::
     Question: <shot k>\\nAnswer: <worked answer k> #### 7\\n\\n
     Question: <the question>\\nAnswer:
 
-Generation is greedy and stops at ``"Question"`` (the model starts the next example once it has
-answered). The score of a completion is the *last integer* in it after removing commas; a
-completion without an integer is invalid (scored wrong). The shots are drawn from the training
-split with a fixed seed, so every prompt of a run shares the same prefix (prefix-cache friendly).
+Greedy generation stops at ``"Question"`` (the next example). The score is the completion's *last
+integer* (commas removed); none: invalid (wrong). The shots come from the training split with a
+fixed seed, so every prompt of a run shares one prefix.
 """
-
-from __future__ import annotations
 
 import re
 from collections.abc import Sequence

@@ -1,27 +1,19 @@
 """Synthetic grade-school arithmetic word problems in GSM8K's format.
 
-The embedded tiny model cannot be scored on the real GSM8K (it is far too small to read English),
-so it is trained and scored on templated problems of the same *shape*: a short story with names,
-objects and 2-4 operations on numbers up to 999 (``+`` / ``-`` with carries and borrows,
-one-digit times two-digit ``*``, exact ``/``), often with a sentence that does not matter (a
-distractor with its own number), several wordings of each sentence, and a worked answer that
-writes each operation out and ends with GSM8K's final-answer marker::
+The embedded tiny model is far too small for real GSM8K, so it is trained and scored on templated
+problems of the same *shape*: a short story, 2-4 operations on numbers up to 999 (``+`` / ``-``
+with carries, one-digit times two-digit ``*``, exact ``/``), often a distractor sentence with its
+own number, several wordings, and a worked answer ending with GSM8K's final-answer marker::
 
     Question: Mia has 245 stickers. She buys 3 packs of stickers. Each pack has 48 stickers.
     It is 21 degrees outside. How many stickers does Mia have now?
     Answer: The packs have 3 * 48 = 144 stickers. Mia has 245 + 144 = 389 stickers now. #### 389
 
-The worked answer is a function of the question (no random wording in answers), at most
-:data:`MAX_ANSWER_TOKENS` tokens of ``mla_spec.eval.tokenizer`` (one per word, digit and
-punctuation mark), so it fits the harness's token limits with ``"\\n\\nQuestion"`` after it.
-
-Everything is generated from a seed (``random.Random``), so the sets are reproducible. The split
-is a property of the question *text*: a question belongs to the held-out split when the SHA-1 of
-its text falls in a fixed bucket (1 in ``HELDOUT_MODULUS``). The training generator drops those,
-so the held-out questions never appear in training, whatever the seeds.
+The worked answer is a function of the question, at most :data:`MAX_ANSWER_TOKENS` tokens of
+``mla_spec.eval.tokenizer``. Sets are reproducible from a seed. A question is held out when the
+SHA-1 of its text falls in one bucket of ``HELDOUT_MODULUS``; training drops those, whatever the
+seeds.
 """
-
-from __future__ import annotations
 
 import hashlib
 import random

@@ -1,19 +1,12 @@
 """``run_eval``: serve few-shot prompts through an engine (or any generate function) and score them.
 
-The same function backs ``mla-spec demo``, ``tests/test_accuracy.py`` and notebook 07:
-
-    report = run_eval(engine, heldout_problems(200), k_shots=2, name="fp4/fp8/tp4/v2")
-    print(report.pretty())
-
-``engine_or_generate_fn`` is either an object with ``generate(prompts, max_new_tokens, stop)``
-(``mla_spec.engine.Engine``) or a plain callable with that signature. Each result may be a plain
-string or an object with ``text`` (and optionally ``output_ids`` and ``accept_lengths``: the
-accept length of each verify step of that request, bonus token included). When results carry no
-accept lengths, the engine's ``avg_accept_length`` attribute or ``metrics`` is used if present.
-All questions go in one call, so the engine batches them.
+It backs ``mla-spec demo``, ``tests/test_accuracy.py`` and notebook 07:
+``print(run_eval(engine, heldout_problems(200), k_shots=2).pretty())``.
+``engine_or_generate_fn``: an object with ``generate(prompts, max_new_tokens, stop)`` (``Engine``)
+or such a callable, given all questions in one call (batched). A result is a string or has
+``text`` (optionally ``output_ids``, ``accept_lengths`` per verify, bonus token included); without
+accept lengths the engine's ``avg_accept_length`` (or its ``metrics``') is used.
 """
-
-from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence

@@ -1,12 +1,9 @@
 """The accuracy / accept-length report of one evaluation run, and a table of several.
 
-``EvalReport`` is what ``run_eval`` returns and what the CLI ``demo``, the tests and notebook 07
-print: accuracy (share of questions whose last integer equals the label), the share of invalid
-completions (no integer), SGLang's average accept length (sum over verify steps of accepted drafts
-+ 1 per request, divided by the requests verified; 1.0 without speculation), output tokens,
-wall-clock latency and tokens/s. ``predictions`` keeps the parsed answers so two runs can be
-compared answer by answer (speculation must not change greedy outputs). ``accuracy_interval``
-(Wilson) and ``accept_interval`` (a bootstrap over questions) give 95% intervals.
+``EvalReport`` (from ``run_eval``): accuracy (last integer == label), invalid share (no integer),
+SGLang's average accept length (accepted drafts + 1 per verified request; 1.0 without
+speculation), output tokens, latency, tokens/s, and the parsed ``predictions`` to compare two runs
+answer by answer. ``accuracy_interval`` (Wilson), ``accept_interval`` (bootstrap): 95% intervals.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """Accuracy, accept length and latency of the embedded model across serving configurations.
 
-A configuration is weights (``fp4``: the shipped NVFP4 checkpoint; ``bf16``: the same model with
-its weights dequantized to BF16) x KV cache (``bf16`` | ``fp8``) x tensor parallelism (1 | 4) x
-speculation (``off`` | ``v1`` | ``v2``: MTP, 3 steps, topk 1, 4 draft tokens), written as a key
-``fp4/fp8/tp1/v2``. ``pad`` ("end" | "start", v1 at TP 1 only) runs v1's ragged DRAFT_EXTEND
-through the fixed-q_len path instead (pad to ``max_q`` rows with that alignment, the trtllm
-backend with its torch stand-in kernel, unpad): key ``fp4/fp8/tp1/v1/pad-start``. ``run_config``
-serves the few-shot questions through ``mla_spec.engine.Engine`` and returns an ``EvalReport``
-whose ``extra`` holds the configuration, the per-mode latency table and per-step timings.
+A configuration, keyed ``fp4/fp8/tp1/v2``: weights (``fp4`` the shipped NVFP4 checkpoint, ``bf16``
+its dequantized twin) x KV cache (``bf16`` | ``fp8``) x TP (1 | 4) x speculation (``off`` | ``v1``
+| ``v2``: MTP, 3 steps, topk 1, 4 draft tokens). ``pad`` ("end" | "start", v1 at TP 1 only, key
+``.../v1/pad-start``) runs v1's ragged DRAFT_EXTEND padded to ``max_q`` rows through the trtllm
+backend's torch stand-in kernel. ``run_config`` serves the few-shot questions through the
+``Engine``; its ``EvalReport.extra`` holds the configuration, mode table and step timings.
 
     python -m mla_spec.eval.sweep --questions 500 --config fp4/fp8/tp1/v2 fp4/fp8/tp4/v2 \
         --out eval_cpu.json                     # (GPU or CPU; no --config: the 24-config grid)
@@ -93,7 +91,6 @@ class _FixedQDraftExtend:
 
     def __init__(self, base, align: str) -> None:
         from mla_spec.attention.trtllm_mla import TRTLLMMLABackend, reference_trtllm_kernel
-
         self.base = base
         self.fixed = TRTLLMMLABackend(base.num_heads, base.softmax_scale, base.kv_pool,
                                       base.req_to_token, base.device,
@@ -121,7 +118,6 @@ def dequantize_checkpoint(src: str | Path, dst: str | Path) -> Path:
 
     from mla_spec.checkpoint_writer import save_checkpoint
     from mla_spec.quant.nvfp4 import dequantize_nvfp4
-
     src, dst = Path(src), Path(dst)
     tensors: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -150,7 +146,6 @@ def run_config(cfg: EvalConfig, questions: list[Problem], *,
                ) -> EvalReport:
     """Serve ``questions`` with one configuration; ``extra`` holds config, modes, step times."""
     from mla_spec.engine import Engine
-
     path = model_path if cfg.weights == "fp4" else bf16_path
     if path is None:
         raise ValueError("bf16 weights need bf16_path (see dequantize_checkpoint)")
@@ -192,7 +187,6 @@ def main(argv=None) -> None:
     import datetime
     import sys
     import tempfile
-
     ap = argparse.ArgumentParser(description="accuracy / accept length / latency sweep")
     ap.add_argument("--model", type=Path, default=EMBEDDED_MODEL)
     ap.add_argument("--questions", type=int, default=64)

@@ -1,23 +1,13 @@
 """A small word-level tokenizer for the synthetic task, saved as a Hugging Face ``tokenizer.json``.
 
-Why not BPE: arithmetic is learnable only when every number is spelled digit by digit, and the
-task's vocabulary is closed (template words, names, objects), so a word-level vocabulary of a few
-hundred entries is enough and keeps the embedding and ``lm_head`` tiny.
-
-Pre-tokenization (``tokenizers`` pipeline, decoded exactly back to the text):
-
-1. newline runs are their own tokens (``"\\n"``, ``"\\n\\n"``: the blank line between shots);
-2. Metaspace: a space becomes ``"▁"`` glued to the next word (``" apples"`` -> ``"▁apples"``);
-3. each digit is its own token, the first one of a number carrying the space
-   (``" 19"`` -> ``"▁1"``, ``"9"``);
-4. ``. , ? ! : ;`` are split off words (``"apples."`` -> ``"▁apples"``, ``"."``).
-
-Special tokens: ``<bos>`` = 0 (prepended by the post-processor, as DeepSeek's tokenizer adds
-BOS), ``<eos>`` = 1, ``<pad>`` = 2, ``<unk>`` = 3, matching ``config.json``'s
-``bos_token_id`` / ``eos_token_id``.
+Not BPE: arithmetic is learnable only when numbers are spelled digit by digit, and the closed
+vocabulary (template words, names, objects) fits in a few hundred entries (a tiny ``lm_head``).
+Pre-tokenization, decoded exactly back to the text: newline runs are tokens (``"\\n\\n"`` between
+shots); a space becomes ``"▁"`` glued to the next word (Metaspace); each digit is a token, the
+first of a number carrying the space (``" 19"`` -> ``"▁1"``, ``"9"``); ``. , ? ! : ;`` are split
+off. Special tokens ``<bos>`` 0 (prepended, as DeepSeek's tokenizer does), ``<eos>`` 1, ``<pad>``
+2, ``<unk>`` 3 match ``config.json``'s ``bos_token_id`` / ``eos_token_id``.
 """
-
-from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path

@@ -13,8 +13,6 @@ tests may assign the attribute (``options.PDL = False``).
 ``EARLY_KV`` is sound only under the contract of ``mla.sm90_wgmma.launch_wgmma_mla``.
 """
 
-from __future__ import annotations
-
 from mla_spec.device import env_flag
 
 PDL = env_flag("MLA_SPEC_PDL", True)

@@ -10,14 +10,12 @@ backend (the triton backend's ``deterministic`` option: one kernel, one KV split
 enters it for ``Engine(deterministic=True)``; ranks each hold the flag of their own process.
 """
 
-from __future__ import annotations
-
 import contextlib
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["batch_invariant", "invariant_rows", "per_row"]
+__all__ = ["batch_invariant", "per_row"]
 
 _ACTIVE = [False]
 
@@ -25,17 +23,11 @@ _ACTIVE = [False]
 @contextlib.contextmanager
 def batch_invariant(enabled: bool = True):
     """Row-at-a-time row-mixing ops inside the block (nothing changes with ``enabled=False``)."""
-    prev = _ACTIVE[0]
-    _ACTIVE[0] = bool(enabled)
+    prev, _ACTIVE[0] = _ACTIVE[0], bool(enabled)
     try:
         yield
     finally:
         _ACTIVE[0] = prev
-
-
-def invariant_rows() -> bool:
-    """Whether :func:`per_row` splits rows now."""
-    return _ACTIVE[0]
 
 
 def per_row(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,6 @@ batch)`` serves packed rows with absorbed MLA and returns the hidden state after
 (what MTP consumes); ``forward_train(input_ids [B, T])`` is the dense, differentiable twin.
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 

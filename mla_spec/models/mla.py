@@ -20,8 +20,6 @@ This equals attention with ``k_nope = ckv @ W_UK^T`` and ``v = ckv @ W_UV^T``, w
 :meth:`MLAAttention.forward_train` computes (dense causal SDPA, differentiable).
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

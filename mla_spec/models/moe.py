@@ -10,8 +10,6 @@ and the top ``num_experts_per_tok`` biased scores among them are chosen; the wei
 On CUDA at inference the fused kernels run; CPU and training take the torch code.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -6,8 +6,6 @@ Expert weights become views of the stack (:func:`stack_dense_experts`); :func:`s
 notices a later ``.to()``. Timings: ``docs/bench_layer.md``.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -10,8 +10,6 @@ predicts ``t_{p+2}``::
 ``embed_tokens`` / ``lm_head`` are the target's; ``h'`` is fed back by the next draft step.
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 

@@ -4,8 +4,6 @@
 weight multiplies (bf16 parity with transformers). CUDA inference runs a fused Triton kernel.
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 

@@ -7,8 +7,6 @@ base^(-2i/dim)``, ``interp = extrap / factor``, ``m`` a linear ramp from 1 to 0 
 ``[floor(d(beta_fast)), ceil(d(beta_slow))]``, ``d(r) = dim * ln(L / (2 pi r)) / (2 ln base)``.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Mapping
 from typing import Any

@@ -5,8 +5,6 @@
 stays replicated (``sharded`` False).
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

@@ -8,8 +8,6 @@ derive a scale from ``amax`` raise ``ValueError`` on them. The interpreter's cas
 like Hopper's, so the launchers use these functions when interpreting.
 """
 
-from __future__ import annotations
-
 import math
 
 import torch

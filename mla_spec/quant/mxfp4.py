@@ -5,8 +5,6 @@ MXFP4: E2M1 with 32-element blocks and a power-of-two scale ``2**(floor(log2(ama
 Nothing in the serving path uses them.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

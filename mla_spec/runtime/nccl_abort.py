@@ -1,16 +1,12 @@
 """Unblock a rank stuck in an NCCL collective whose peer died: abort the communicators.
 
-Under NCCL a dead peer fails nothing: the survivors' kernels spin and the host thread waiting
-on them is stuck in the CUDA driver, out of reach of ``KeyboardInterrupt`` and the collective
-timeout. ``ncclCommAbort`` sets the flag the kernels poll, so the blocked call returns and the
-next collective raises. :func:`abort_nccl` tries, guarded and never raising:
-``ProcessGroupNCCL.abort()`` on the default group's backend, ``ProcessGroup.abort()``,
-``distributed_c10d._abort_process_group()`` (torch >= 2.3), then the backend's ``shutdown``.
-The abort can block (it syncs a stream), so :func:`abort_nccl_bounded` runs it on its own
-thread; :func:`release_aborted_group` unregisters the groups afterwards, bounded the same way.
+Under NCCL a dead peer fails nothing: the survivors' kernels spin, their host threads stuck in
+the CUDA driver (beyond ``KeyboardInterrupt`` and the collective timeout). ``ncclCommAbort`` sets
+the flag the kernels poll, so the call returns and the next collective raises. :func:`abort_nccl`
+tries, never raising, ``ProcessGroupNCCL.abort()``, ``ProcessGroup.abort()``,
+``_abort_process_group()``, then ``shutdown``. The abort can block (a stream sync): the
+``_bounded`` variants run it, and the later release of the groups, on a thread of their own.
 """
-
-from __future__ import annotations
 
 import logging
 import threading
@@ -23,7 +19,6 @@ log = logging.getLogger(__name__)
 def _default_group():
     try:
         import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return None
         c10d = dist.distributed_c10d
@@ -38,7 +33,6 @@ def _cuda_backend(pg):
     """The group's NCCL backend object, or None (gloo group, old torch, no CUDA)."""
     try:
         import torch
-
         return pg._get_backend(torch.device("cuda")) if hasattr(pg, "_get_backend") else None
     except Exception:  # noqa: BLE001 - a group without a CUDA backend
         return None
@@ -67,7 +61,6 @@ def abort_nccl() -> str | None:
         return "ProcessGroup.abort"
     try:
         import torch.distributed as dist
-
         c10d_abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     except Exception:  # noqa: BLE001
         c10d_abort = None
@@ -100,7 +93,6 @@ def abort_nccl_bounded(timeout_s: float = 5.0) -> str | None:
 
 def _release() -> str:
     import torch.distributed as dist
-
     if not dist.is_initialized():
         return "already released"
     c10d_abort = getattr(dist.distributed_c10d, "_abort_process_group", None)

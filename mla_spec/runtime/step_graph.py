@@ -26,7 +26,7 @@ import torch
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import CaptureHiddenMode, ForwardMode
 
-__all__ = ["StepGraphs"]
+__all__ = ["StepGraphs", "gc_paused"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,10 @@ class StepGraphs:
         fails: the engine then runs the per-forward graphs. ``use_graphs=False`` keeps the step
         bodies uncaptured (any device: the same code path, run eagerly at each replay)."""
         spec = worker.spec
-        kinds = ["round"] if spec.enabled and spec.version == "v2" else []
-        if not spec.enabled:
-            kinds = ["decode"]
-        g = cls(runner, worker, batch_sizes)
+        kinds = ["round"] if spec.version == "v2" else [] if spec.enabled else ["decode"]
         if not kinds:
             return None
+        g = cls(runner, worker, batch_sizes)
         runner.capturing = True
         try:
             for kind in kinds:
@@ -104,7 +102,7 @@ class StepGraphs:
         return out
 
     @staticmethod
-    def _slots(b: ForwardBatch) -> ForwardBatch:
+    def _slots(b: ForwardBatch) -> ForwardBatch:  # the static batch's KV slots, refreshed
         b.out_cache_loc = torch.zeros(b.total_q, dtype=torch.int64, device=b.device)
         return b
 

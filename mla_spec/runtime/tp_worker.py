@@ -5,8 +5,6 @@ Rank 0 schedules and sends every ``StepPlan`` through a queue per worker; a work
 its collectives pair with rank 0's. The transport knows nothing of plans beyond ``plan.kind``.
 """
 
-from __future__ import annotations
-
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -32,7 +30,6 @@ class RankExecutor(Protocol):
 def plan_queues(tp_size: int) -> list:
     """One (spawn-context) plan queue per worker rank 1..tp_size-1."""
     import torch.multiprocessing as mp
-
     return [mp.get_context("spawn").Queue() for _ in range(tp_size - 1)]
 
 
@@ -41,7 +38,6 @@ def start_tp_workers(queues: list, build_rank: Callable[..., RankExecutor],
     """Start ranks ``1..len(queues)`` serving :func:`serve_plans` with a picklable ``build_rank``;
     this process becomes rank 0. Returns the ``Workers`` handle."""
     from mla_spec.runtime.workers import spawn_workers
-
     # every worker gets its own queue: start them one by one through a shared list
     return spawn_workers(len(queues) + 1, _serve_rank, (queues, build_rank, tuple(args)),
                          timeout_s=timeout_s, interrupt_main=False)

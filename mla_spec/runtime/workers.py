@@ -1,18 +1,13 @@
 """Process management for tensor parallelism: start the ranks, watch them, fail fast.
 
-:func:`spawn_workers` starts ranks ``1..N-1`` as processes and makes the caller rank 0
-(:func:`mla_spec.runtime.launch.launch` instead runs every rank as a child). Each worker reports
-through a pipe before its rendezvous, so one that dies while starting is an error at once. A
-:class:`Workers` watchdog thread polls the children; while a step is armed it also names a rank
-that hangs (no progress counter moved for the step's timeout: a stopped rank or the one behind)
-and kills the workers, so pending collectives fail at once. Under NCCL it first aborts the
-communicators (:mod:`mla_spec.runtime.nccl_abort`), then interrupts the main thread.
-``hard_exit_after_s`` / ``MLA_SPEC_HARD_EXIT_S`` is a last resort for CLIs. Workers ignore
-SIGINT, leave when their parent is gone, and exit with ``os._exit`` after the multiprocessing
-finalizers. The full story: ``docs/architecture.md`` (Failures).
+:func:`spawn_workers` starts ranks ``1..N-1`` and makes the caller rank 0 (``launch.launch``
+runs every rank as a child). A worker reports through a pipe before its rendezvous, so one dying
+at start is an error at once. A watchdog thread polls the children; between :meth:`Workers.arm`
+and ``disarm`` it also names a hung rank (no progress counter moved for the timeout: a stopped
+rank or the one behind) and kills the workers, so pending collectives fail. Under NCCL it aborts
+the communicators (:mod:`~mla_spec.runtime.nccl_abort`), then interrupts the main thread. Workers
+ignore SIGINT, leave with their parent, and ``os._exit`` after the multiprocessing finalizers.
 """
-
-from __future__ import annotations
 
 import logging
 import os
@@ -60,7 +55,6 @@ def _free_port() -> int:
 def _exit_now(code: int) -> None:
     """Leave this child at once, after the multiprocessing finalizers (no teardown wait)."""
     import multiprocessing.util as mp_util
-
     try:
         mp_util._exit_function()  # what multiprocessing runs after a process target returns
     finally:
@@ -127,14 +121,10 @@ def _worker_main(rank, world_size, backend, init_method, timeout_s, worker_fn, a
 
 @dataclass
 class Workers:
-    """Ranks ``1..N-1`` running in child processes; the caller is rank 0.
-
-    A watchdog thread polls the children every 0.2 s. On a non-zero exit it records
-    :attr:`failure`, aborts NCCL communicators (:attr:`aborted` names the call) and, with
-    ``interrupt_main``, raises ``KeyboardInterrupt`` in the main thread. ``hard_exit_after_s``:
-    kill the workers and ``os._exit(1)`` if :meth:`shutdown` has not come that long after a failure
-    (CLIs and scripts only). :meth:`check` turns a failure into :class:`RankFailedError`; between
-    :meth:`arm` and :meth:`disarm` a hung rank is named too."""
+    """Ranks ``1..N-1`` in child processes, the caller rank 0, watched every 0.2 s (see the module
+    docstring): a failure is recorded in :attr:`failure` (:attr:`aborted`: the NCCL abort call
+    that worked). ``hard_exit_after_s``: kill the workers and ``os._exit(1)`` if :meth:`shutdown`
+    has not come that long after a failure (CLIs only)."""
 
     world_size: int
     backend: str
@@ -193,7 +183,6 @@ class Workers:
 
     def _watch(self, interrupt_main: bool) -> None:
         import _thread
-
         while not self._stop.wait(0.2):
             dead = [f"rank {r} died (exit code {p.exitcode})"
                     for r, p in enumerate(self.processes, 1)
@@ -248,11 +237,9 @@ class Workers:
 def spawn_workers(world_size: int, worker_fn: Callable[..., Any], args: Sequence[Any] = (), *,
                   backend: str = "auto", timeout_s: float | None = None,
                   interrupt_main: bool = True, hard_exit_after_s: float | None = None) -> Workers:
-    """Start ``worker_fn(rank, world_size, *args)`` on ranks 1..N-1; make this process rank 0.
-
-    Returns a :class:`Workers` handle (``.device``: rank 0's device), rank 0's group initialized;
-    call ``workers.shutdown()`` when done. ``hard_exit_after_s``: see :class:`Workers`; None reads
-    ``MLA_SPEC_HARD_EXIT_S`` (unset or empty: never)."""
+    """Start ``worker_fn(rank, world_size, *args)`` on ranks 1..N-1 and make this process rank 0
+    (group initialized); call ``.shutdown()`` on the returned :class:`Workers` when done.
+    ``hard_exit_after_s`` None reads ``MLA_SPEC_HARD_EXIT_S`` (unset or empty: never)."""
     if hard_exit_after_s is None and os.environ.get(HARD_EXIT_ENV, "").strip():
         hard_exit_after_s = float(os.environ[HARD_EXIT_ENV])
     if world_size < 1:

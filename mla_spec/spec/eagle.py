@@ -30,8 +30,6 @@ ranks, so the greedy decisions agree without extra communication. A round is thr
 time on every rank (``mla_spec.pipeline.PipelineStepper``) and ``spec_round`` runs in one go.
 """
 
-from __future__ import annotations
-
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass

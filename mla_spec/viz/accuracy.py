@@ -5,8 +5,6 @@ All take ``EvalReport`` objects (``mla_spec.eval``) or their ``to_dict(details=T
 the same helpers draw a live CPU run and results recorded as JSON.
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 

@@ -4,8 +4,6 @@ Every function returns a ``plotly.graph_objects.Figure`` and takes plain data (t
 by ``mla_spec`` functions), so the notebooks only call and show.
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -18,14 +16,10 @@ __all__ = ["dispatch_table", "agreement_heatmap", "latency_bars", "fp8_grid_figu
 
 
 def dispatch_table(device="cpu"):
-    """``{backend: {"device": "ok" | reason, mode name: "ok" | reason}}`` from the registry.
-
-    Mode support is the backend's own (``mode_reason``), independent of the device; the
-    ``device`` column says whether it can run here. No backend is built.
-    """
+    """``{backend: {"device": "ok" | reason, mode name: "ok" | reason}}`` from the registry (no
+    backend is built); mode support is the backend's own, whatever the device."""
     from mla_spec.attention import BACKENDS, get_backend_class
     from mla_spec.attention.synthetic import ALL_MODES
-
     dev = torch.device(device)
     table = {}
     for name in BACKENDS:
@@ -101,10 +95,7 @@ def bytes_per_token_bars(per_dtype: Mapping[str, int], title="KV bytes per token
 
 
 def read_bench_table(path=None) -> list[dict]:
-    """Rows of the recorded H200 MLA timing table (keys = the header cells of
-    ``docs/bench_mla.md``'s tables: "ours µs", "FI µs", "ours graph µs", ...; the file's
-    ``source`` field says which table each column comes from).
-
-    ``path`` None reads the copy shipped in the package (``mla_spec/data/bench_mla_h200.json``).
-    """
+    """Rows of the recorded H200 MLA timing table (keys: ``docs/bench_mla.md``'s header cells,
+    "ours µs", "FI µs", ...; its ``source`` names each column's table); ``path`` None reads
+    ``mla_spec/data/bench_mla_h200.json``."""
     return read_json(path, "bench_mla_h200.json")["rows"]

@@ -1,8 +1,6 @@
 """Figures for the forward-mode tour: the speculative loop as a timeline, the predicate truth table,
 and what each mode hands the attention kernel for one batch."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import plotly.graph_objects as go
@@ -44,11 +42,8 @@ def truth_table_figure() -> go.Figure:
 
 def spec_loop_steps(num_iterations: int = 2, num_steps: int = 3, version: str = "v2"
                     ) -> list[tuple[str, ForwardMode, str]]:
-    """The sequence of forwards of MTP speculative decoding: ``(model, mode, note)`` per step.
-
-    Prefill runs the target EXTEND, then the draft (MTP) EXTEND; each iteration then runs
-    ``num_steps - 1`` draft DECODEs, one TARGET_VERIFY, and a draft extend (v1 ragged / v2 fixed).
-    """
+    """The forwards of MTP speculative decoding, ``(model, mode, note)`` each: target and draft
+    EXTEND, then per iteration ``num_steps - 1`` draft DECODEs, a TARGET_VERIFY, a draft extend."""
     ndt = num_steps + 1
     steps = [("target", ForwardMode.EXTEND, "prompt prefill"),
              ("draft", ForwardMode.EXTEND, "draft prefill: tokens shifted left by one")]

@@ -1,23 +1,17 @@
 """Plotly figures for the recorded real-size DeepSeek-V3 layer benchmark (notebook 07).
 
-``benchmarks/bench_layer.py`` times one DeepSeek-V3 layer at TP-4 shard shapes on one H200 for
-two stacks, ``ours`` (NVFP4 W4A16 weights + Triton MLA on an FP8 KV cache) and ``base`` (BF16
-cuBLAS / grouped GEMM + FlashInfer MLA on a BF16 KV cache), and projects tokens/s per user from
-the batch-1 times. The run of 2026-11-30 is shipped as ``mla_spec/data/bench_layer_h200.json``:
+``benchmarks/bench_layer.py`` times one layer at TP-4 shard shapes on one H200 for ``ours``
+(NVFP4 W4A16 + Triton MLA, FP8 KV) and ``base`` (BF16 cuBLAS / grouped GEMM + FlashInfer MLA,
+BF16 KV) and projects tokens/s per user from the batch-1 times; the 2026-11-30 run is shipped as
+``mla_spec/data/bench_layer_h200.json``, the dict every figure takes (``load_layer_results()``):
 
-- ``rows``: one dict per (layer, mode, part, bs, ctx) with ``ours_us`` / ``base_us`` (median
-  microseconds, CUDA graph). ``part`` is ``layer`` / ``mtp`` (whole layer), ``attn``,
-  ``attn_kernel``, ``moe``, ``dense``, ``norms`` or ``lm_head``; ``ctx`` is None for the pieces
-  that do not depend on the context.
+- ``rows``: per (layer, mode, part, bs, ctx) ``ours_us`` / ``base_us`` (median µs, CUDA graph);
+  ``part``: ``layer`` / ``mtp`` (whole layer), ``attn``, ``attn_kernel``, ``moe``, ``dense``,
+  ``norms``, ``lm_head``; ``ctx`` None for the pieces that do not depend on the context.
 - ``projection``: ``{side: {"lines": {name: {"accept_length", "tok_s", "tok_s_range",
-  "step_ms", "collectives_pct", "b200_scaled_tok_s"}}}}`` with names ``no_mtp`` and
-  ``mtp_accept_<a>``; ``projection_model["sglang_ci_bars_tok_s"]`` holds SGLang's CI bars
-  (``test_bs_1_speed`` on 4 B200s: 75 tok/s without MTP, 150 with).
-
-Every figure function takes that dict (``load_layer_results()``), so the notebook only calls.
+  "step_ms", "collectives_pct", "b200_scaled_tok_s"}}}}`` (names ``no_mtp``, ``mtp_accept_<a>``);
+  ``projection_model["sglang_ci_bars_tok_s"]``: SGLang's CI bars (4 B200s: 75 / 150 tok/s).
 """
-
-from __future__ import annotations
 
 from pathlib import Path
 from typing import Any

@@ -1,7 +1,5 @@
 """Plotly figures for the NVFP4 notebook: one block's bits, format errors, GEMM speed."""
 
-from __future__ import annotations
-
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
@@ -27,13 +25,10 @@ def encode_block(block: torch.Tensor, weight_scale_2: torch.Tensor | None = None
     q = quantize_nvfp4(block.reshape(1, 16).float(), weight_scale_2)
     codes = unpack_fp4(q.weight)[0]
     scale = q.weight_scale.float().item() * q.weight_scale_2.item()
-    rows = []
-    for i in range(16):
-        c = int(codes[i])
-        rows.append(dict(i=i, value=float(block[i]), scaled=float(block[i]) / scale, code=c,
-                         bits=f"{c:04b}", decoded=float(E2M1_VALUES[c]) * scale,
-                         byte=int(q.weight[0, i // 2]), nibble="low" if i % 2 == 0 else "high"))
-    return rows
+    return [dict(i=i, value=float(block[i]), scaled=float(block[i]) / scale, code=c,
+                 bits=f"{c:04b}", decoded=float(E2M1_VALUES[c]) * scale,
+                 byte=int(q.weight[0, i // 2]), nibble="low" if i % 2 == 0 else "high")
+            for i, c in enumerate(codes.tolist())]
 
 
 def block_bits_figure(rows: list[dict], title: str = "") -> go.Figure:

@@ -1,16 +1,10 @@
 """Figures for draft-extend padding: ragged vs padded layouts, causal KV windows, the benchmark.
 
-Used by ``notebooks/02_draft_extend_padding.ipynb``. Everything takes plain lists (seq_lens_q,
-kv_lens, max_q) so the figures can be driven by widgets; the kernels themselves live in
-:mod:`mla_spec.kernels.pad`.
-
-Causal rule of a fixed-q_len kernel: row ``i`` of a ``max_q`` block with KV length ``K`` sees KV
-positions ``< K - max_q + i + 1``. A ragged request of ``L`` rows wants row ``j`` to see
-``< K - L + j + 1``. ``align="end"`` gives exactly that; ``align="start"`` gives row ``j`` only
-``< K - max_q + j + 1``: ``max_q - L`` positions of context lost.
+Notebook 02's; all take plain lists (seq_lens_q, kv_lens, max_q), so widgets can drive them.
+Row ``i`` of a fixed ``max_q`` block with KV length ``K`` sees positions ``< K - max_q + i + 1``;
+a ragged request of ``L`` rows wants row ``j`` to see ``< K - L + j + 1``: ``align="end"`` gives
+exactly that, ``align="start"`` only ``< K - max_q + j + 1`` (``max_q - L`` positions lost).
 """
-
-from __future__ import annotations
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -37,11 +31,8 @@ def padded_layout(seq_lens_q: list[int], max_q: int, align: str = "end") -> list
 
 def window_matrix(seq_lens_q: list[int], kv_lens: list[int], max_q: int,
                   align: str) -> tuple[list[list[int]], list[str]]:
-    """Per real row (packed order), the state of every KV position under ``align``.
-
-    Returns ``(matrix [total_q][max(kv_lens)], row labels)`` with cells HIDDEN / SEEN / LOST
-    (LOST = inside the row's exact ragged window but masked by the padded layout).
-    """
+    """``(matrix [total_q][max(kv_lens)], row labels)``: per real row, each KV position HIDDEN,
+    SEEN or LOST (in the exact ragged window but masked by the padded layout) under ``align``."""
     width = max(kv_lens, default=0)
     rows, labels = [], []
     for b, (length, kv) in enumerate(zip(seq_lens_q, kv_lens)):
@@ -142,7 +133,6 @@ def bench_figure(rows: list[dict] | None = None) -> go.Figure:
 def padding_explorer(num_draft_tokens: int = 4):
     """ipywidgets: batch size, accept lengths, max_q and align drive the layout + window figures."""
     import ipywidgets as widgets
-
     bs = widgets.IntSlider(value=4, min=1, max=8, description="batch size")
     max_q = widgets.IntSlider(value=num_draft_tokens, min=1, max=8, description="max_q")
     accepts = widgets.Text(value="1, 4, 2, 3", description="accept lens")

@@ -4,8 +4,6 @@ Inputs are :class:`~mla_spec.metrics.StepRecord` lists (``engine.metrics.steps``
 helpers serve notebooks 00 and 06, the CLI and the end-to-end benchmark.
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -78,7 +76,6 @@ def tokens_per_s_figure(here: Mapping[str, float], recorded: dict | None = None,
                         here_label: str = "this machine") -> go.Figure:
     """Tokens/s per spec setting: this run (left) beside the H200 record (right, bs 1 and 32)."""
     from plotly.subplots import make_subplots
-
     rec = recorded or read_recorded_e2e()
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         here_label, f"H200, recorded {rec['date']}"))

@@ -7,8 +7,6 @@ builds a batch from widgets (prompts or held-out questions, TP, spec, steps, KV 
 and steps it with one button per phase.
 """
 
-from __future__ import annotations
-
 import html
 from collections import defaultdict
 
@@ -142,7 +140,6 @@ def _rank_shapes(st: PipelineStepper, groups) -> str:
 def show_phase(st: PipelineStepper, rec=None):
     """``phase_html`` as a displayable object."""
     from IPython.display import HTML
-
     return HTML(phase_html(st, rec))
 
 
@@ -160,7 +157,6 @@ def build_stepper(prompts=None, num_questions: int = 4, tp_size: int | None = No
     example) or the first ``num_questions`` held-out questions."""
     from mla_spec.config import CacheConfig, SpecConfig
     from mla_spec.eval import STOP, build_prompts, heldout_problems
-
     questions = list(prompts) if prompts else heldout_problems(num_questions)
     sc = SpecConfig.off() if spec == "off" else SpecConfig(
         num_steps=num_steps, num_draft_tokens=num_steps + 1, version=spec)
@@ -185,7 +181,6 @@ class PipelinePanel:
         import ipywidgets as w
 
         from mla_spec.viz.attention import dispatch_table
-
         tp, tps = default_tp()
         dev = "cuda" if torch.cuda.is_available() else "cpu"
         backends = ["auto"] + [n for n, r in dispatch_table(dev).items() if r["device"] == "ok"]
@@ -282,7 +277,6 @@ class PipelinePanel:
     def refresh(self) -> None:
         """Redraw the buttons, the status line and the last phase."""
         from IPython.display import HTML, display
-
         st = self.stepper
         nxt = None if st is None else st.next_phase
         for p, b in self.buttons.items():
@@ -308,7 +302,6 @@ class PipelinePanel:
 
     def _padding(self, st: PipelineStepper) -> None:
         from mla_spec.viz.padding import layout_figure, lost_context
-
         acc, ndt = list(st.accept.values()), st.engine.spec.num_draft_tokens
         lost = lost_context(acc, ndt, self.align.value)
         print(f"v1's draft-extend rows (accept lengths {acc}) in a fixed [bs, {ndt}] block, "

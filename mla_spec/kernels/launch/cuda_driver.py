@@ -3,8 +3,6 @@ per source / arch / nvcc, cached in ``$MLA_SPEC_CACHE`` or ``~/.cache/mla_spec``
 ``cuLaunchKernelEx`` on PyTorch's current stream (graphs and PDL work). GPU only.
 """
 
-from __future__ import annotations
-
 import ctypes
 import functools
 import hashlib

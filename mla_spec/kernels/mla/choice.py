@@ -2,8 +2,6 @@
 per-shape defaults (``benchmarks/sweep_mla.py``), :func:`paged_choice` and the split heuristics.
 """
 
-from __future__ import annotations
-
 import functools
 from dataclasses import dataclass
 

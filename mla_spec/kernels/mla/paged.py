@@ -3,8 +3,7 @@
 kernel, :func:`choice.splits_for` the split count unless pinned.
 """
 
-from __future__ import annotations
-
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -58,16 +57,11 @@ def paged_supported(device: torch.device, dv: int, dpe: int, page_size: int,
     return None
 
 
-_ALLOCATOR_SET = False
-
-
-def _ensure_allocator():
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        def alloc(size: int, alignment: int, stream):
-            return torch.empty(size, dtype=torch.int8, device="cuda")
-        triton.set_allocator(alloc)
-        _ALLOCATOR_SET = True
+@functools.cache
+def _ensure_allocator() -> None:
+    """Triton's scratch allocator (the TMA kernels' descriptors), set once."""
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8,
+                                                                       device="cuda"))
 
 
 @dataclass(frozen=True)

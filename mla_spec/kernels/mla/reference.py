@@ -2,8 +2,6 @@
 visibility mask; no code shared with ``attention/torch_ref.py``) and :func:`combine_splits_ref`.
 """
 
-from __future__ import annotations
-
 import torch
 
 from mla_spec.quant.fp8 import FP8_DTYPE
@@ -33,8 +31,7 @@ def mla_decode_ref(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_len
         pos = torch.arange(max_kv, device=dev)
         valid_kv = pos[None, :] < kvl[:, None]
         r2t = req_to_token[req_pool_indices.to(req_to_token.device, torch.int64)][:, :max_kv]
-        slots = torch.where(valid_kv, r2t.to(dev, torch.int64), torch.zeros_like(r2t, device=dev,
-                                                                                  dtype=torch.int64))
+        slots = torch.where(valid_kv, r2t.to(dev, torch.int64), 0)  # int64 slots, 0 past the end
         src = kv_flat.view(torch.uint8) if kv_flat.dtype == FP8_DTYPE else kv_flat
         rows = src[slots.reshape(-1)]
         if kv_flat.dtype == FP8_DTYPE:

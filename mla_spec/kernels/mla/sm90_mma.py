@@ -3,8 +3,6 @@ and the mma.sync split-KV launcher (``K``, ``csrc/mla_splitkv_sm90.cu``; sm_90+,
 queries).
 """
 
-from __future__ import annotations
-
 import ctypes
 from dataclasses import dataclass
 

@@ -15,8 +15,6 @@ token bucket (``M_BUCKETS``). :func:`parse_variant` reads a name, a kind then to
 | ``r<n>`` / ``xl`` | cuda: 16-row tiles per warp / no activation prefetch across chunks |
 """
 
-from __future__ import annotations
-
 import json
 import re
 from dataclasses import dataclass
@@ -114,10 +112,7 @@ _FLAGS = {("gemv", "h2"): "packed", ("gemv", "pf"): "prefetch", ("cuda", "xl"): 
 
 def m_bucket(m: int) -> int | None:
     """Smallest bucket of ``M_BUCKETS`` holding ``m`` tokens, None above the last."""
-    for b in M_BUCKETS:
-        if m <= b:
-            return b
-    return None
+    return next((b for b in M_BUCKETS if m <= b), None)
 
 
 @cache

@@ -192,10 +192,9 @@ def default_mma_config(m: int, n: int, k: int, *, block_m: int = 0, block_n: int
 
 def auto_config(m: int, n: int, k: int) -> GemvConfig | NVFP4MmaConfig:
     """Triton config without ``config``: pinned, the packed GEMV (few tokens) or the MMA default."""
-    hit = pinned_config(m, n, k)
-    if hit is not None:
-        return hit
-    return packed_gemv_config(m, n, k) if m <= PACKED_GEMV_MAX_M else default_mma_config(m, n, k)
+    return (pinned_config(m, n, k)
+            or (packed_gemv_config(m, n, k) if m <= PACKED_GEMV_MAX_M
+                else default_mma_config(m, n, k)))
 
 
 def nvfp4_gemm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

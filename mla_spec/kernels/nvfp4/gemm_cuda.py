@@ -3,8 +3,6 @@
 the last CTA (``launch.cuda_driver.arrival_counters``).
 """
 
-from __future__ import annotations
-
 import ctypes
 import functools
 
@@ -117,10 +115,9 @@ def cuda_auto_config(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         return None
     m, k = x.shape
     cfg = _auto(m, weight.shape[0], k, sm_count(x.device))
-    if cfg is None or cuda_gemm_supported(x, weight, weight_scale, weight_scale_2, out_dtype,
-                                          cfg) is not None:
-        return None
-    return cfg
+    ok = cfg is not None and cuda_gemm_supported(x, weight, weight_scale, weight_scale_2,
+                                                 out_dtype, cfg) is None
+    return cfg if ok else None
 
 
 def launch_nvfp4_cuda(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

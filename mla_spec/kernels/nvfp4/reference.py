@@ -5,8 +5,6 @@ fp32, ``w13.weight [E, 2I, K/2]`` (**gate rows, then up**; scale_2 ``[]`` / ``[E
 ``w2.weight [E, K, I/2]``; output ``sum_j topk_weights[m, j] * expert_{ids[m, j]}(x[m])``.
 """
 
-from __future__ import annotations
-
 import torch
 
 from mla_spec.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, validate_nvfp4

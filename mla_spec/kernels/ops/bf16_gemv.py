@@ -102,10 +102,7 @@ def bgemv_ref(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None
               ) -> torch.Tensor:
     """Torch reference: ``x [B, M, K]``, ``w [B, N, K]`` -> ``[B, M, N]`` (fp32 math, x's dtype)."""
     y = torch.matmul(x.float(), w.float().transpose(1, 2)).to(x.dtype)
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
+    return y if out is None else out.copy_(y)
 
 
 def bgemv_supported(x: torch.Tensor, w: torch.Tensor) -> str | None:

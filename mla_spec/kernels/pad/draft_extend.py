@@ -4,8 +4,6 @@ last, so each sees exactly its ragged window (``"start"``: SGLang's layout); pad
 (``fill_padding``) or left stale and never reach a real row. Layouts, kernels: docs/bench_pad.md.
 """
 
-from __future__ import annotations
-
 import functools
 
 import torch
