@@ -68,7 +68,7 @@ class StepGraphs:
         fails: the engine then runs the per-forward graphs. ``use_graphs=False`` keeps the step
         bodies uncaptured (any device: the same code path, run eagerly at each replay)."""
         spec = worker.spec
-        kinds = ["round"] if spec.version == "v2" else [] if spec.enabled else ["decode"]
+        kinds = ["decode"] if not spec.enabled else ["round"] if spec.version == "v2" else []
         if not kinds:
             return None
         g = cls(runner, worker, batch_sizes)
