@@ -363,8 +363,11 @@ def test_ctrl_c_ends_with_one_line(demo_ckpt):
            "--page-size", "16"]
     env = {k: v for k, v in os.environ.items()  # as a user runs it: torch twins on CPU
            if k not in ("TRITON_INTERPRET", "MLA_SPEC_TRITON_ON_CPU")}
+    # SIGINT at its default in the child even where this runs as a background job (which
+    # inherits SIGINT ignored, and Python then keeps it ignored)
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True, env={**env, "OMP_NUM_THREADS": "1"})
+                         start_new_session=True, env={**env, "OMP_NUM_THREADS": "1"},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     err, started = [], threading.Event()
 
     def read():
