@@ -206,6 +206,10 @@ def pipeline_panel_steps(page) -> None:
     status.scroll_into_view_if_needed()  # JupyterLab renders only the cells in view
     state = re.compile(r"round (\d+) · phases run (\d+) · next: (\w+)")
     now = lambda: state.search(status.inner_text())  # noqa: E731
+
+    def count(group: int) -> int | None:  # one read: the line changes while a phase runs
+        m = now()
+        return int(m[group]) if m else None
     _wait_for(now, f"no pipeline status in the panel: {status.inner_text()!r}", 30)
     m = now()
     rounds, phases, nxt = int(m[1]), int(m[2]), m[3]
@@ -215,12 +219,12 @@ def pipeline_panel_steps(page) -> None:
     assert label in enabled, f"next phase {nxt!r}, enabled buttons {enabled}"
     before = panel.locator("table.mlp").first.inner_text()
     panel.get_by_role("button", name=label, exact=True).click()
-    _wait_for(lambda: now() and int(now()[2]) == phases + 1,
+    _wait_for(lambda: count(2) == phases + 1,
               f"pressing {label!r} did not run a phase: status {status.inner_text()!r}", 30)
     after = panel.locator("table.mlp").first.inner_text()
     assert after != before, f"the request table did not change after {label!r}"
     panel.get_by_role("button", name="one round", exact=True).click()
-    _wait_for(lambda: now() and int(now()[1]) == rounds + 1,
+    _wait_for(lambda: count(1) == rounds + 1,
               f"'one round' did not end the round: status {status.inner_text()!r}")
 
 
