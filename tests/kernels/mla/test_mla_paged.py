@@ -198,3 +198,23 @@ def test_a_repeated_call_only_launches(monkeypatch):
     assert not torch.equal(o1, o2)
     _run(sc, cfg, 3)  # another split count: another signature
     assert len(planned) == 2
+
+
+def test_the_backend_plans_a_step_once(monkeypatch):
+    """The triton backend's ``forward`` after ``plan``: the kernel call of a second layer with
+    the same step (new queries) plans nothing."""
+    from mla_spec.attention import create_backend
+    from mla_spec.kernels.mla import paged
+
+    planned = []
+    real = paged._plan
+    monkeypatch.setattr(paged, "_plan", lambda *a, **k: planned.append(1) or real(*a, **k))
+    monkeypatch.setattr(paged, "_CALLS", {})
+    sc = _scene(ForwardMode.DECODE, [7, 30, 1], [1, 1, 1], FP8_DTYPE, "cpu")
+    be = create_backend("triton", num_heads=3, softmax_scale=SM, kv_pool=sc.pool,
+                        req_to_token=sc.req_pool)
+    be.plan(sc.batch)
+    first = be.forward(sc.q_nope, sc.q_pe, 0, sc.batch)
+    second = be.forward(sc.q_nope * 0.5, sc.q_pe, 0, sc.batch)
+    assert len(planned) == 1
+    assert not torch.equal(first, second)
