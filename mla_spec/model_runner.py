@@ -32,7 +32,7 @@ class ModelRunner:
 
     def __init__(self, target, draft, *, target_pool, draft_pool, req_to_token_pool,
                  backend, draft_backend, page_size: int, device=None,
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, deterministic: bool = False) -> None:
         self.target, self.draft = target, draft
         self.pools = {"target": target_pool, "draft": draft_pool}
         self.backends = {"target": backend, "draft": draft_backend}
@@ -45,7 +45,7 @@ class ModelRunner:
         self.graphs = None  # CudaGraphRunner, attached by the engine on GPU
         self.step_graphs = None  # StepGraphs (whole decode steps and v2 rounds), likewise
         self.capturing = False  # a step graph is being captured: plain forwards, no timing
-        self.deterministic = False  # batch-invariant forwards and logits
+        self.deterministic = deterministic  # batch-invariant forwards and logits
         self.prepared: list | None = None  # a list: (which, batch) of every prepare
 
     @classmethod
@@ -98,11 +98,10 @@ class ModelRunner:
             if dpool.is_fp8 and n in (loaded.kv_scales or {}):
                 dpool.set_scales(0, *loaded.kv_scales[n])
             dbackend = mk(dpool)
-        runner = cls(target, draft, target_pool=tpool, draft_pool=dpool,
-                     req_to_token_pool=req_pool, backend=mk(tpool), draft_backend=dbackend,
-                     page_size=cache.page_size, device=device, tp_rank=tp_rank, tp_size=tp_size)
-        runner.deterministic = deterministic
-        return runner
+        return cls(target, draft, target_pool=tpool, draft_pool=dpool,
+                   req_to_token_pool=req_pool, backend=mk(tpool), draft_backend=dbackend,
+                   page_size=cache.page_size, device=device, tp_rank=tp_rank, tp_size=tp_size,
+                   deterministic=deterministic)
 
     def apply_slot_updates(self, updates) -> None:
         """Write ``(row, first_page_index, pages)`` page assignments into req_to_token."""

@@ -259,14 +259,14 @@ class DeepseekV3MoE(nn.Module):
         return per_row(self._forward_rows, x.reshape(-1, shape[-1])).view(shape)
 
     def _forward_rows(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
+        """``x [N, hidden]`` -> ``[N, hidden]`` (all-reduced)."""
         if self._use_fused(x):
             # the router writes the shared column and int32 ids itself (no cat / cast kernels)
             shared_done = self._fuse_shared() and shared_fusion_pays(x.shape[0])
             topk_weights, topk_ids = self.gate(
                 x, shared_id=len(self.experts) if shared_done else None, ids_dtype=torch.int32)
             return self._finish(x, self.fused_experts_forward(x, topk_weights, topk_ids),
-                                shape, shared_done)
+                                shared_done)
         topk_weights, topk_ids = self.gate(x)
         if self._use_grouped(x):
             out = grouped_experts_forward(x, topk_weights, topk_ids, *self._dense)
@@ -275,11 +275,10 @@ class DeepseekV3MoE(nn.Module):
             out = self.masked_experts_forward(x, topk_weights, topk_ids)
         else:
             out = self.experts_forward(x, topk_weights, topk_ids)
-        return self._finish(x, out, shape, False)
+        return self._finish(x, out, False)
 
-    def _finish(self, x: torch.Tensor, out: torch.Tensor, shape, shared_done: bool
-                ) -> torch.Tensor:
-        """Add the (unfused) shared expert, all-reduce, restore the leading dims."""
+    def _finish(self, x: torch.Tensor, out: torch.Tensor, shared_done: bool) -> torch.Tensor:
+        """Add the (unfused) shared expert, all-reduce (``forward`` restores the leading dims)."""
         if self.shared_experts is not None and not shared_done:
             out = out + self.shared_experts(x)
-        return tp_all_reduce(out, self.tp_size).view(shape)
+        return tp_all_reduce(out, self.tp_size)

@@ -155,8 +155,7 @@ class CudaKernel:
         self.src, self.name, self.arch = CSRC / src, name, arch
         self._fn: dict[int, tuple[int, int]] = {}  # device index -> (function, smem attribute)
 
-    def _function(self, device: torch.device, smem: int) -> int:
-        idx = device.index if device.index is not None else torch.cuda.current_device()
+    def _function(self, idx: int, smem: int) -> int:
         got = self._fn.get(idx)
         if got is None or got[1] < smem:
             with self._lock, torch.cuda.device(idx):
@@ -182,8 +181,8 @@ class CudaKernel:
     def __call__(self, grid, block: int, smem: int, params: ctypes.Structure,
                  device: torch.device, pdl: bool = False, cluster: int = 1) -> None:
         """``cluster > 1``: thread-block clusters of ``(cluster, 1, 1)`` CTAs."""
-        fn = self._function(device, smem)
         idx = device.index if device.index is not None else torch.cuda.current_device()
+        fn = self._function(idx, smem)
         cfg = _LaunchConfig(*grid, block, 1, 1, smem, torch._C._cuda_getCurrentRawStream(idx),
                             None, 0)
         attrs = (_LaunchAttr * 2)()
