@@ -17,6 +17,7 @@ from torch import nn
 from mla_spec.device import use_triton
 from mla_spec.distributed import tp_all_reduce
 from mla_spec.kernels.ops import route_tokens
+from mla_spec.kernels.ops.moe_gemv_bf16 import MOE_GEMV_BF16_MAX_PAIRS, moe_gemv_bf16
 from mla_spec.models.batch_invariant import per_row
 from mla_spec.models.linear import ColumnParallelLinear, RowParallelLinear
 from mla_spec.models.moe_grouped import (
@@ -143,8 +144,9 @@ class DeepseekV3MoE(nn.Module):
                                         cfg.moe_intermediate_size * cfg.n_shared_experts,
                                         prefix=f"{prefix}.shared_experts", **kw)
                                if cfg.n_shared_experts else None)
-        # "auto": on CUDA at inference the fused NVFP4 kernel (BF16 experts: the grouped GEMMs
-        # when stacked, else the masked loop), elsewhere the loop over active experts.
+        # "auto": on CUDA at inference the fused NVFP4 kernel (BF16 experts: when stacked the
+        # by-id GEMV up to MOE_GEMV_BF16_MAX_PAIRS pairs, else the grouped GEMMs; unstacked, the
+        # masked loop), elsewhere the loop over active experts.
         # "never" / "always" / "masked" / "grouped" force a path (tests, graph capture).
         self.fused_mode = "auto"
         self.fuse_shared_experts = True  # where stacked (shared_fused) and on the fused path
@@ -269,7 +271,10 @@ class DeepseekV3MoE(nn.Module):
                                 shared_done)
         topk_weights, topk_ids = self.gate(x)
         if self._use_grouped(x):
-            out = grouped_experts_forward(x, topk_weights, topk_ids, *self._dense)
+            few = x.is_cuda and self.fused_mode == "auto" and \
+                topk_ids.numel() <= MOE_GEMV_BF16_MAX_PAIRS  # read by id: no sort (1-4 rows)
+            out = (moe_gemv_bf16 if few else grouped_experts_forward)(x, topk_weights, topk_ids,
+                                                                      *self._dense)
         elif self.fused_mode == "masked" or (self.fused_mode == "auto" and x.is_cuda
                                              and not torch.is_grad_enabled()):
             out = self.masked_experts_forward(x, topk_weights, topk_ids)
