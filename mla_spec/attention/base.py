@@ -222,6 +222,11 @@ class MLABackend(metaclass=_BackendMeta):
                      batch: ForwardBatch) -> AttnPlan | None:
         """``forward``'s first move: check the queries against the batch and this backend (no
         device sync); the batch's plan (planned now if need be), or None when it has no rows."""
+        plan = batch.extra.get(self.name)
+        if isinstance(plan, AttnPlan) and plan.extra.get("checked") == (
+                q_nope.shape, q_pe.shape, q_nope.dtype, q_pe.dtype, q_nope.device) and \
+                0 <= layer_id < self.kv_pool.num_layers:
+            return plan  # queries like these passed the checks below on an earlier layer
         mode = batch.forward_mode
         if mode.is_idle() or batch.total_q == 0:
             return None
@@ -236,8 +241,11 @@ class MLABackend(metaclass=_BackendMeta):
         reason = self.supports(mode, self.kv_pool.dtype)
         if reason is not None:
             raise UnsupportedError(f"backend {self.name!r}, mode {mode.name}: {reason}")
-        plan = batch.extra.get(self.name)
-        return plan if isinstance(plan, AttnPlan) else self.plan(batch)
+        if not isinstance(plan, AttnPlan):
+            plan = self.plan(batch)
+        plan.extra["checked"] = (q_nope.shape, q_pe.shape, q_nope.dtype, q_pe.dtype,
+                                 q_nope.device)
+        return plan
 
     def empty_output(self, q_nope: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """``forward``'s result when ``checked_plan`` found no rows: ``[0, H, 512]``."""

@@ -82,6 +82,7 @@ class TritonMLABackend(MLABackend):
             raise ValueError(f"kernel='paged' cannot run here: {why}")
         self.paged = kernel != "generic" and why is None and not fp8_dot \
             and not isinstance(config, MLAKernelConfig)
+        self._flat: dict[int, torch.Tensor] = {}  # layer -> its cache as [slots, 576]
 
     @classmethod
     def device_reason(cls, device: torch.device) -> str | None:
@@ -138,6 +139,11 @@ class TritonMLABackend(MLABackend):
                 splits = 1
             plan.extra["paged_config"] = cfg
             plan.extra["paged_splits"] = splits
+            ragged = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if plan.extra["ragged"]
+                      else dict(q_len=plan.fixed_q))  # the paged call's keywords, built once
+            plan.extra["paged_kw"] = dict(
+                page_size=pool.page_size, max_kv=plan.max_kv, num_splits=splits, config=cfg,
+                early_kv=self.early_kv and not plan.extra["ragged"], **ragged)
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)
                else default_config(rows_cfg, torch.bfloat16, pool.dtype, self.device))
         plan.extra["config"] = cfg
@@ -150,18 +156,19 @@ class TritonMLABackend(MLABackend):
             return self.empty_output(q_nope, out)
         pool = self.kv_pool
         k_scale, v_scale = pool.read_scales(layer_id)
-        kv_flat = pool.get_kv(layer_id).view(pool.num_slots, pool.kv_cache_dim)
-        shape = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if plan.extra["ragged"]
-                 else dict(q_len=plan.fixed_q))
-        common = dict(k_scale=k_scale, v_scale=v_scale, **shape)
+        kv_flat = self._flat.get(layer_id)
+        if kv_flat is None:
+            kv_flat = self._flat[layer_id] = pool.get_kv(layer_id).view(pool.num_slots,
+                                                                        pool.kv_cache_dim)
         if self.paged and (q_nope.dtype == pool.dtype or q_nope.device.type == "cpu"
                            or pool.is_fp8):
             res = mla_decode_paged(
                 q_nope, q_pe, kv_flat, self.req_to_token, plan.req_pool_indices, plan.kv_lens,
-                self.softmax_scale, page_size=pool.page_size, max_kv=plan.max_kv,
-                num_splits=plan.extra["paged_splits"], config=plan.extra["paged_config"],
-                early_kv=self.early_kv and not plan.extra["ragged"], **common)
+                self.softmax_scale, k_scale=k_scale, v_scale=v_scale, **plan.extra["paged_kw"])
             return write_output(res, out)
+        shape = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if plan.extra["ragged"]
+                 else dict(q_len=plan.fixed_q))
+        common = dict(k_scale=k_scale, v_scale=v_scale, **shape)
         rows = _ANY_ROWS if self.deterministic else (plan.fixed_q or plan.max_q) * self.num_heads
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)
                else default_config(rows, q_nope.dtype, pool.dtype, self.device))

@@ -39,3 +39,25 @@ def test_the_key_changes_with_every_specialization(monkeypatch):
     keys = _keys(args, monkeypatch)
     assert keys[0] == keys[1]
     assert len(set(keys)) == len(keys) - 1
+
+
+def test_the_relauncher_runs_the_cached_binary_with_new_pointers(monkeypatch):
+    """``relauncher``: the binary ``launch`` cached, relaunched with other pointers and scalars
+    and no key work; the normal launch again once a launch hook is set."""
+    import mla_spec.kernels.launch.triton_launcher as tlm
+
+    runs = []
+    launcher = TritonLauncher(fn=None)
+    a, b = torch.randn(64), torch.randn(64)
+    args = ((2, 3), (a,), (32, 0.5), (64, True), 4, None)
+    assert launcher.relauncher(*args) is None  # nothing cached yet
+    launcher.binaries[TritonLauncher._key(*args[1:])] = (
+        lambda *r: runs.append(r), "function", "metadata")
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda dev: 7, raising=False)
+    monkeypatch.setattr(tlm, "hooks_unset", lambda: True)
+    go = launcher.relauncher(*args)
+    assert go((b.data_ptr(),), (48, 0.25))
+    assert runs == [(2, 3, 1, 7, "function", "metadata", None, None, None, b.data_ptr(), 48, 0.25,
+                     64, True)]
+    monkeypatch.setattr(tlm, "hooks_unset", lambda: False)  # e.g. a profiler's hook
+    assert not go((b.data_ptr(),), (48, 0.25)) and len(runs) == 1

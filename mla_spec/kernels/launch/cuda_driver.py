@@ -181,10 +181,15 @@ class CudaKernel:
     def __call__(self, grid, block: int, smem: int, params: ctypes.Structure,
                  device: torch.device, pdl: bool = False, cluster: int = 1) -> None:
         """``cluster > 1``: thread-block clusters of ``(cluster, 1, 1)`` CTAs."""
+        self.prepared(grid, block, smem, device, pdl, cluster)(params)
+
+    def prepared(self, grid, block: int, smem: int, device: torch.device, pdl: bool = False,
+                 cluster: int = 1):
+        """``launch(params)``: this launch configuration built once, each call launching on the
+        current stream (a planned call's relaunch: a few µs)."""
         idx = device.index if device.index is not None else torch.cuda.current_device()
         fn = self._function(idx, smem)
-        cfg = _LaunchConfig(*grid, block, 1, 1, smem, torch._C._cuda_getCurrentRawStream(idx),
-                            None, 0)
+        cfg = _LaunchConfig(*grid, block, 1, 1, smem, None, None, 0)
         attrs = (_LaunchAttr * 2)()
         n = 0
         if pdl:
@@ -198,9 +203,15 @@ class CudaKernel:
         if n:
             cfg.attrs = ctypes.cast(attrs, ctypes.POINTER(_LaunchAttr))
             cfg.numAttrs = n
-        arg = ctypes.c_void_p(ctypes.addressof(params))
-        _check(_libcuda().cuLaunchKernelEx(ctypes.byref(cfg), fn, ctypes.byref(arg), None),
-               f"launching {self.name}")
+        cfg_ref, launch_ex, stream = ctypes.byref(cfg), _libcuda().cuLaunchKernelEx, \
+            torch._C._cuda_getCurrentRawStream
+
+        def launch(params: ctypes.Structure) -> None:
+            cfg.hStream = stream(idx)
+            arg = ctypes.c_void_p(ctypes.addressof(params))
+            _check(launch_ex(cfg_ref, fn, ctypes.byref(arg), None), f"launching {self.name}")
+        launch.keep = attrs  # the attributes' memory lives as long as the launch
+        return launch
 
 
 # ---- arrival counters of last-CTA kernels: the last arrival resets its counter (no memset) -----

@@ -59,11 +59,40 @@ class TritonLauncher:
         """``fn[grid](*tensors, *scalars, *constexprs)`` (the kernel's argument order), keyed by
         what Triton specializes on: each tensor's dtype and 16-byte alignment, each int scalar's
         ``== 1`` and ``% 16 == 0``, the constexpr values and the launch options."""
-        key = (tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors),
-               tuple((a == 1, a % 16 == 0) if type(a) is int else type(a) for a in scalars),
-               constexprs, num_warps, tuple(options.items()) if options else ())
-        self(grid, key, tensors, tuple(t.data_ptr() for t in tensors), scalars + constexprs,
-             num_warps, options)
+        self(grid, self._key(tensors, scalars, constexprs, num_warps, options), tensors,
+             tuple(t.data_ptr() for t in tensors), scalars + constexprs, num_warps, options)
+
+    @staticmethod
+    def _key(tensors, scalars, constexprs, num_warps, options) -> tuple:
+        return (tuple((t.dtype, t.data_ptr() & 15 == 0) for t in tensors),
+                tuple((a == 1, a % 16 == 0) if type(a) is int else type(a) for a in scalars),
+                constexprs, num_warps, tuple(options.items()) if options else ())
+
+    def relauncher(self, grid: int | tuple, tensors: tuple, scalars: tuple, constexprs: tuple,
+                   num_warps: int, options: dict | None = None):
+        """After :meth:`launch` with these arguments: ``go(ptrs, scalars) -> bool`` relaunching
+        its binary with other pointers and scalars of the same specialization (the caller's
+        promise: same dtypes, alignment and scalar classes) and no key work; False where only
+        the normal launch can run it (then call :meth:`launch`). None without a direct binary."""
+        entry = self.binaries.get(self._key(tensors, scalars, constexprs, num_warps, options))
+        if entry is None or not self.direct:
+            return None
+        run, function, metadata = entry
+        gx, gy, gz = (*((grid,) if isinstance(grid, int) else tuple(grid)), 1, 1)[:3]
+        dev = tensors[0].get_device()
+        stream = torch._C._cuda_getCurrentRawStream
+
+        def go(ptrs: tuple, scal: tuple) -> bool:
+            if not (self.direct and hooks_unset()):
+                return False
+            try:
+                run(gx, gy, gz, stream(dev), function, metadata, None, None, None, *ptrs, *scal,
+                    *constexprs)
+            except Exception:  # noqa: BLE001 - as in __call__: the normal launch from now on
+                self.direct = False
+                return False
+            return True
+        return go
 
     def compile_count(self) -> int:
         """Binaries in Triton's JIT cache for ``fn`` (interpreter: specializations launched)."""

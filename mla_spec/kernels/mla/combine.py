@@ -94,17 +94,19 @@ _COMBINE = TritonLauncher(_combine_kernel)
 
 
 def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor | None = None) -> None:
-    """Merge ``part [S, N*H, Dv]`` / ``part_lse [S, N*H]`` into ``out [N, H, Dv]`` (and ``lse``)."""
+                   lse: torch.Tensor | None = None, *, bind: bool = False):
+    """Merge ``part [S, N*H, Dv]`` / ``part_lse [S, N*H]`` into ``out [N, H, Dv]`` (and ``lse``).
+    ``bind``: also return ``go(part, part_lse, out, lse) -> bool`` relaunching the same binary on
+    tensors of the same shapes, strides, dtypes and alignment (None where it cannot)."""
     s, rows, dv = part.shape
     n, h, _ = out.shape
     if rows != n * h:
         raise ValueError(f"partials have {rows} rows; out has {n} x {h}")
     if not use_triton(part):
         combine_splits_ref(part, part_lse, out, lse)
-        return
+        return None
     if rows == 0:
-        return
+        return None
     s_block = max(2, triton.next_power_of_2(s)) if s <= 128 else 64
     if not part.is_cuda:
         block_d, warps = dv, 4
@@ -115,11 +117,19 @@ def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor
     else:
         block_d, warps = min(dv, 64), 2 if s_block >= 128 else 1
     pdl = pdl_kwargs(part)
-    _COMBINE.launch((rows, triton.cdiv(dv, block_d)),
-                    (part, part_lse, out, lse if lse is not None else part_lse),
-                    (s, h, part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1)),
-                    (dv, block_d, s_block, lse is not None, s <= s_block, pdl["USE_GDC"]),
-                    warps, {"launch_pdl": pdl["launch_pdl"]})
+    args = ((rows, triton.cdiv(dv, block_d)),
+            (part, part_lse, out, lse if lse is not None else part_lse),
+            (s, h, part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1)),
+            (dv, block_d, s_block, lse is not None, s <= s_block, pdl["USE_GDC"]),
+            warps, {"launch_pdl": pdl["launch_pdl"]})
+    _COMBINE.launch(*args)
+    go = _COMBINE.relauncher(*args) if bind else None
+    if go is None:
+        return None
+    scal = args[2]
+    return lambda part, part_lse, out, lse: go(
+        (part.data_ptr(), part_lse.data_ptr(), out.data_ptr(),
+         (lse if lse is not None else part_lse).data_ptr()), scal)
 
 _SRC = "mla_combine.cu"
 _DV = 512
@@ -181,21 +191,32 @@ def combine_splits_cuda(part: torch.Tensor, part_lse: torch.Tensor, out: torch.T
 
 
 def _launch_cuda(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor | None) -> None:
-    """The CUDA combine on tensors :func:`combine_cuda_supported` took."""
+                 lse: torch.Tensor | None, bind: bool = False):
+    """The CUDA combine on tensors :func:`combine_cuda_supported` took (``bind``: as in
+    :func:`combine_splits`)."""
     s, rows, _ = part.shape
     n, h, _ = out.shape
     if rows != n * h:
         raise ValueError(f"partials have {rows} rows; out has {n} x {h}")
     if rows == 0:
-        return
+        return None
     g = combine_groups(s)
     p = _CombineParams(part.data_ptr(), part_lse.data_ptr(), out.data_ptr(),
                        lse.data_ptr() if lse is not None else None,
                        part.stride(0), part_lse.stride(0), out.stride(0), out.stride(1),
                        rows, h, s, 0)
-    _KERNELS[(part.dtype == torch.bfloat16, g)](
-        (-(-rows // (32 // g)), _DV // 64, 1), 256, 0, p, part.device, pdl=pdl_on(part))
+    launch = _KERNELS[(part.dtype == torch.bfloat16, g)].prepared(
+        (-(-rows // (32 // g)), _DV // 64, 1), 256, 0, part.device, pdl=pdl_on(part))
+    launch(p)
+    if not bind:
+        return None
+
+    def go(part, part_lse, out, lse) -> bool:
+        p.part, p.part_lse, p.out = part.data_ptr(), part_lse.data_ptr(), out.data_ptr()
+        p.lse = lse.data_ptr() if lse is not None else None
+        launch(p)
+        return True
+    return go
 
 
 def combine_cuda_preferred(num_splits: int, rows: int) -> bool:
@@ -204,10 +225,10 @@ def combine_cuda_preferred(num_splits: int, rows: int) -> bool:
 
 
 def combine_splits_fast(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                        lse: torch.Tensor | None = None) -> None:
-    """:func:`combine_splits_cuda` where it runs and is faster, else :func:`combine_splits`."""
+                        lse: torch.Tensor | None = None, *, bind: bool = False):
+    """:func:`combine_splits_cuda` where it runs and is faster, else :func:`combine_splits`
+    (``bind``: as there)."""
     if combine_cuda_preferred(part.shape[0], part.shape[1]) and \
             combine_cuda_supported(part, part_lse, out, lse) is None:
-        _launch_cuda(part, part_lse, out, lse)  # checked just above
-    else:
-        combine_splits(part, part_lse, out, lse)
+        return _launch_cuda(part, part_lse, out, lse, bind)  # checked just above
+    return combine_splits(part, part_lse, out, lse, bind=bind)

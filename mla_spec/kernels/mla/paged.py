@@ -10,6 +10,7 @@ import torch
 import triton
 
 from mla_spec.device import cuda_capability, sm_count, triton_interpreting
+from mla_spec.kernels import options
 from mla_spec.kernels.launch.cuda_driver import cuda_kernels_available
 from mla_spec.kernels.mla.choice import (
     PagedConfig,
@@ -64,15 +65,22 @@ def _ensure_allocator() -> None:
                                                                        device="cuda"))
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Call:
-    """What one call signature decided once (:func:`mla_decode_paged`'s plan cache)."""
+    """What one call signature decided once (:func:`mla_decode_paged`'s plan cache), and its
+    launches bound after the first (``relaunch``, valid while the kernel options are ``opts``)."""
 
     cfg: PagedConfig
     m_blocks: int
     num_splits: int
     interp: bool
     is_fp8: bool
+    relaunch: object = None
+    opts: tuple = ()
+
+
+def _options() -> tuple:
+    return options.PDL, options.L2_PREFETCH, options.EARLY_KV
 
 
 #: call signature -> _Call: the checks, the variant and the splits of a shape, decided once
@@ -123,23 +131,39 @@ def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
     lse = torch.empty((n, h), dtype=torch.float32, device=dev) if return_lse else None
     if n == 0 or bs == 0:
         return (out, lse) if return_lse else out
-    cfg = call.cfg
-    if cfg.tma and not call.interp:
-        _ensure_allocator()
     args = (q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens)
     scale = float(sm_scale) * float(k_scale) * _LOG2E
+    go = call.relaunch  # a repeated call: pointers and scales rewritten, launched (a few µs)
+    if go is None or call.opts != _options() or \
+            not go(*args, qo_indptr, out, lse, scale, float(v_scale)):
+        call.relaunch, call.opts = _launch(call, args, qo_indptr, out, lse, scale, v_scale,
+                                           q_len, early_kv), _options()
+    return (out, lse) if return_lse else out
+
+
+def _launch(call: _Call, args, qo_indptr, out, lse, scale, v_scale, q_len, early_kv):
+    """The call's launches through the kernel's launcher; returns their relaunch (or None)."""
+    cfg = call.cfg
+    bind = not call.interp
+    if cfg.tma and bind:
+        _ensure_allocator()
     if cfg.wgmma:
-        launch_wgmma_mla(*args, out, lse, scale, v_scale, q_len=q_len, m_blocks=call.m_blocks,
-                         num_splits=call.num_splits, kind=cfg, early_kv=early_kv)
-    elif cfg.cuda:
+        return launch_wgmma_mla(*args, out, lse, scale, v_scale, q_len=q_len,
+                                m_blocks=call.m_blocks, num_splits=call.num_splits, kind=cfg,
+                                early_kv=early_kv, bind=bind)
+    if cfg.cuda:
         launch_cuda_mla(*args, out, lse, scale, v_scale, q_len=q_len, m_blocks=call.m_blocks,
                         num_splits=call.num_splits,
                         tile=CudaTile(cfg.block_m, cfg.block_n, cfg.num_stages, cfg.num_warps))
-    else:
-        launch = launch_vsplit if cfg.sibling_kernel else launch_paged
-        launch(*args, qo_indptr, out, lse, scale, v_scale, q_len=q_len, m_blocks=call.m_blocks,
-               num_splits=call.num_splits, cfg=cfg, interp=call.interp, is_fp8=call.is_fp8)
-    return (out, lse) if return_lse else out
+        return None
+    if cfg.sibling_kernel:
+        launch_vsplit(*args, qo_indptr, out, lse, scale, v_scale, q_len=q_len,
+                      m_blocks=call.m_blocks, num_splits=call.num_splits, cfg=cfg,
+                      interp=call.interp, is_fp8=call.is_fp8)
+        return None
+    return launch_paged(*args, qo_indptr, out, lse, scale, v_scale, q_len=q_len,
+                        m_blocks=call.m_blocks, num_splits=call.num_splits, cfg=cfg,
+                        interp=call.interp, is_fp8=call.is_fp8, bind=bind)
 
 
 def _plan(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr, page_size,

@@ -145,11 +145,14 @@ def wgmma_mla_supported(q_nope: torch.Tensor, q_pe: torch.Tensor, kv_flat: torch
 
 def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, out, lse,
                      qk_scale_log2: float, v_scale: float, *, q_len: int, m_blocks: int,
-                     num_splits: int, kind, early_kv: bool | None = None) -> None:
+                     num_splits: int, kind, early_kv: bool | None = None, bind: bool = False):
     """Run the split kernel of ``kind``, then the combine unless the splits merge in a cluster.
     ``early_kv``: from :data:`EARLY_KV_MIN_SPLITS` splits, first KV tiles before the PDL wait; sound
     only if ``kv_lens``, the page table and all other KV rows were written before the kernel ahead
-    began (a decode step); the kernel re-reads the slots after the wait and traps if they moved."""
+    began (a decode step); the kernel re-reads the slots after the wait and traps if they moved.
+    ``bind``: also return ``go(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
+    None, out, lse, qk_scale_log2, v_scale) -> bool``, the same launches for tensors of the same
+    shapes, strides, dtypes and alignment, only pointers and scales rewritten (None: cannot)."""
     kind = WgmmaKind.of(kind)
     if out.dtype != torch.bfloat16 or out.stride(-1) != 1 or out.stride(0) % 4 or \
             out.stride(1) % 4 or out.data_ptr() % 8:
@@ -165,11 +168,41 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
     early = (options.EARLY_KV if early_kv is None else early_kv) and key in _EARLY_KERNELS \
         and not cluster and num_splits >= EARLY_KV_MIN_SPLITS
     p.early_kv = EARLY_KV_TILES if early else 0
-    (_CLUSTER_KERNELS if cluster else _EARLY_KERNELS if early else _KERNELS)[key](
-        (num_splits, m_blocks, req_pool_indices.numel()), kind.threads, kind.smem, p,
+    kernel = (_CLUSTER_KERNELS if cluster else _EARLY_KERNELS if early else _KERNELS)[key]
+    launch = kernel.prepared(
+        (num_splits, m_blocks, req_pool_indices.numel()), kind.threads, kind.smem,
         q_nope.device, pdl=pdl_on(q_nope), cluster=num_splits if cluster else 1)
+    launch(p)
+    combine = None
     if num_splits > 1 and not cluster:
-        combine_splits_fast(part, part_lse, out, lse)
+        combine = combine_splits_fast(part, part_lse, out, lse, bind=bind)
+        if bind and combine is None:
+            return None
+    if not bind or req_to_token.dtype != torch.int32:
+        return None
+    pm, kv_ptr, e4m3 = p.m, [kv_flat.data_ptr()], kind.e4m3_mma
+    shapes = (part.shape, part_lse.shape) if combine else None
+
+    def go(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr, out, lse,
+           qk_scale_log2, v_scale) -> bool:
+        if kv_flat.data_ptr() != kv_ptr[0]:  # another layer's cache: its tensor map
+            ctypes.memmove(p.kv_map, _tensor_map(kv_flat, e4m3), 128)
+            pm.kv = kv_ptr[0] = kv_flat.data_ptr()
+        pm.qn, pm.qp, pm.r2t = q_nope.data_ptr(), q_pe.data_ptr(), req_to_token.data_ptr()
+        pm.rpi, pm.kv_lens, pm.out = req_pool_indices.data_ptr(), kv_lens.data_ptr(), \
+            out.data_ptr()
+        pm.lse = lse.data_ptr() if lse is not None else pm.out
+        pm.qk_scale_log2, pm.v_scale = qk_scale_log2, v_scale
+        if combine is None:  # one split, or a cluster's: no partials (as split_params)
+            pm.part = pm.part_lse = pm.out
+            launch(p)
+            return True
+        part = torch.empty(shapes[0], dtype=torch.bfloat16, device=out.device)
+        part_lse = torch.empty(shapes[1], dtype=torch.float32, device=out.device)
+        pm.part, pm.part_lse = part.data_ptr(), part_lse.data_ptr()
+        launch(p)
+        return combine(part, part_lse, out, lse)
+    return go
 
 
 def clusters_splits(kind: WgmmaKind, num_splits: int) -> bool:

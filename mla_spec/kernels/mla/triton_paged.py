@@ -235,29 +235,53 @@ _SWAP = TritonLauncher(_mla_swapab_kernel)
 
 def launch_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr,
                  out, lse, qk_scale_log2: float, v_scale: float, *, q_len, m_blocks: int,
-                 num_splits: int, cfg, interp: bool, is_fp8: bool) -> None:
-    """Launch the paged (``cfg.swap``: swapped) kernel into ``out`` / ``lse``, then the combine."""
+                 num_splits: int, cfg, interp: bool, is_fp8: bool, bind: bool = False):
+    """Launch the paged (``cfg.swap``: swapped) kernel into ``out`` / ``lse``, then the combine.
+    ``bind``: also return ``go(q_nope, ..., qo_indptr, out, lse, qk_scale_log2, v_scale) -> bool``
+    relaunching both for tensors of the same shapes, strides, dtypes and alignment (or None)."""
     n, h, dv = q_nope.shape
     dev = q_nope.device
     split = num_splits > 1
+    pdt = torch.bfloat16 if cfg.part_bf16 else torch.float32
+    shapes = ((num_splits, n * h, dv), (num_splits, n * h))
     if split:
-        pdt = torch.bfloat16 if cfg.part_bf16 else torch.float32
-        part = torch.empty((num_splits, n * h, dv), dtype=pdt, device=dev)
-        part_lse = torch.empty((num_splits, n * h), dtype=torch.float32, device=dev)
+        part = torch.empty(shapes[0], dtype=pdt, device=dev)
+        part_lse = torch.empty(shapes[1], dtype=torch.float32, device=dev)
         o_arg, l_arg = part, part_lse
     else:
         o_arg, l_arg = out, (lse if lse is not None else out)
     qo = qo_indptr if qo_indptr is not None else kv_lens  # dummy when fixed
     pdl = attn_pdl_kwargs(q_nope, cfg)
-    (_SWAP if cfg.swap else _PAGED).launch(
-        (m_blocks, num_splits, req_pool_indices.numel()),
-        (q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo, o_arg, l_arg),
-        (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-         req_to_token.stride(0), out.stride(0), out.stride(1),
-         (n * h * dv) if split else 0, (n * h) if split else 0, kv_flat.shape[0],
-         h, q_len or 0, num_splits, qk_scale_log2, float(v_scale)),
-        (dv, q_pe.shape[-1], cfg.block_m, cfg.block_n, qo_indptr is not None, split,
-         lse is not None, interp and not is_fp8, is_fp8, cfg.tma, pdl["USE_GDC"], pdl["L2PF"]),
-        cfg.num_warps, {"num_stages": cfg.num_stages, "launch_pdl": pdl["launch_pdl"]})
-    if split:
-        combine_splits(part, part_lse, out, lse)
+    launcher = _SWAP if cfg.swap else _PAGED
+    args = ((m_blocks, num_splits, req_pool_indices.numel()),
+            (q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo, o_arg, l_arg),
+            (q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+             req_to_token.stride(0), out.stride(0), out.stride(1),
+             (n * h * dv) if split else 0, (n * h) if split else 0, kv_flat.shape[0],
+             h, q_len or 0, num_splits, qk_scale_log2, float(v_scale)),
+            (dv, q_pe.shape[-1], cfg.block_m, cfg.block_n, qo_indptr is not None, split,
+             lse is not None, interp and not is_fp8, is_fp8, cfg.tma, pdl["USE_GDC"], pdl["L2PF"]),
+            cfg.num_warps, {"num_stages": cfg.num_stages, "launch_pdl": pdl["launch_pdl"]})
+    launcher.launch(*args)
+    combine = combine_splits(part, part_lse, out, lse, bind=bind) if split else None
+    go = launcher.relauncher(*args) if bind else None
+    if go is None or (split and combine is None):
+        return None
+    head = args[2][:-2]
+
+    def relaunch(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr, out,
+                 lse, qk_scale_log2, v_scale) -> bool:
+        if split:
+            part = torch.empty(shapes[0], dtype=pdt, device=dev)
+            part_lse = torch.empty(shapes[1], dtype=torch.float32, device=dev)
+            o_arg, l_arg = part, part_lse
+        else:
+            o_arg, l_arg = out, (lse if lse is not None else out)
+        qo = qo_indptr if qo_indptr is not None else kv_lens
+        if not go((q_nope.data_ptr(), q_pe.data_ptr(), kv_flat.data_ptr(),
+                   req_to_token.data_ptr(), req_pool_indices.data_ptr(), kv_lens.data_ptr(),
+                   qo.data_ptr(), o_arg.data_ptr(), l_arg.data_ptr()),
+                  head + (qk_scale_log2, float(v_scale))):
+            return False
+        return combine(part, part_lse, out, lse) if split else True
+    return relaunch

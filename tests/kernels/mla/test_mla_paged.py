@@ -200,6 +200,40 @@ def test_a_repeated_call_only_launches(monkeypatch):
     assert len(planned) == 2
 
 
+def test_a_repeated_call_relaunches_its_bound_launches(monkeypatch):
+    """After the first call of a signature the launcher's bound relaunch runs (on a GPU: the
+    pointers and scales rewritten in prepared launches), with this call's tensors and scale; a
+    changed kernel option rebinds."""
+    from mla_spec.kernels import options
+    from mla_spec.kernels.mla import paged
+
+    launched, relaunched = [], []
+    real = paged._launch
+
+    def bound(call, args, qo, out, lse, scale, v_scale, q_len, early_kv):
+        launched.append(scale)
+        real(call, args, qo, out, lse, scale, v_scale, q_len, early_kv)
+
+        def go(*a):  # what a GPU relaunch does, through the normal launch here
+            relaunched.append(a[9])
+            real(call, a[:6], a[6], a[7], a[8], a[9], a[10], q_len, early_kv)
+            return True
+        return go
+
+    monkeypatch.setattr(paged, "_launch", bound)
+    monkeypatch.setattr(paged, "_CALLS", {})
+    sc = _scene(ForwardMode.DECODE, [5, 0, 19], [1, 1, 1], torch.bfloat16, "cpu")
+    cfg = PagedConfig(16, 8, 4, 1)
+    _run(sc, cfg, 2)
+    sc.q_nope.copy_(torch.randn_like(sc.q_nope))
+    o2, _, ref2, _, _ = _run(sc, cfg, 2)
+    assert len(launched) == 1 and relaunched == launched
+    torch.testing.assert_close(o2.float(), ref2.float(), atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(options, "PDL", not options.PDL)
+    _run(sc, cfg, 2)
+    assert len(launched) == 2 and len(relaunched) == 1
+
+
 def test_the_backend_plans_a_step_once(monkeypatch):
     """The triton backend's ``forward`` after ``plan``: the kernel call of a second layer with
     the same step (new queries) plans nothing."""

@@ -97,10 +97,15 @@ def test_launch_takes_the_early_build_only_where_asked_built_and_split_enough(mo
     # kernels write are bf16.
     seen = []
 
+    class Recorder:  # a kernel's prepared launch records what it would launch
+        def __init__(self, table, key):
+            self.table, self.key = table, key
+
+        def prepared(self, *a, **kw):
+            return lambda p: seen.append((self.table, self.key, p.early_kv, p.m.part_bf16))
+
     def fake(table):
-        return {k: (lambda *a, t=table, k=k, **kw: seen.append((t, k, a[3].early_kv,
-                                                                a[3].m.part_bf16)))
-                for k in getattr(mw, table)}
+        return {k: Recorder(table, k) for k in getattr(mw, table)}
 
     for table in ("_KERNELS", "_EARLY_KERNELS", "_CLUSTER_KERNELS"):
         monkeypatch.setattr(mw, table, fake(table))
@@ -517,3 +522,38 @@ def test_wr_cluster_merge_matches_the_twin(lens, h, q_len, kvd):
     torch.testing.assert_close(ls[fin], lse[fin].float(), rtol=1e-3, atol=2e-2)
     empty = (kl == 0).repeat_interleave(q_len)
     assert (o[empty] == 0).all() and not fin[empty].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,kvd,q_len,splits", [
+    ("W", "bf16", 1, 4), ("WR", "bf16", 2, 2), ("WR", "fp8", 1, 8), ("WE8", "fp8", 1, 32),
+    ("WE2", "fp8", 1, 1), ("S16", "bf16", 1, 64), ("S32w4", "bf16", 1, 3)])
+def test_bound_relaunches_match_fresh_calls(name, kvd, q_len, splits, monkeypatch):
+    """The second and later calls of a signature relaunch prepared launches with their own
+    pointers and scales (``paged._Call.relaunch``): other queries, another cache (another layer's
+    tensor map), another scale and a caller's ``out`` give what a first call gives."""
+    from mla_spec.kernels.mla import paged
+
+    cfg = PAGED_VARIANTS[name]
+    lens = [700, 1, 4099]
+    cases = []
+    for seed in range(3):
+        qn, qp, kv, r2t, rpi, kl = _long_case(lens, 32, 64, seed=seed, nan_tail=False)
+        qn = qn.repeat_interleave(q_len, 0)
+        qp = qp.repeat_interleave(q_len, 0)
+        cases.append((qn, qp, kv.to(FP8_DTYPE) if kvd == "fp8" else kv, r2t, rpi, kl))
+    kw = dict(page_size=64, q_len=q_len, num_splits=splits, config=cfg, max_kv=max(lens))
+    scales = (SM, SM * 0.5, SM * 2)
+    monkeypatch.setattr(paged, "_CALLS", {})
+    fresh = []
+    for case, s in zip(cases, scales):
+        paged._CALLS.clear()
+        fresh.append(mla_decode_paged(*case, s, k_scale=0.9, v_scale=1.1, **kw))
+    paged._CALLS.clear()
+    for rep in range(2):
+        for i, (case, s) in enumerate(zip(cases, scales)):
+            out = torch.empty_like(case[0]) if i == 2 else None
+            got = mla_decode_paged(*case, s, k_scale=0.9, v_scale=1.1, out=out, **kw)
+            torch.cuda.synchronize()
+            assert torch.equal(got, fresh[i]), (rep, i)
+    assert len(paged._CALLS) == 2 and any(c.relaunch for c in paged._CALLS.values())
