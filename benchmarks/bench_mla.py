@@ -326,9 +326,13 @@ def main():
         from bench_mla_breakdown import row as default_rows
         from bench_mla_breakdown import table as default_table
 
-        rows = [r for h in (32, 128) for q in (1, 4) for bs, ctx in SHAPES
-                for kvd in (torch.bfloat16, FP8_DTYPE)
-                for r in default_rows(kvd, h, q, ctx, bs, dev, eager=True)]
+        rows = []
+        for h in (32, 128):
+            for q in (1, 4):
+                for bs, ctx in SHAPES:
+                    for kvd in (torch.bfloat16, FP8_DTYPE):
+                        rows += default_rows(kvd, h, q, ctx, bs, dev, eager=True)
+                        print(rows[-1], flush=True)  # as it goes: a cut run keeps its rows
         results["defaults"] = rows
         print("\n== defaults: µs per call in a replayed CUDA graph (full) and eagerly (eager)")
         print(default_table(rows), flush=True)

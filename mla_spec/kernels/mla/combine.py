@@ -19,8 +19,9 @@ from mla_spec.kernels.launch.pdl import gdc_enter, pdl_kwargs, pdl_on
 from mla_spec.kernels.launch.triton_launcher import TritonLauncher
 from mla_spec.kernels.mla.reference import combine_splits_ref
 
-__all__ = ["combine_cuda_preferred", "combine_cuda_supported", "combine_groups",
-           "combine_splits", "combine_splits_cuda", "combine_splits_fast", "combine_splits_ref"]
+__all__ = ["KEEP_PARTIAL_BYTES", "SplitBuffers", "combine_cuda_preferred",
+           "combine_cuda_supported", "combine_groups", "combine_splits", "combine_splits_cuda",
+           "combine_splits_fast", "combine_splits_ref"]
 
 
 # One load round up to 128 splits, past that blocks of 64; few rows: 64 columns a program on
@@ -91,6 +92,33 @@ def _combine_kernel(Part, PLse, Out, Lse, num_splits, H, stride_ps, stride_ls,
 
 
 _COMBINE = TritonLauncher(_combine_kernel)
+
+#: split partials up to this size stay with a bound call (:class:`SplitBuffers`)
+KEEP_PARTIAL_BYTES = 8 << 20
+
+
+class SplitBuffers:
+    """A bound call's split partials ``(part, part_lse)``: one pair kept and reused on the stream
+    the call was bound on (stream order makes that safe: the next call's split kernel writes them
+    after this call's combine read them, under PDL too, since the attention kernels write only
+    after their wait); a fresh pair on another stream (a graph capture's) or above
+    :data:`KEEP_PARTIAL_BYTES`."""
+
+    def __init__(self, shapes: tuple, dtype: torch.dtype, device: torch.device):
+        self.shapes, self.dtype, self.device = shapes, dtype, device
+        self.stream = torch._C._cuda_getCurrentRawStream(device.index)
+        small = torch.Size(shapes[0]).numel() * dtype.itemsize <= KEEP_PARTIAL_BYTES
+        self.kept = self.fresh() if small else None
+
+    def fresh(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(self.shapes[0], dtype=self.dtype, device=self.device),
+                torch.empty(self.shapes[1], dtype=torch.float32, device=self.device))
+
+    def get(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kept is not None and \
+                torch._C._cuda_getCurrentRawStream(self.device.index) == self.stream:
+            return self.kept
+        return self.fresh()
 
 
 def combine_splits(part: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,

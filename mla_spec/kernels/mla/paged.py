@@ -88,8 +88,8 @@ _CALLS: dict[tuple, _Call] = {}
 
 
 def _signature(tensors) -> tuple:
-    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(),
-                                         t.data_ptr() & 15) for t in tensors)
+    return tuple([None if t is None else (t.shape, t.stride(), t.dtype, t.get_device(),
+                                          t.data_ptr() & 15) for t in tensors])
 
 
 def mla_decode_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, sm_scale,

@@ -15,7 +15,7 @@ from mla_spec.device import cuda_capability
 from mla_spec.kernels import options
 from mla_spec.kernels.launch.cuda_driver import CudaKernel, tensor_map_2d
 from mla_spec.kernels.launch.pdl import pdl_on
-from mla_spec.kernels.mla.combine import combine_splits_fast
+from mla_spec.kernels.mla.combine import SplitBuffers, combine_splits_fast
 from mla_spec.kernels.mla.sm90_mma import MlaParams, call_supported, split_params
 from mla_spec.quant.fp8 import FP8_DTYPE
 
@@ -181,7 +181,8 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
     if not bind or req_to_token.dtype != torch.int32:
         return None
     pm, kv_ptr, e4m3 = p.m, [kv_flat.data_ptr()], kind.e4m3_mma
-    shapes = (part.shape, part_lse.shape) if combine else None
+    bufs = SplitBuffers((part.shape, part_lse.shape), torch.bfloat16, out.device) \
+        if combine else None
 
     def go(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr, out, lse,
            qk_scale_log2, v_scale) -> bool:
@@ -197,8 +198,7 @@ def launch_wgmma_mla(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_l
             pm.part = pm.part_lse = pm.out
             launch(p)
             return True
-        part = torch.empty(shapes[0], dtype=torch.bfloat16, device=out.device)
-        part_lse = torch.empty(shapes[1], dtype=torch.float32, device=out.device)
+        part, part_lse = bufs.get()
         pm.part, pm.part_lse = part.data_ptr(), part_lse.data_ptr()
         launch(p)
         return combine(part, part_lse, out, lse)

@@ -14,7 +14,7 @@ import triton.language as tl
 
 from mla_spec.kernels.launch.pdl import gdc_launch, gdc_wait
 from mla_spec.kernels.launch.triton_launcher import TritonLauncher
-from mla_spec.kernels.mla.combine import combine_splits
+from mla_spec.kernels.mla.combine import SplitBuffers, combine_splits
 from mla_spec.kernels.mla.triton_common import (
     attn_pdl_kwargs,
     block_rows,
@@ -268,12 +268,12 @@ def launch_paged(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens,
     if go is None or (split and combine is None):
         return None
     head = args[2][:-2]
+    bufs = SplitBuffers(shapes, pdt, dev) if split else None
 
     def relaunch(q_nope, q_pe, kv_flat, req_to_token, req_pool_indices, kv_lens, qo_indptr, out,
                  lse, qk_scale_log2, v_scale) -> bool:
         if split:
-            part = torch.empty(shapes[0], dtype=pdt, device=dev)
-            part_lse = torch.empty(shapes[1], dtype=torch.float32, device=dev)
+            part, part_lse = bufs.get()
             o_arg, l_arg = part, part_lse
         else:
             o_arg, l_arg = out, (lse if lse is not None else out)
