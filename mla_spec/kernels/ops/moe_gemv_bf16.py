@@ -20,8 +20,8 @@ __all__ = ["MOE_GEMV_BF16_MAX_PAIRS", "moe_gemv_bf16", "moe_gemv_bf16_ref"]
 MOE_GEMV_BF16_MAX_PAIRS = 16
 
 
-@triton.jit(do_not_specialize=["P"])
-def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, P, INTER, K, TOPK, s_xm, s_we, s_wn, s_am,
+@triton.jit
+def _gate_up_kernel(x_ptr, w13_ptr, ids_ptr, act_ptr, INTER, K, TOPK, s_xm, s_we, s_wn, s_am,
                     BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     pair = tl.program_id(1)
@@ -108,7 +108,7 @@ def moe_gemv_bf16(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.T
     out = torch.empty_like(x)
     bn = 16
     _gate_up_kernel[(triton.cdiv(inter, bn), n * k)](
-        x, w13, ids, act, n * k, inter, kdim, k, x.stride(0), w13.stride(0), w13.stride(1),
+        x, w13, ids, act, inter, kdim, k, x.stride(0), w13.stride(0), w13.stride(1),
         act.stride(0), BN=bn, BK=min(256, triton.next_power_of_2(kdim)), num_warps=4)
     _down_kernel[(triton.cdiv(kdim, bn), n)](
         act, w2, ids, topk_weights.contiguous(), out, kdim, inter, act.stride(0), w2.stride(0),
