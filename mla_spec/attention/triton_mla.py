@@ -115,6 +115,9 @@ class TritonMLABackend(MLABackend):
         # fixed-q_len binary (RAGGED is a constexpr) would otherwise be compiled mid-run the
         # first time the accept lengths differ (bench_e2e's "compiles" column, bs 32)
         plan.extra["ragged"] = plan.fixed_q is None or plan.mode == ForwardMode.DRAFT_EXTEND
+        shape = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if plan.extra["ragged"]
+                 else dict(q_len=plan.fixed_q))  # both kernels' row keywords, built once
+        plan.extra["shape_kw"] = shape
         if self.paged:
             det = self.deterministic
             # v1 draft extend: variant and splits by the most rows and the longest context a
@@ -139,11 +142,9 @@ class TritonMLABackend(MLABackend):
                 splits = 1
             plan.extra["paged_config"] = cfg
             plan.extra["paged_splits"] = splits
-            ragged = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if plan.extra["ragged"]
-                      else dict(q_len=plan.fixed_q))  # the paged call's keywords, built once
             plan.extra["paged_kw"] = dict(
                 page_size=pool.page_size, max_kv=plan.max_kv, num_splits=splits, config=cfg,
-                early_kv=self.early_kv and not plan.extra["ragged"], **ragged)
+                early_kv=self.early_kv and not plan.extra["ragged"], **shape)
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)
                else default_config(rows_cfg, torch.bfloat16, pool.dtype, self.device))
         plan.extra["config"] = cfg
@@ -166,9 +167,7 @@ class TritonMLABackend(MLABackend):
                 q_nope, q_pe, kv_flat, self.req_to_token, plan.req_pool_indices, plan.kv_lens,
                 self.softmax_scale, k_scale=k_scale, v_scale=v_scale, **plan.extra["paged_kw"])
             return write_output(res, out)
-        shape = (dict(qo_indptr=plan.qo_indptr, max_q=plan.max_q) if plan.extra["ragged"]
-                 else dict(q_len=plan.fixed_q))
-        common = dict(k_scale=k_scale, v_scale=v_scale, **shape)
+        common = dict(k_scale=k_scale, v_scale=v_scale, **plan.extra["shape_kw"])
         rows = _ANY_ROWS if self.deterministic else (plan.fixed_q or plan.max_q) * self.num_heads
         cfg = (self.config if isinstance(self.config, MLAKernelConfig)
                else default_config(rows, q_nope.dtype, pool.dtype, self.device))

@@ -94,7 +94,7 @@ class StepGraphs:
         ndt = self.worker.spec.num_draft_tokens
         out = [(run.prepare("draft", self._slots(ForwardBatch.decode(
             [ctx] * bs, capture_hidden_mode=CaptureHiddenMode.LAST, **kw))), i, 1)
-            for i in range(ndt - 2)]
+            for i in range(self.worker.spec.num_steps - 1)]  # as EagleWorker.draft_batches
         out.append((run.prepare("target", self._slots(ForwardBatch.target_verify(
             [ctx - ndt] * bs, ndt, **kw))), 0, ndt))
         out.append((run.prepare("draft", self._slots(ForwardBatch.draft_extend_v2(
