@@ -25,6 +25,7 @@ import torch
 
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import CaptureHiddenMode, ForwardMode
+from mla_spec.kernels.ops.step_glue import refresh_rows, refresh_rows_ref
 
 __all__ = ["StepGraphs", "gc_paused"]
 
@@ -106,22 +107,24 @@ class StepGraphs:
         b.out_cache_loc = torch.zeros(b.total_q, dtype=torch.int64, device=b.device)
         return b
 
-    def _refresh(self, subs, rows: torch.Tensor, lens: torch.Tensor, steps) -> None:
-        """Device work: every sub-batch's tensors from the request rows and lengths."""
+    def _refresh(self, subs, rows: torch.Tensor, lens: torch.Tensor) -> None:
+        """Device work: every sub-batch's tensors from the request rows and lengths, one
+        ``refresh_rows`` launch a sub-batch (positions, KV slots, lengths, request rows of the
+        batch and of its attention plan; the twin on CPU)."""
         r2t = self.runner.req_to_token
-        for (b, o, q), step in zip(subs, steps):
-            pos = (lens + o)[:, None] + step  # [B, q]
-            kv = lens + (o + q)
-            b.positions.copy_(pos.view(-1))
-            b.seq_lens.copy_(kv - q if b.forward_mode.is_target_verify() else kv)
-            b.req_pool_indices.copy_(rows)
-            b.out_cache_loc.copy_(r2t[rows[:, None], pos].view(-1))
+        fill = refresh_rows if rows.is_cuda else refresh_rows_ref
+        for b, o, q in subs:
+            kv = o + q  # KV length - L
+            lens_out = [(b.seq_lens, o if b.forward_mode.is_target_verify() else kv)]
+            rows_out = [b.req_pool_indices]
             if "kv_lens" in b.__dict__:  # ForwardBatch.kv_lens, built once
-                b.kv_lens.copy_(kv)
+                lens_out.append((b.kv_lens, kv))
             plan = b.extra.get(b.attn_backend.name) if b.attn_backend is not None else None
             if plan is not None and hasattr(plan, "kv_lens"):
-                plan.kv_lens.copy_(kv)
-                plan.req_pool_indices.copy_(rows)
+                lens_out.append((plan.kv_lens, kv))
+                rows_out.append(plan.req_pool_indices)
+            fill(rows, lens, r2t, o, q, b.positions, b.out_cache_loc, tuple(lens_out),
+                 tuple(rows_out))
 
     def build(self, kind: str, bs: int):
         """(inputs ``[2, bs]`` int64: request rows and committed lengths, ``body``): ``body()``
@@ -129,7 +132,6 @@ class StepGraphs:
         its outputs; ``_capture`` records it in a graph, a CPU test calls it directly."""
         run, worker, dev = self.runner, self.worker, self.runner.device
         subs = self._sub_batches(kind, bs)
-        steps = [torch.arange(q, device=dev) for _, _, q in subs]
         inputs = torch.zeros(2, bs, dtype=torch.int64, device=dev)
         rows, lens = inputs[0], inputs[1]
         if kind == "round":
@@ -139,7 +141,7 @@ class StepGraphs:
                                       getattr(run.target, "dtype", torch.float32))
 
         def body():
-            self._refresh(subs, rows, lens, steps)
+            self._refresh(subs, rows, lens)
             if kind == "decode":
                 return (worker.decode_body(subs[0][0], rows),)
             batches = [b for b, _, _ in subs]

@@ -41,25 +41,18 @@ from mla_spec.config import SpecConfig
 from mla_spec.distributed import rank_device, resolve_backend
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import CaptureHiddenMode
+from mla_spec.kernels.ops.step_glue import greedy_accept_update, greedy_accept_update_ref
 from mla_spec.model_runner import ModelRunner
 from mla_spec.runtime.cuda_graph import attach_graphs
 
 __all__ = ["ROUND_PHASES", "EagleWorker", "RoundState", "StepOutput", "build_rank",
-           "greedy_accept", "no_host_sync"]
+           "no_host_sync"]
 
 ROUND_PHASES = ("draft", "verify", "draft_extend")  # plan kinds: one phase of a round
 
 FULL, LAST = CaptureHiddenMode.FULL, CaptureHiddenMode.LAST
 
 logger = logging.getLogger(__name__)
-
-
-def greedy_accept(predict: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
-    """Accept lengths ``[bs]`` int64 in ``1..ndt`` (bonus included) of a chain of drafts: 1 + the
-    number of leading ``j`` with ``drafts[:, j] == predict[:, j]``, on the device (no sync).
-    ``predict [bs, ndt]``: target argmax per verify row; ``drafts [bs, ndt - 1]``."""
-    match = (drafts == predict[:, : drafts.shape[1]]).to(torch.int64)
-    return 1 + torch.cumprod(match, dim=1).sum(dim=1)
 
 
 @contextmanager
@@ -95,7 +88,7 @@ class RoundState:
     vb: ForwardBatch  # TARGET_VERIFY
     eb: ForwardBatch | None  # v2: DRAFT_EXTEND_V2, planned before the verify
     predict: torch.Tensor | None = None
-    accept: torch.Tensor | None = None
+    accept: Any = None  # step_glue.Accepted: lengths (int64, int32), last accepted rows
     vh: torch.Tensor | None = None  # the verify's hidden rows
 
 
@@ -226,9 +219,9 @@ class EagleWorker:
         """A whole v2 round on prepared batches, device work only (a step graph captures it):
         drafts, verify, greedy accept, draft extend -> (drafts, predict, accept)."""
         drafts = self.draft(dbs, rpi)
-        predict, accept, vh = self.verify(vb, rpi, drafts)
-        self.draft_extend_v2(eb, rpi, predict, accept, vh)
-        return drafts, predict, accept
+        predict, acc, vh = self.verify(vb, rpi, drafts)
+        self.draft_extend_v2(eb, rpi, predict, acc, vh)
+        return drafts, predict, acc.accept
 
     def ensure_draft_state(self, hidden_size: int, dtype: torch.dtype) -> None:
         """Allocate ``draft_hidden`` now (a step graph must not allocate the state it updates)."""
@@ -273,7 +266,7 @@ class EagleWorker:
         """TARGET_VERIFY and greedy accept, on the device."""
         r = self.round
         r.predict, r.accept, r.vh = self.verify(r.vb, r.rpi, r.drafts)
-        return StepOutput(predict=r.predict, accept=r.accept)
+        return StepOutput(predict=r.predict, accept=r.accept.accept)
 
     def round_draft_extend(self, plan=None) -> StepOutput:
         """The draft extend (v1 ragged, v2 fixed shape) that gives the next round's d1."""
@@ -281,25 +274,26 @@ class EagleWorker:
         if r.eb is not None:
             self.draft_extend_v2(r.eb, r.rpi, r.predict, r.accept, r.vh)
         else:
-            self.draft_extend_v1(r.plan, r.rpi, r.predict, r.accept, r.vh)
-        return StepOutput(predict=r.predict, accept=r.accept)
+            self.draft_extend_v1(r.plan, r.rpi, r.predict, r.accept.accept, r.vh)
+        return StepOutput(predict=r.predict, accept=r.accept.accept)
 
     def verify(self, vb: ForwardBatch, rpi: torch.Tensor, drafts: torch.Tensor):
-        """TARGET_VERIFY + greedy accept -> (predict [bs, ndt], accept [bs], verify hidden)."""
+        """TARGET_VERIFY + greedy accept -> (predict [bs, ndt], ``Accepted``, verify hidden);
+        ``verified_id`` advanced (``step_glue``: one launch on a GPU, the twin on CPU)."""
         run, ndt = self.runner, self.spec.num_draft_tokens
         ids = torch.cat([self.verified_id[rpi][:, None], drafts], dim=1).reshape(-1)
         vh = run.run("target", vb, ids)
         predict = torch.argmax(run.logits("target", vh), dim=-1).view(-1, ndt)
-        accept = greedy_accept(predict, drafts)
-        self.verified_id[rpi] = predict.gather(1, (accept - 1)[:, None]).squeeze(1)
-        return predict, accept, vh
+        update = greedy_accept_update if predict.is_cuda else greedy_accept_update_ref
+        return predict, update(predict, drafts, rpi, self.verified_id), vh
 
-    def draft_extend_v2(self, eb: ForwardBatch, rpi, predict, accept, vh) -> None:
-        """DRAFT_EXTEND_V2: all ndt rows; keep row accept-1 (accept stays on the device)."""
-        eb.accept_length = accept.to(torch.int32)
+    def draft_extend_v2(self, eb: ForwardBatch, rpi, predict, acc, vh) -> None:
+        """DRAFT_EXTEND_V2: all ndt rows; keep each request's last accepted row ``acc.last_row``
+        (= ``eb.select_last_rows()``; the accept lengths stay on the device)."""
+        eb.accept_length = acc.accept_i32
         eb.accept_length_cpu = None
         dh = self.runner.run("draft", eb, predict.reshape(-1), vh)
-        self._keep_draft(rpi, dh[eb.select_last_rows()])
+        self._keep_draft(rpi, dh[acc.last_row])
 
     def draft_extend_v1(self, plan, rpi, predict, accept, vh) -> None:
         """DRAFT_EXTEND (v1): accept rows per request (ragged; the host needs ``accept``)."""

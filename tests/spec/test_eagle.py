@@ -9,7 +9,7 @@ from mock_runner import build_mock_runner, mock_greedy_reference
 from mla_spec.config import SpecConfig
 from mla_spec.engine import Engine
 from mla_spec.forward_mode import ForwardMode
-from mla_spec.spec.eagle import greedy_accept
+from mla_spec.kernels.ops.step_glue import greedy_accept
 
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [3], [10, 20, 30, 40, 50, 60]]
 
