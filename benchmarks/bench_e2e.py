@@ -5,9 +5,10 @@
 The model is the embedded tiny DeepSeek-V3 (``mla_spec/data/tiny-dsv3-fp4``), or a random tiny
 checkpoint when it is not installed (then the draft is random and accept lengths are ~1, so
 speculation can only cost time). Each configuration generates from the same few-shot prompts
-(greedy); the table lists output tokens/s (median of ``--repeats`` timed generations; ``decode``:
-prefill steps left out), the average accept length, and the ratio to spec off at the same batch
-size (the peer here is plain greedy decoding in the same run). With ``$OUT`` set,
+(greedy); the table lists the wall time of a generation (median of ``--repeats`` timed
+generations, and their range), the prefill step's share of it (median), output tokens/s
+(``decode``: prefill steps left out), the average accept length, and the ratio to spec off at
+the same batch size (the peer here is plain greedy decoding in the same run). With ``$OUT`` set,
 the table is also written there as JSON and markdown.
 """
 
@@ -41,15 +42,17 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
     with eng:
         eng.generate(prompts, max_new_tokens=8)  # warm-up at this batch size (JIT, graphs)
         before, keys_before = kernel_binaries(), kernel_keys()
-        walls, decode = [], []
+        walls, decode, prefill = [], [], []
         for _ in range(args.repeats):  # the median of the repeats (short runs are noisy)
             eng.metrics.reset()
             t0 = time.perf_counter()
             res = eng.generate(prompts, max_new_tokens=args.max_new_tokens)
             walls.append(time.perf_counter() - t0)
             dec = [s for s in eng.metrics.steps if s.kind != "prefill"]  # decode steps, rounds
+            prefill.append(sum(s.seconds for s in eng.metrics.steps if s.kind == "prefill"))
             decode.append(sum(s.new_tokens for s in dec) / max(sum(s.seconds for s in dec), 1e-9))
         wall, dec_tps = sorted(walls)[len(walls) // 2], sorted(decode)[len(decode) // 2]
+        pre = sorted(prefill)[len(prefill) // 2]
         grew = new_compiles(before)
         keys_after = kernel_keys() if grew else {}
         for name in grew:  # what the new binaries were specialized for (why they compiled)
@@ -61,6 +64,7 @@ def run(model: Path, spec: SpecConfig, bs: int, args) -> dict:
     graphs = eng.runner.graphs
     return {"spec": spec.version if spec.enabled else "off", "bs": bs, "tokens": n,
             "seconds": wall, "tokens_per_s": n / wall, "decode_tokens_per_s": dec_tps,
+            "prefill_ms": 1e3 * pre, "wall_ms_min_max": [1e3 * min(walls), 1e3 * max(walls)],
             "avg_accept": eng.avg_accept_length,
             "graphs": None if graphs is None else (graphs.disabled_reason or "on"),
             "new_compiles": sum(grew.values()), "compiled": sorted(grew),
@@ -91,15 +95,18 @@ def main() -> None:
                   f"{r['new_compiles']} Triton compiles in the timed run {r['compiled']}",
                   flush=True)
     base = {r["bs"]: r for r in rows if r["spec"] == "off"}
-    head = ("| device | tp | bs | spec | tokens | s | tok/s | avg accept | vs off | decode tok/s "
-            "| decode vs off | same tokens | graphs | compiles |\n" + "|---" * 14 + "|")
+    head = ("| device | tp | bs | spec | tokens | ms (min-max) | prefill ms | tok/s | avg accept "
+            "| vs off | decode tok/s | decode vs off | same tokens | graphs | compiles |\n"
+            + "|---" * 15 + "|")
     lines = [head]
     for r in rows:
         b = base[r["bs"]]
         acc = "-" if r["avg_accept"] is None else f"{r['avg_accept']:.2f}"
         lines.append(
             f"| {args.device} | {args.tp} | {r['bs']} | {r['spec']} | {r['tokens']} | "
-            f"{r['seconds']:.2f} | {r['tokens_per_s']:.1f} | {acc} | "
+            f"{1e3 * r['seconds']:.1f} ({r['wall_ms_min_max'][0]:.1f}-"
+            f"{r['wall_ms_min_max'][1]:.1f}) | {r['prefill_ms']:.1f} | "
+            f"{r['tokens_per_s']:.1f} | {acc} | "
             f"{r['tokens_per_s'] / b['tokens_per_s']:.2f}x | {r['decode_tokens_per_s']:.1f} | "
             f"{r['decode_tokens_per_s'] / b['decode_tokens_per_s']:.2f}x | "
             f"{r['outputs'] == b['outputs']} | "

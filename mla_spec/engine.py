@@ -199,6 +199,10 @@ class Engine:
         max_new_tokens, stop = _check_max_new(max_new_tokens), check_stop(stop)
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
+        if len(texts) > 1 and hasattr(self.tokenizer, "encode_batch"):  # one call, in parallel
+            for i, enc in zip(texts, self.tokenizer.encode_batch([prompts[i] for i in texts])):
+                prompts[i] = enc.ids
         reqs: list[Req] = []
         for p in prompts:
             try:

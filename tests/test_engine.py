@@ -66,6 +66,22 @@ def test_stop_strings_eos_and_text():
     assert r.finished_reason == "eos" and r.output_ids == ref[: ref.index(eos) + 1]
 
 
+def test_text_prompts_are_encoded_in_one_batch_call():
+    class BatchTok(WordTokenizer):
+        calls = []
+
+        def encode_batch(self, texts):
+            self.calls.append(list(texts))
+            return [self.encode(t) for t in texts]
+
+    tok = BatchTok()
+    eng = Engine(runner=build_mock_runner(), spec=SpecConfig.off(), tokenizer=tok)
+    res = eng.generate(["w5 w6 w7", [7, 8], "w9 w3"], max_new_tokens=3)
+    assert [r.prompt_ids for r in res] == [[5, 6, 7], [7, 8], [9, 3]]
+    assert tok.calls == [["w5 w6 w7", "w9 w3"]]
+    assert res[0].output_ids == mock_greedy_reference([5, 6, 7], 3)
+
+
 def test_metrics_per_mode_and_per_request():
     eng = Engine(runner=build_mock_runner(), spec=SpecConfig(version="v2"))
     res = eng.generate(PROMPTS, max_new_tokens=10)
