@@ -12,7 +12,7 @@ from mla_spec.metrics import StepRecord
 from mla_spec.viz import read_json
 
 __all__ = ["step_rows", "step_latency_figure", "mode_time_figure", "accept_histogram_figure",
-           "read_recorded_e2e", "tokens_per_s_figure"]
+           "read_recorded_e2e", "recorded_e2e_ratios", "tokens_per_s_figure"]
 
 
 def step_rows(steps: Sequence[StepRecord]) -> list[dict]:
@@ -70,6 +70,27 @@ def read_recorded_e2e(path=None) -> dict:
     """End-to-end tokens/s of the embedded model recorded on one H200
     (``mla_spec/data/bench_e2e_h200.json``: its ``command``, ``date``, ``setup`` and ``rows``)."""
     return read_json(path, "bench_e2e_h200.json")
+
+
+def recorded_e2e_ratios(rec: dict | None = None) -> dict:
+    """Spec v2 over spec off per batch size in the H200 record: ``"e2e"`` (tokens/s),
+    ``"decode"`` (decode steps only), ``"gpu"`` (GPU time alone: the average accept length times
+    a plain step's graph replay over a round's, ``gpu_graph_us``) and ``"other_e2e"`` (the
+    end-to-end ratio of each of ``other_runs``), each ``{bs: ratio}`` (a list for the last)."""
+    rec = rec or read_recorded_e2e()
+
+    def ratio(rows, key):
+        by = {(r["bs"], r["spec"]): r for r in rows}
+        return {bs: by[bs, "v2"][key] / by[bs, "off"][key] for bs, s in by if s == "off"}
+
+    acc = {r["bs"]: r["avg_accept"] for r in rec["rows"] if r["spec"] == "v2"}
+    gpu = {bs: acc[bs] * g["decode_step"] / g["v2_round"]
+           for bs, g in ((int(k), v) for k, v in rec.get("gpu_graph_us", {}).items()
+                         if k.isdigit())}
+    others = [ratio(o["rows"], "tokens_per_s") for o in rec.get("other_runs", [])]
+    return {"e2e": ratio(rec["rows"], "tokens_per_s"),
+            "decode": ratio(rec["rows"], "decode_tokens_per_s"), "gpu": gpu,
+            "other_e2e": {bs: [o[bs] for o in others] for bs in (others[0] if others else {})}}
 
 
 def tokens_per_s_figure(here: Mapping[str, float], recorded: dict | None = None,
