@@ -196,6 +196,22 @@ class ForwardBatch:
                           num_draft_tokens=num_draft_tokens, accept_lengths=acc, **kw)
 
     @classmethod
+    def draft_extend_capacity(cls, seq_lens: Sequence[int], num_draft_tokens: int,
+                              req_pool_indices: Sequence[int], **kw) -> ForwardBatch:
+        """DRAFT_EXTEND (spec v1) shaped for a CUDA graph: its capacity of ``bs * ndt`` rows, as
+        ``bs`` requests of ``ndt`` rows (``seq_lens`` after acceptance) then ``bs`` padding
+        requests of none on the scratch request row 0. A captured round refreshes the rows and
+        lengths from the accept lengths on the device (``kernels.ops.ragged_extend``)."""
+        _check_ndt(num_draft_tokens)
+        seq = _check_lens("seq_lens", seq_lens, minimum=num_draft_tokens)
+        bs, ndt = len(seq), num_draft_tokens
+        _nonempty("draft extend", [ndt] * bs)
+        kw.setdefault("capture_hidden_mode", CaptureHiddenMode.LAST)
+        return cls._build(ForwardMode.DRAFT_EXTEND, [s - ndt for s in seq] + [0] * bs,
+                          [ndt] * bs + [0] * bs, seq + [0] * bs, num_draft_tokens=ndt,
+                          req_pool_indices=[*req_pool_indices, *([0] * bs)], **kw)
+
+    @classmethod
     def draft_extend_v2(cls, seq_lens: Sequence[int], num_draft_tokens: int,
                         accept_lengths: Sequence[int], **kw) -> ForwardBatch:
         """DRAFT_EXTEND_V2 (spec v2): ``num_draft_tokens`` rows per request (fixed shape).

@@ -87,3 +87,15 @@ def test_out_cache_loc_and_to():
     assert c.req_pool_indices.tolist() == [2, 0, 1] and c.forward_mode is ForwardMode.DECODE
     with pytest.raises(ValueError, match="query rows"):
         ForwardBatch.decode([4], out_cache_loc=torch.arange(2))
+
+
+def test_draft_extend_capacity_layout():
+    """Spec v1's draft extend at its capacity (the round graph's static batch): bs requests of
+    ndt rows, then bs padding requests of none on the scratch row 0."""
+    b = ForwardBatch.draft_extend_capacity([9, 5, 7], 4, req_pool_indices=[3, 1, 2])
+    assert b.forward_mode == ForwardMode.DRAFT_EXTEND and b.batch_size == 6 and b.total_q == 12
+    assert b.qo_indptr.tolist() == [0, 4, 8, 12, 12, 12, 12]
+    assert b.req_pool_indices.tolist() == [3, 1, 2, 0, 0, 0]
+    assert b.positions[:4].tolist() == [5, 6, 7, 8] and b.kv_lens_cpu == [9, 5, 7, 0, 0, 0]
+    with pytest.raises(ValueError, match="must be >= 4"):
+        ForwardBatch.draft_extend_capacity([3], 4, req_pool_indices=[1])

@@ -1,16 +1,19 @@
 """Whole serving steps as one CUDA graph each, per batch-size bucket.
 
 ``"decode"`` (spec off): target DECODE, logits, greedy next ids, ``verified_id`` updated.
-``"round"`` (spec v2): the draft DECODEs, TARGET_VERIFY, greedy accept, DRAFT_EXTEND_V2 and the
-next round's first draft. A replay costs one host-to-device copy (the request rows and their
-committed lengths ``L``) and one launch: every batch tensor (positions, lengths, KV slots through
-``req_to_token``) and the attention plan's device lengths are derived inside the graph. Host-side
-plan values stay the capture's (planned at ``max_context_len``), as in ``cuda_graph``.
+``"round"`` (spec v1 / v2): the draft DECODEs, TARGET_VERIFY, greedy accept, the draft extend
+(v2: DRAFT_EXTEND_V2; v1: DRAFT_EXTEND at its capacity, its ragged rows laid out from the accept
+lengths on the device, ``kernels.ops.ragged_extend``) and the next round's first draft. A replay
+costs one host-to-device copy (the request rows and their committed lengths ``L``) and one
+launch: every batch tensor (positions, lengths, KV slots through ``req_to_token``) and the
+attention plan's device lengths are derived inside the graph. Host-side plan values stay the
+capture's (planned at ``max_context_len``), as in ``cuda_graph``.
 
 Sub-batch ``(offset o, rows q)`` of a step: rows at positions ``L + o .. L + o + q - 1``, KV
 length ``L + o + q``; ``seq_lens`` is that KV length except in TARGET_VERIFY (``L + o``, SGLang's
 convention: ``forward_batch``). Draft step ``i``: (i, 1); verify and draft extend: (0, ndt);
-plain decode: (0, 1). Padded bucket rows are scratch request row 0 with ``L = 0``.
+plain decode: (0, 1); v1's draft extend: (0, None). Padded bucket rows are scratch request row 0
+with ``L = 0``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from mla_spec.forward_batch import ForwardBatch
 from mla_spec.forward_mode import CaptureHiddenMode, ForwardMode
+from mla_spec.kernels.ops.ragged_extend import ragged_extend_layout, ragged_extend_layout_ref
 from mla_spec.kernels.ops.step_glue import refresh_rows, refresh_rows_ref
 
 __all__ = ["StepGraphs", "gc_paused"]
@@ -65,13 +69,10 @@ class StepGraphs:
     @classmethod
     def capture(cls, runner, worker, batch_sizes, pool=None,
                 use_graphs: bool = True) -> StepGraphs | None:
-        """Capture the decode step (spec off) or the v2 round; None (logged) when a capture
-        fails: the engine then runs the per-forward graphs. ``use_graphs=False`` keeps the step
-        bodies uncaptured (any device: the same code path, run eagerly at each replay)."""
-        spec = worker.spec
-        kinds = ["decode"] if not spec.enabled else ["round"] if spec.version == "v2" else []
-        if not kinds:
-            return None
+        """Capture the decode step (spec off) or the round (spec v1 / v2); None (logged) when a
+        capture fails: the engine then runs the per-forward graphs. ``use_graphs=False`` keeps the
+        step bodies uncaptured (any device: the same code path, run eagerly at each replay)."""
+        kinds = ["round"] if worker.spec.enabled else ["decode"]
         g = cls(runner, worker, batch_sizes)
         runner.capturing = True
         try:
@@ -85,8 +86,9 @@ class StepGraphs:
             runner.capturing = False
         return g
 
-    def _sub_batches(self, kind: str, bs: int) -> list[tuple[ForwardBatch, int, int]]:
-        """The step's static batches with their (offset, rows), planned at max_context_len."""
+    def _sub_batches(self, kind: str, bs: int) -> list[tuple[ForwardBatch, int, int | None]]:
+        """The step's static batches with their (offset, rows), planned at max_context_len;
+        rows None: spec v1's draft extend at capacity, laid out after the verify."""
         run, ctx, dev = self.runner, self.runner.req_to_token.shape[1], self.runner.device
         kw = dict(req_pool_indices=[0] * bs, device=dev)
         if kind == "decode":
@@ -98,8 +100,12 @@ class StepGraphs:
             for i in range(self.worker.spec.num_steps - 1)]  # as EagleWorker.draft_batches
         out.append((run.prepare("target", self._slots(ForwardBatch.target_verify(
             [ctx - ndt] * bs, ndt, **kw))), 0, ndt))
-        out.append((run.prepare("draft", self._slots(ForwardBatch.draft_extend_v2(
-            [ctx - ndt] * bs, ndt, [1] * bs, **kw))), 0, ndt))
+        if self.worker.spec.version == "v1":
+            out.append((run.prepare("draft", self._slots(ForwardBatch.draft_extend_capacity(
+                [ctx] * bs, ndt, device=dev, req_pool_indices=[0] * bs))), 0, None))
+        else:
+            out.append((run.prepare("draft", self._slots(ForwardBatch.draft_extend_v2(
+                [ctx - ndt] * bs, ndt, [1] * bs, **kw))), 0, ndt))
         return out
 
     @staticmethod
@@ -114,6 +120,8 @@ class StepGraphs:
         r2t = self.runner.req_to_token
         fill = refresh_rows if rows.is_cuda else refresh_rows_ref
         for b, o, q in subs:
+            if q is None:  # laid out after the verify: _ragged_layout
+                continue
             kv = o + q  # KV length - L
             lens_out = [(b.seq_lens, o if b.forward_mode.is_target_verify() else kv)]
             rows_out = [b.req_pool_indices]
@@ -125,6 +133,25 @@ class StepGraphs:
                 rows_out.append(plan.req_pool_indices)
             fill(rows, lens, r2t, o, q, b.positions, b.out_cache_loc, tuple(lens_out),
                  tuple(rows_out))
+
+    def _ragged_layout(self, b: ForwardBatch, rows, lens, accept, ndt: int):
+        """Spec v1's draft extend at capacity from the device accept lengths (one launch;
+        ``kernels.ops.ragged_extend``) -> (verify row of each row, last row of each request)."""
+        plan = b.extra.get(b.attn_backend.name) if b.attn_backend is not None else None
+        lens_out = [b.seq_lens] + ([b.kv_lens] if "kv_lens" in b.__dict__ else [])
+        rows_out = [b.req_pool_indices]
+        if plan is not None:
+            lens_out += [t for t in (plan.kv_lens,) if all(t is not u for u in lens_out)]
+            rows_out += [t for t in (plan.req_pool_indices,) if t is not rows_out[0]]
+        fill = ragged_extend_layout if rows.is_cuda else ragged_extend_layout_ref
+        src, last = fill(accept, rows, lens, self.runner.req_to_token, ndt, b.positions,
+                         b.out_cache_loc, b.qo_indptr, b.seq_lens_q, tuple(lens_out),
+                         tuple(rows_out))
+        if plan is not None:  # the plan's copies where they are not the batch's own tensors
+            for mine, theirs in ((plan.qo_indptr, b.qo_indptr), (plan.seq_lens_q, b.seq_lens_q)):
+                if mine is not theirs:
+                    mine.copy_(theirs)
+        return src, last
 
     def build(self, kind: str, bs: int):
         """(inputs ``[2, bs]`` int64: request rows and committed lengths, ``body``): ``body()``
@@ -145,7 +172,10 @@ class StepGraphs:
             if kind == "decode":
                 return (worker.decode_body(subs[0][0], rows),)
             batches = [b for b, _, _ in subs]
-            return worker.round_v2_body(batches[:-2], batches[-2], batches[-1], rows)
+            eb, ndt = batches[-1], worker.spec.num_draft_tokens
+            layout = None if subs[-1][2] is not None else (
+                lambda accept: self._ragged_layout(eb, rows, lens, accept, ndt))
+            return worker.round_body(batches[:-2], batches[-2], eb, rows, layout)
 
         return inputs, body
 

@@ -20,8 +20,11 @@ One speculative round (``kind == "decode"``), ``ns = num_steps``, ``ndt = ns + 1
                              0..a-1 of the verify), ragged; the last row gives the next d1
     v2 DRAFT_EXTEND_V2       all ndt rows (fixed shape), keep row a-1 (select_last_rows)
 
-v1 needs ``a`` on the host to shape its batch (one sync between verify and the next draft); v2
-keeps it on the device, every batch of that region built and planned before it starts. KV rows
+Run eagerly, v1 needs ``a`` on the host to shape its batch (one sync between verify and the next
+draft); v2 keeps it on the device, every batch of that region built and planned before it
+starts. On a GPU both run each whole round as one CUDA graph (``runtime/step_graph``): there v1's
+ragged rows are laid out on the device in the batch's capacity, ``bs * ndt`` rows, the rest
+padding requests on the scratch row (``kernels.ops.ragged_extend``). KV rows
 written for rejected positions are overwritten by the next round before anything attends to them.
 Per-request state (``verified_id``, ``draft_token`` d1, ``draft_hidden``) lives on the device,
 indexed by request row. Every TP rank executes the same ``StepPlan``; logits are identical on all
@@ -214,13 +217,20 @@ class EagleWorker:
             drafts.append(tok)
         return torch.stack(drafts, dim=1)
 
-    def round_v2_body(self, dbs: list[ForwardBatch], vb: ForwardBatch, eb: ForwardBatch,
-                      rpi: torch.Tensor):
-        """A whole v2 round on prepared batches, device work only (a step graph captures it):
-        drafts, verify, greedy accept, draft extend -> (drafts, predict, accept)."""
+    def round_body(self, dbs: list[ForwardBatch], vb: ForwardBatch, eb: ForwardBatch,
+                   rpi: torch.Tensor, layout=None):
+        """A whole round on prepared batches, device work only (a step graph captures it):
+        drafts, verify, greedy accept, draft extend -> (drafts, predict, accept). v2: ``eb`` is
+        DRAFT_EXTEND_V2; v1: ``eb`` is DRAFT_EXTEND at capacity and ``layout(accept)`` lays out
+        its rows and returns (the verify row of each row, each request's last row)."""
         drafts = self.draft(dbs, rpi)
         predict, acc, vh = self.verify(vb, rpi, drafts)
-        self.draft_extend_v2(eb, rpi, predict, acc, vh)
+        if layout is None:
+            self.draft_extend_v2(eb, rpi, predict, acc, vh)
+        else:
+            src, last = layout(acc.accept)
+            dh = self.runner.run("draft", eb, predict.reshape(-1)[src], vh[src])
+            self._keep_draft(rpi, dh[last])
         return drafts, predict, acc.accept
 
     def ensure_draft_state(self, hidden_size: int, dtype: torch.dtype) -> None:
@@ -231,8 +241,7 @@ class EagleWorker:
 
     def spec_round(self, plan) -> StepOutput:
         steps = self.runner.step_graphs
-        if self.spec.version == "v2" and steps is not None and \
-                steps.can_run("round", plan.batch_size):
+        if steps is not None and steps.can_run("round", plan.batch_size):
             self.last_drafts, predict, accept = steps.replay("round", plan)
             return StepOutput(predict=predict, accept=accept)
         self.round_draft(plan)

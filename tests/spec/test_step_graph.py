@@ -1,7 +1,8 @@
-"""The whole-step bodies (``runtime/step_graph.py``) on the CPU: the decode step and the v2 round
-run on static batches refreshed from (request rows, lengths) on the device give the same tokens
-and accept lengths as the plain per-batch path. On a GPU the same bodies are captured in CUDA
-graphs (``tests/test_engine.py``'s GPU tests compare graphs against eager)."""
+"""The whole-step bodies (``runtime/step_graph.py``) on the CPU: the decode step and the v1 / v2
+rounds (v1's draft extend laid out on the device at its capacity) run on static batches refreshed
+from (request rows, lengths) on the device give the same tokens and accept lengths as the plain
+per-batch path. On a GPU the same bodies are captured in CUDA graphs (``tests/test_engine.py``'s
+and ``tests/spec/test_eagle.py``'s GPU tests compare graphs against eager)."""
 
 from __future__ import annotations
 
@@ -35,13 +36,13 @@ def _generate(spec: SpecConfig, bodies: bool, monkeypatch) -> tuple[list, list, 
         return [r.output_ids for r in res], [r.accept_lengths for r in res], len(replays)
 
 
-@pytest.mark.parametrize("version", ["off", "v2"])
+@pytest.mark.parametrize("version", ["off", "v1", "v2"])
 def test_step_bodies_equal_the_plain_path(version, monkeypatch):
-    spec = SpecConfig.off() if version == "off" else SpecConfig(version="v2")
+    spec = SpecConfig.off() if version == "off" else SpecConfig(version=version)
     plain, plain_acc, _ = _generate(spec, False, monkeypatch)
     steps, steps_acc, used = _generate(spec, True, monkeypatch)
     assert used > 0
     assert steps == plain
     assert steps_acc == plain_acc
-    if version == "v2":
+    if version != "off":
         assert max(a for acc in steps_acc for a in acc) > 1  # the drafts were checked for real
