@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from mla_spec.device import use_triton
+from mla_spec.kernels.ops.step_glue import store_first_n
 
 __all__ = ["ragged_extend_layout", "ragged_extend_layout_ref"]
 
@@ -35,18 +36,8 @@ def _requests(at, ok, first, q, kv, row, indptr_ptr, qlen_ptr, l0_ptr, l1_ptr, l
     """Per-request values of requests ``at``: first row, rows, KV length, request row."""
     tl.store(indptr_ptr + at, first.to(tl.int32), mask=ok)
     tl.store(qlen_ptr + at, q.to(tl.int32), mask=ok)
-    if N_LENS > 0:
-        tl.store(l0_ptr + at, kv.to(l0_ptr.dtype.element_ty), mask=ok)
-    if N_LENS > 1:
-        tl.store(l1_ptr + at, kv.to(l1_ptr.dtype.element_ty), mask=ok)
-    if N_LENS > 2:
-        tl.store(l2_ptr + at, kv.to(l2_ptr.dtype.element_ty), mask=ok)
-    if N_ROWS > 0:
-        tl.store(r0_ptr + at, row.to(r0_ptr.dtype.element_ty), mask=ok)
-    if N_ROWS > 1:
-        tl.store(r1_ptr + at, row.to(r1_ptr.dtype.element_ty), mask=ok)
-    if N_ROWS > 2:
-        tl.store(r2_ptr + at, row.to(r2_ptr.dtype.element_ty), mask=ok)
+    store_first_n(l0_ptr, l1_ptr, l2_ptr, at, kv, kv, kv, ok, N_LENS)
+    store_first_n(r0_ptr, r1_ptr, r2_ptr, at, row, row, row, ok, N_ROWS)
 
 
 @triton.jit(do_not_specialize=["bs", "width", "s_r2t"])

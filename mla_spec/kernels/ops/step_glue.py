@@ -26,9 +26,21 @@ import triton.language as tl
 from mla_spec.device import use_triton
 
 __all__ = ["Accepted", "greedy_accept", "greedy_accept_update", "greedy_accept_update_ref",
-           "refresh_rows", "refresh_rows_ref"]
+           "refresh_rows", "refresh_rows_ref", "store_first_n"]
 
 _MAX_OUTS = 3  # length tensors and row tensors a refresh_rows call writes, each at most
+
+
+@triton.jit
+def store_first_n(p0, p1, p2, at, v0, v1, v2, mask, N: tl.constexpr):
+    """``v0 / v1 / v2`` at ``at`` into the first ``N`` of three optional outputs (each converted
+    to its tensor's dtype): the refresh kernels' "up to three length / row tensors"."""
+    if N > 0:
+        tl.store(p0 + at, v0.to(p0.dtype.element_ty), mask=mask)
+    if N > 1:
+        tl.store(p1 + at, v1.to(p1.dtype.element_ty), mask=mask)
+    if N > 2:
+        tl.store(p2 + at, v2.to(p2.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["d0", "d1", "d2", "bs", "width", "s_r2t", "offset"])
@@ -47,18 +59,8 @@ def _refresh_kernel(rows_ptr, lens_ptr, r2t_ptr, pos_ptr, loc_ptr,
     tl.store(loc_ptr + k, slot.to(loc_ptr.dtype.element_ty), mask=ok)
     first = ok & (k % Q == 0)  # one program row per request writes its per-request values
     base = pos - (k % Q) - offset
-    if N_LENS > 0:
-        tl.store(l0_ptr + b, (base + d0).to(l0_ptr.dtype.element_ty), mask=first)
-    if N_LENS > 1:
-        tl.store(l1_ptr + b, (base + d1).to(l1_ptr.dtype.element_ty), mask=first)
-    if N_LENS > 2:
-        tl.store(l2_ptr + b, (base + d2).to(l2_ptr.dtype.element_ty), mask=first)
-    if N_ROWS > 0:
-        tl.store(r0_ptr + b, row.to(r0_ptr.dtype.element_ty), mask=first)
-    if N_ROWS > 1:
-        tl.store(r1_ptr + b, row.to(r1_ptr.dtype.element_ty), mask=first)
-    if N_ROWS > 2:
-        tl.store(r2_ptr + b, row.to(r2_ptr.dtype.element_ty), mask=first)
+    store_first_n(l0_ptr, l1_ptr, l2_ptr, b, base + d0, base + d1, base + d2, first, N_LENS)
+    store_first_n(r0_ptr, r1_ptr, r2_ptr, b, row, row, row, first, N_ROWS)
 
 
 def _check_refresh(rows, lens, req_to_token, q, positions, out_cache_loc, len_outs, row_outs):
