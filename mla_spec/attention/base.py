@@ -133,9 +133,12 @@ class MLABackend(metaclass=_BackendMeta):
       run (a reason string); ``checked_plan`` then raises :class:`UnsupportedError`.
     * CUDA graphs (``graph_safe = True`` asks for capture): ``forward`` never syncs with the
       host (no ``.item()`` / ``.tolist()``); it reads lengths from the plan's device tensors
-      (``kv_lens``, ``seq_lens_q``, ``req_pool_indices``: refreshed in place before each
-      replay); its host values stay those of the capture (planned at ``max_context_len``), and
-      tensors in ``plan.extra`` are not refreshed.
+      (``kv_lens``, ``seq_lens_q``, ``qo_indptr``, ``req_pool_indices``: refreshed in place
+      before each replay); its host values stay those of the capture (planned at
+      ``max_context_len``), and tensors in ``plan.extra`` are not refreshed. Spec v1's round
+      graph captures DRAFT_EXTEND at its capacity: ``2 * bs`` requests whose rows (0 to
+      ``num_draft_tokens`` each, ``plan.max_q`` at most) only the device ``qo_indptr`` /
+      ``seq_lens_q`` give, the last ``bs`` of them padding on the scratch request row 0.
     """
 
     name: ClassVar[str] = "base"

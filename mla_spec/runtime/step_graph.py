@@ -138,6 +138,7 @@ class StepGraphs:
         """Spec v1's draft extend at capacity from the device accept lengths (one launch;
         ``kernels.ops.ragged_extend``) -> (verify row of each row, last row of each request)."""
         plan = b.extra.get(b.attn_backend.name) if b.attn_backend is not None else None
+        plan = plan if hasattr(plan, "qo_indptr") else None  # an AttnPlan's device tensors
         lens_out = [b.seq_lens] + ([b.kv_lens] if "kv_lens" in b.__dict__ else [])
         rows_out = [b.req_pool_indices]
         if plan is not None:
