@@ -102,7 +102,7 @@ class StepGraphs:
             [ctx - ndt] * bs, ndt, **kw))), 0, ndt))
         if self.worker.spec.version == "v1":
             out.append((run.prepare("draft", self._slots(ForwardBatch.draft_extend_capacity(
-                [ctx] * bs, ndt, device=dev, req_pool_indices=[0] * bs))), 0, None))
+                [ctx] * bs, ndt, **kw))), 0, None))
         else:
             out.append((run.prepare("draft", self._slots(ForwardBatch.draft_extend_v2(
                 [ctx - ndt] * bs, ndt, [1] * bs, **kw))), 0, ndt))
@@ -127,23 +127,28 @@ class StepGraphs:
             rows_out = [b.req_pool_indices]
             if "kv_lens" in b.__dict__:  # ForwardBatch.kv_lens, built once
                 lens_out.append((b.kv_lens, kv))
-            plan = b.extra.get(b.attn_backend.name) if b.attn_backend is not None else None
-            if plan is not None and hasattr(plan, "kv_lens"):
+            plan = self._attn_plan(b)
+            if plan is not None:
                 lens_out.append((plan.kv_lens, kv))
                 rows_out.append(plan.req_pool_indices)
             fill(rows, lens, r2t, o, q, b.positions, b.out_cache_loc, tuple(lens_out),
                  tuple(rows_out))
 
+    @staticmethod
+    def _attn_plan(b: ForwardBatch):
+        """The batch's ``AttnPlan`` (its device tensors are refreshed too), or None."""
+        plan = b.extra.get(b.attn_backend.name) if b.attn_backend is not None else None
+        return plan if hasattr(plan, "kv_lens") else None
+
     def _ragged_layout(self, b: ForwardBatch, rows, lens, accept, ndt: int):
         """Spec v1's draft extend at capacity from the device accept lengths (one launch;
         ``kernels.ops.ragged_extend``) -> (verify row of each row, last row of each request)."""
-        plan = b.extra.get(b.attn_backend.name) if b.attn_backend is not None else None
-        plan = plan if hasattr(plan, "qo_indptr") else None  # an AttnPlan's device tensors
+        plan = self._attn_plan(b)
         lens_out = [b.seq_lens] + ([b.kv_lens] if "kv_lens" in b.__dict__ else [])
         rows_out = [b.req_pool_indices]
-        if plan is not None:
-            lens_out += [t for t in (plan.kv_lens,) if all(t is not u for u in lens_out)]
-            rows_out += [t for t in (plan.req_pool_indices,) if t is not rows_out[0]]
+        if plan is not None:  # written twice where the plan shares the batch's tensor
+            lens_out.append(plan.kv_lens)
+            rows_out.append(plan.req_pool_indices)
         fill = ragged_extend_layout if rows.is_cuda else ragged_extend_layout_ref
         src, last = fill(accept, rows, lens, self.runner.req_to_token, ndt, b.positions,
                          b.out_cache_loc, b.qo_indptr, b.seq_lens_q, tuple(lens_out),

@@ -105,15 +105,19 @@ def ragged_extend_layout_ref(accept, rows, lens, req_to_token, ndt: int, positio
     _check(accept, rows, lens, req_to_token, ndt, positions, out_cache_loc, qo_indptr,
            seq_lens_q, len_outs, row_outs)
     bs, dev = accept.numel(), accept.device
-    a, cap = accept.to(torch.int64), accept.numel() * ndt
+    if bs == 0:
+        qo_indptr.zero_()
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        return empty, empty.clone()
+    a, cap = accept.to(torch.int64), bs * ndt
     end = torch.cumsum(a, 0)
-    start, n = end - a, end[-1:] if bs else torch.zeros(1, dtype=torch.int64, device=dev)
+    start, n = end - a, end[-1:]
     k = torch.arange(cap, device=dev)
     real = k < n
-    req = torch.searchsorted(end, k, right=True).clamp(max=max(bs - 1, 0))
-    j = k - start[req] if bs else k
-    pos = torch.where(real, lens.to(torch.int64)[req] + j, (k - n) % ndt) if bs else k
-    r = torch.where(real, rows.to(torch.int64)[req], 0) if bs else k
+    req = torch.searchsorted(end, k, right=True).clamp(max=bs - 1)
+    j = k - start[req]
+    pos = torch.where(real, lens.to(torch.int64)[req] + j, (k - n) % ndt)
+    r = torch.where(real, rows.to(torch.int64)[req], 0)
     positions.copy_(pos)
     out_cache_loc.copy_(req_to_token[r, pos])
     p = torch.arange(bs, device=dev)
